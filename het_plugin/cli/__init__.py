@@ -1,0 +1,36 @@
+"""The ``het-plugin`` command. Each subcommand lives in its own module here and registers itself."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import HetPluginError
+
+# Modules under het_plugin.cli, each with ``register(subparsers)``; add a name when adding a subcommand.
+SUBCOMMANDS = ["plan"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="het-plugin", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"{__name__}.{name.replace('-', '_')}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except HetPluginError as exc:
+        print(f"het-plugin {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""``het-plugin plan``: compute a plan and show it (report, JSON, or a file)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..cluster import load_cluster
+from ..model import load_model, preset_model
+
+DEFAULT_CLUSTER = Path(__file__).resolve().parent.parent / "data" / "clusters" / "holmes-ib-roce.yaml"
+DEFAULT_MODEL = "gpt-7.5b"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="plan placement, layer split and transports for a cluster and a model")
+    p.add_argument("cluster", nargs="?", default=str(DEFAULT_CLUSTER),
+                   help="cluster file (default: the bundled Holmes-shaped example)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model file or preset name (default: gpt-7.5b)")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--pp", type=int)
+    p.add_argument("--dp", type=int)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("-o", "--output", help="write the plan to this file (.json or .yaml)")
+    p.add_argument("--format", choices=["text", "json"], default="text",
+                   help="text: a readable report; json: the plan itself on stdout")
+    p.set_defaults(func=run)
+
+
+def resolve_model(arg: str):
+    return load_model(arg) if Path(arg).exists() or arg.endswith((".yaml", ".yml", ".json")) else preset_model(arg)
+
+
+def run(args) -> int:
+    from ..planner import make_plan
+    from ..report import render_text
+
+    cluster = load_cluster(args.cluster)
+    model = resolve_model(args.model)
+    plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
+                     micro_batch_size=args.micro_batch_size, progress=sys.stderr.isatty())
+    if args.output:
+        plan.save(args.output)
+    if args.format == "json":
+        json.dump(plan.to_dict(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(render_text(plan))
+        if args.output:
+            print(f"\nplan written to {args.output} (hash {plan.hash})")
+    return 0

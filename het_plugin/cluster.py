@@ -1,0 +1,321 @@
+"""Cluster description: the YAML schema (pydantic) and the flat view the planner uses.
+
+A cluster file lists *clusters*; each has one network fabric inside it (``ib``, ``roce`` or
+``ethernet``) and one or more groups of identical nodes. Clusters are joined by *links*
+(Ethernet unless stated). Ranks map to nodes in launch order: node-major, nodes in file order,
+``local_rank`` inside the node (what torchrun does), unless ``launch.node_order`` says otherwise.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+from . import catalog
+from .catalog import Accelerator
+from .errors import ConfigError
+from .yamlio import read_data, validate
+
+FabricType = Literal["ib", "roce", "ethernet"]
+RDMA = ("ib", "roce")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FabricSpec(_Strict):
+    """The network inside one cluster; ``gbps`` is what one node can inject into it."""
+    type: FabricType
+    gbps: PositiveFloat
+    latency_us: float = Field(default=5.0, ge=0)
+
+
+class NicSpec(_Strict):
+    type: FabricType
+    gbps: PositiveFloat
+    devices: list[str] = []      # RDMA device names, e.g. mlx5_0 (what NCCL_IB_HCA takes)
+    interfaces: list[str] = []   # netdev names, e.g. eth0 (what NCCL/GLOO_SOCKET_IFNAME take)
+
+
+class AcceleratorSpec(_Strict):
+    """A part not in the catalog (or a catalog part with different numbers)."""
+    name: str
+    vendor: str
+    memory_gib: PositiveFloat
+    peak_tflops: PositiveFloat
+    intra_node_gbps: PositiveFloat = 256.0
+    efficiency: float = Field(default=0.5, gt=0, le=1)
+
+
+class NodeGroupSpec(_Strict):
+    count: PositiveInt
+    accelerator: Union[str, AcceleratorSpec]
+    accelerators_per_node: PositiveInt
+    intra_node_gbps: Optional[PositiveFloat] = None   # default: the catalog's NVLink/xGMI/PCIe figure
+    efficiency: Optional[float] = Field(default=None, gt=0, le=1)
+    nics: list[NicSpec] = []
+    hostnames: Optional[list[str]] = None
+
+    @field_validator("accelerator")
+    @classmethod
+    def _known(cls, v):
+        if isinstance(v, str):
+            try:
+                catalog.lookup(v)
+            except KeyError:
+                raise ValueError(f"unknown accelerator {v!r} | fix: use one of {catalog.known_names()}, "
+                                 "or describe it: {name, vendor, memory_gib, peak_tflops}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _hostnames_match(self):
+        if self.hostnames is not None and len(self.hostnames) != self.count:
+            raise ValueError(f"hostnames lists {len(self.hostnames)} names for count: {self.count} nodes"
+                             " | fix: give one hostname per node or drop hostnames")
+        return self
+
+    def resolved_accelerator(self) -> Accelerator:
+        if isinstance(self.accelerator, str):
+            base = catalog.lookup(self.accelerator)
+        else:
+            a = self.accelerator
+            base = Accelerator(a.name, a.vendor.lower(), a.memory_gib, a.peak_tflops, a.intra_node_gbps,
+                               a.efficiency)
+        changes = {}
+        if self.intra_node_gbps is not None:
+            changes["intra_node_gbps"] = self.intra_node_gbps
+        if self.efficiency is not None:
+            changes["efficiency"] = self.efficiency
+        if changes:
+            from dataclasses import replace
+            base = replace(base, **changes)
+        return base
+
+
+class ClusterSpec(_Strict):
+    name: str
+    fabric: FabricSpec
+    nodes: list[NodeGroupSpec] = Field(min_length=1)
+
+
+class LinkSpec(_Strict):
+    """A link between two clusters; ``gbps`` is per node (what one node can push across)."""
+    between: tuple[str, str]
+    type: FabricType = "ethernet"
+    gbps: PositiveFloat
+    latency_us: float = Field(default=50.0, ge=0)
+
+
+class LaunchSpec(_Strict):
+    order: Literal["node-major"] = "node-major"
+    node_order: Optional[list[str]] = None   # node names in launch order (node_rank 0, 1, ...)
+
+
+class ClusterFile(_Strict):
+    name: str = "cluster"
+    clusters: list[ClusterSpec] = Field(min_length=1)
+    links: list[LinkSpec] = []
+    launch: LaunchSpec = LaunchSpec()
+
+    @model_validator(mode="after")
+    def _references(self):
+        names = [c.name for c in self.clusters]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"cluster names must be unique, repeated: {sorted(dup)} | fix: rename them")
+        for i, link in enumerate(self.links):
+            for end in link.between:
+                if end not in names:
+                    raise ValueError(f"links[{i}].between names unknown cluster {end!r} | fix: use one of {names}")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------
+# The flat view: nodes in launch order, ranks, and the link between any two nodes.
+
+
+@dataclass(frozen=True)
+class Link:
+    kind: str            # 'local' (same node), 'ib', 'roce', 'ethernet'
+    gbps: float
+    latency_us: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gbps * 1e9 / 8
+
+    @property
+    def is_rdma(self) -> bool:
+        return self.kind in RDMA
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int                 # launch order (node_rank)
+    name: str
+    cluster: str
+    fabric: FabricSpec
+    accelerator: Accelerator
+    num_accelerators: int
+    nics: tuple[NicSpec, ...] = ()
+
+    @property
+    def vendor(self) -> str:
+        return self.accelerator.vendor
+
+    @property
+    def domain(self) -> tuple[str, str]:
+        """Nodes of one domain share a fabric and a device type: DP and TP groups stay inside one."""
+        return (self.cluster, self.accelerator.name)
+
+
+@dataclass
+class Cluster:
+    """Nodes in launch order plus the links between clusters; built by :func:`load_cluster`."""
+    name: str
+    nodes: list[Node]
+    links: dict[frozenset, Link]
+    source: str = "<memory>"
+    spec: Optional[ClusterFile] = field(default=None, repr=False)
+
+    @cached_property
+    def rank_node(self) -> list[int]:
+        """Node index of every global rank (node-major launch order)."""
+        return [n.index for n in self.nodes for _ in range(n.num_accelerators)]
+
+    @cached_property
+    def node_first_rank(self) -> list[int]:
+        out, r = [], 0
+        for n in self.nodes:
+            out.append(r)
+            r += n.num_accelerators
+        return out
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.num_accelerators for n in self.nodes)
+
+    def node_of(self, rank: int) -> Node:
+        return self.nodes[self.rank_node[rank]]
+
+    def local_rank(self, rank: int) -> int:
+        return rank - self.node_first_rank[self.rank_node[rank]]
+
+    @cached_property
+    def cluster_names(self) -> list[str]:
+        seen: list[str] = []
+        for n in self.nodes:
+            if n.cluster not in seen:
+                seen.append(n.cluster)
+        return seen
+
+    @cached_property
+    def domains(self) -> list[tuple[str, str]]:
+        seen: list[tuple[str, str]] = []
+        for n in self.nodes:
+            if n.domain not in seen:
+                seen.append(n.domain)
+        return seen
+
+    def cluster_link(self, a: str, b: str) -> Link:
+        """Link between two clusters (or the fabric inside one when ``a == b``)."""
+        if a == b:
+            fab = next(n.fabric for n in self.nodes if n.cluster == a)
+            return Link(fab.type, fab.gbps, fab.latency_us)
+        return self.links[frozenset((a, b))]
+
+    def link(self, a: Node, b: Node) -> Link:
+        if a.index == b.index:
+            return Link("local", a.accelerator.intra_node_gbps, 1.0)
+        return self.cluster_link(a.cluster, b.cluster)
+
+    @property
+    def is_homogeneous(self) -> bool:
+        """One fabric kind, one device type and no slower link between clusters."""
+        if len(self.domains) > 1 and len({d[1] for d in self.domains}) > 1:
+            return False
+        fabrics = {(n.fabric.type, n.fabric.gbps) for n in self.nodes}
+        if len(fabrics) > 1:
+            return False
+        if len(self.cluster_names) > 1:
+            fab = self.nodes[0].fabric
+            for link in self.links.values():
+                if link.kind != fab.type or link.gbps < fab.gbps:
+                    return False
+        return True
+
+    @cached_property
+    def digest(self) -> str:
+        """Content hash of what the planner reads (not of the file's formatting)."""
+        payload = {
+            "nodes": [[n.name, n.cluster, n.fabric.model_dump(), n.accelerator.__dict__, n.num_accelerators]
+                      for n in self.nodes],
+            "links": sorted([sorted(k), v.__dict__] for k, v in self.links.items()),
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _default_link(spec: ClusterFile, a: ClusterSpec, b: ClusterSpec, source: str) -> Link:
+    """Without a stated link, clusters talk over the slower of their Ethernet NICs."""
+    speeds = [nic.gbps for c in (a, b) for g in c.nodes for nic in g.nics if nic.type == "ethernet"]
+    eth_fabrics = [c.fabric.gbps for c in (a, b) if c.fabric.type == "ethernet"]
+    speeds += eth_fabrics
+    if not speeds:
+        raise ConfigError(f"no link between clusters {a.name!r} and {b.name!r}, and no Ethernet NIC to assume",
+                          source=source, field="links",
+                          fix=f"add  links: [{{between: [{a.name}, {b.name}], gbps: 25}}]  (Gbit/s per node)")
+    return Link("ethernet", min(speeds), 50.0)
+
+
+def build_cluster(spec: ClusterFile, source: str = "<memory>") -> Cluster:
+    nodes: list[Node] = []
+    for c in spec.clusters:
+        k = 0
+        for g in c.nodes:
+            acc = g.resolved_accelerator()
+            for i in range(g.count):
+                name = g.hostnames[i] if g.hostnames else f"{c.name}-{k}"
+                nodes.append(Node(0, name, c.name, c.fabric, acc, g.accelerators_per_node, tuple(g.nics)))
+                k += 1
+    names = [n.name for n in nodes]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"node names repeat: {dup}", source=source, field="clusters[*].nodes[*].hostnames",
+                          fix="give every node a unique hostname")
+    if spec.launch.node_order is not None:
+        order = spec.launch.node_order
+        if sorted(order) != sorted(names):
+            missing = sorted(set(names) - set(order))
+            extra = sorted(set(order) - set(names))
+            raise ConfigError(f"node_order must list every node once (missing {missing}, unknown {extra})",
+                              source=source, field="launch.node_order", fix="list each node name exactly once")
+        by_name = {n.name: n for n in nodes}
+        nodes = [by_name[n] for n in order]
+    from dataclasses import replace
+    nodes = [replace(n, index=i) for i, n in enumerate(nodes)]
+
+    links: dict[frozenset, Link] = {}
+    for ls in spec.links:
+        links[frozenset(ls.between)] = Link(ls.type, ls.gbps, ls.latency_us)
+    for i, a in enumerate(spec.clusters):
+        for b in spec.clusters[i + 1:]:
+            key = frozenset((a.name, b.name))
+            if key not in links:
+                links[key] = _default_link(spec, a, b, source)
+    return Cluster(spec.name, nodes, links, source, spec)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read, validate and flatten a cluster file; every problem is a ConfigError naming the field."""
+    spec = validate(ClusterFile, read_data(path), str(path))
+    return build_cluster(spec, str(path))
+
+
+def cluster_from_dict(data: dict, source: str = "<dict>") -> Cluster:
+    return build_cluster(validate(ClusterFile, data, source), source)

@@ -1,0 +1,103 @@
+"""Model description: a decoder-only transformer, as much as the cost model needs."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
+
+from .yamlio import read_data, validate
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "model"
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    num_attention_heads: PositiveInt
+    num_query_groups: Optional[PositiveInt] = None      # KV heads (GQA); default: = heads
+    ffn_hidden_size: Optional[PositiveInt] = None       # default: 4 * hidden (gelu), 8/3 * hidden (swiglu)
+    vocab_size: PositiveInt
+    seq_length: PositiveInt
+    global_batch_size: PositiveInt
+    micro_batch_size: Optional[PositiveInt] = None      # None: the planner chooses
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    tie_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                             f"{self.num_attention_heads} | fix: pick heads that divide hidden_size")
+        if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
+            raise ValueError("num_attention_heads must be a multiple of num_query_groups"
+                             " | fix: use a divisor of num_attention_heads")
+        if self.micro_batch_size and self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
+                             f"{self.micro_batch_size} | fix: make it a multiple")
+        return self
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return 4 * self.hidden_size if self.activation == "gelu" else int(8 * self.hidden_size / 3)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def params_per_layer(self) -> int:
+        h = self.hidden_size
+        kv = h * self.kv_heads // self.num_attention_heads
+        attn = h * (h + 2 * kv) + h * h
+        mlp = (3 if self.activation == "swiglu" else 2) * h * self.ffn
+        return attn + mlp + 4 * h   # + layernorms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        out = self.num_layers * self.params_per_layer + self.embedding_params
+        return out if self.tie_embeddings else out + self.embedding_params
+
+    def layer_flops_fwd(self, micro_batch: int) -> float:
+        """Forward FLOPs of one transformer layer for one micro-batch (matmuls + attention)."""
+        tokens = micro_batch * self.seq_length
+        h = self.hidden_size
+        kv = h * self.kv_heads // self.num_attention_heads
+        mlp = (3 if self.activation == "swiglu" else 2) * h * self.ffn
+        matmul = 2 * tokens * (h * (h + 2 * kv) + h * h + mlp)
+        attention = 4 * tokens * self.seq_length * h
+        return float(matmul + attention)
+
+    def logits_flops_fwd(self, micro_batch: int) -> float:
+        return 2.0 * micro_batch * self.seq_length * self.hidden_size * self.vocab_size
+
+
+def load_model(path: str | Path) -> ModelSpec:
+    return validate(ModelSpec, read_data(path), str(path))
+
+
+PRESETS_DIR = Path(__file__).resolve().parent / "data" / "models"
+
+
+def preset_model(name: str) -> ModelSpec:
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.exists():
+        from .errors import ConfigError
+        known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+        raise ConfigError(f"no model preset {name!r}", fix=f"use one of {known} or a model file path")
+    return load_model(path)

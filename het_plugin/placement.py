@@ -1,0 +1,157 @@
+"""The group mapper: which physical (launch) rank holds which logical coordinate, and each group's transport.
+
+Idea (Holmes' cross-cluster pipeline parallelism, HETHUB's vendor split): nodes are grouped into
+*domains* (same cluster fabric and same device type). Domains are laid out one after another, clusters
+kept contiguous, and the logical ranks are dealt out in that order. Because a pipeline stage is a
+contiguous block of ``tp*cp*dp`` logical ranks, a stage stays inside one domain whenever the domain's
+size is a multiple of it -- so TP and DP traffic stays on one fabric and one vendor and only the
+pipeline's point-to-point hops cross the slow boundaries, once per boundary. On a homogeneous cluster
+the order is the launch order and the mapping is the identity: the frameworks' own groups.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from .cluster import RDMA, Cluster
+from .errors import ConfigError
+from .topology import ParallelDims
+
+Domain = tuple[str, str]   # (cluster name, accelerator name)
+
+# What a communicator should use. 'local': all members on one node (NVLink/xGMI/shared memory);
+# 'ib'/'roce': one RDMA fabric; 'socket': crosses Ethernet or mixes IB with RoCE; 'host-staged':
+# spans vendors (NCCL and RCCL cannot share a communicator), so it goes through het_plugin's shim.
+TRANSPORTS = ("local", "ib", "roce", "socket", "host-staged")
+
+
+@dataclass(frozen=True)
+class Placement:
+    dims: ParallelDims
+    rank_of_logical: tuple[int, ...]     # logical rank -> physical launch rank
+    domain_order: tuple[Domain, ...]
+
+    @property
+    def is_identity(self) -> bool:
+        return all(i == r for i, r in enumerate(self.rank_of_logical))
+
+    def physical_groups(self, kind: str) -> list[list[int]]:
+        perm = self.rank_of_logical
+        return [[perm[r] for r in g] for g in self.dims.groups(kind)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        s = self.dims.stage_size
+        return list(self.rank_of_logical[stage * s:(stage + 1) * s])
+
+
+def check_dims(cluster: Cluster, dims: ParallelDims, num_layers: int | None = None) -> None:
+    """Reject degrees that cannot be placed, naming the field and what would work."""
+    if dims.world_size != cluster.world_size:
+        raise ConfigError(
+            f"tp*cp*pp*dp = {dims.tp}*{dims.cp}*{dims.pp}*{dims.dp} = {dims.world_size} ranks, but the cluster "
+            f"has {cluster.world_size} accelerators", source=cluster.source, field="degrees",
+            fix=f"choose degrees whose product is {cluster.world_size}, or describe the nodes you launch")
+    local = dims.tp * dims.cp
+    for n in cluster.nodes:
+        if n.num_accelerators % local:
+            ok = [d for d in range(1, n.num_accelerators + 1) if n.num_accelerators % d == 0]
+            raise ConfigError(
+                f"node {n.name} has {n.num_accelerators} accelerators, not divisible by tp*cp = {local}; "
+                "TP and CP groups must stay inside one node", source=cluster.source,
+                field=f"clusters[{cluster.cluster_names.index(n.cluster)}].nodes.accelerators_per_node",
+                fix=f"use tp*cp in {ok}")
+    if num_layers is not None and dims.pp > num_layers:
+        raise ConfigError(f"a pipeline of {dims.pp} stages cannot hold {num_layers} layers", field="pp",
+                          fix=f"use pp <= {num_layers} (num_layers)")
+
+
+def domain_orders(cluster: Cluster, limit: int = 48) -> Iterator[tuple[Domain, ...]]:
+    """Domain orders that keep each cluster contiguous; the file order comes first.
+
+    With few domains every such order is produced (the planner's cost model picks); past ``limit`` only
+    the file order and its reverse are.
+    """
+    by_cluster = {c: [d for d in cluster.domains if d[0] == c] for c in cluster.cluster_names}
+    count = 1
+    for c, ds in by_cluster.items():
+        count *= len(ds)
+    for k in range(2, len(by_cluster) + 1):
+        count *= k
+    if count > limit:
+        first = tuple(d for c in cluster.cluster_names for d in by_cluster[c])
+        yield first
+        if len(first) > 1:
+            yield tuple(reversed(first))
+        return
+    for corder in itertools.permutations(cluster.cluster_names):
+        for inner in itertools.product(*(itertools.permutations(by_cluster[c]) for c in corder)):
+            yield tuple(d for part in inner for d in part)
+
+
+def place(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[Domain] | None = None) -> Placement:
+    """Deal logical ranks to physical ranks domain by domain (see module docstring)."""
+    check_dims(cluster, dims)
+    order = tuple(domain_order) if domain_order is not None else tuple(cluster.domains)
+    if sorted(order) != sorted(cluster.domains):
+        raise ValueError(f"domain order {order} must list each of {cluster.domains} once")
+    seq: list[int] = []
+    for dom in order:
+        for n in cluster.nodes:
+            if n.domain == dom:
+                first = cluster.node_first_rank[n.index]
+                seq.extend(range(first, first + n.num_accelerators))
+    return Placement(dims, tuple(seq), order)
+
+
+def default_placement(cluster: Cluster, dims: ParallelDims) -> Placement:
+    """What Megatron-Core and DeepSpeed do by themselves: logical rank == launch rank."""
+    check_dims(cluster, dims)
+    return Placement(dims, tuple(range(dims.world_size)), tuple(cluster.domains))
+
+
+def stage_domains(cluster: Cluster, placement: Placement) -> list[list[Domain]]:
+    """Domains each pipeline stage touches (more than one: its DP groups cross a boundary)."""
+    out = []
+    for s in range(placement.dims.pp):
+        doms: list[Domain] = []
+        for r in placement.stage_ranks(s):
+            d = cluster.node_of(r).domain
+            if d not in doms:
+                doms.append(d)
+        out.append(doms)
+    return out
+
+
+def transport(cluster: Cluster, ranks: Sequence[int]) -> str:
+    """The transport a communicator over ``ranks`` should use (see TRANSPORTS)."""
+    nodes = {cluster.rank_node[r] for r in ranks}
+    if len(nodes) == 1:
+        return "local"
+    members = [cluster.nodes[i] for i in nodes]
+    if len({n.vendor for n in members}) > 1:
+        return "host-staged"
+    clusters = sorted({n.cluster for n in members})
+    kinds = {cluster.cluster_link(c, c).kind for c in clusters}
+    for a, b in itertools.combinations(clusters, 2):
+        kinds.add(cluster.cluster_link(a, b).kind)
+    if len(kinds) == 1 and next(iter(kinds)) in RDMA:
+        return next(iter(kinds))
+    return "socket"
+
+
+def baseline_transport(cluster: Cluster, ranks: Sequence[int]) -> str:
+    """What a plain framework run gets: with IB and RoCE mixed, or clusters joined by Ethernet, users
+    force NCCL onto sockets for every communicator (NCCL cannot join IB and RoCE HCAs in one)."""
+    t = transport(cluster, ranks)
+    if t in RDMA and needs_global_socket(cluster):
+        return "socket"
+    return t
+
+
+def needs_global_socket(cluster: Cluster) -> bool:
+    """True when one process-wide NCCL network setting cannot serve every group: fabrics of two kinds,
+    or clusters joined only by Ethernet."""
+    kinds = {n.fabric.type for n in cluster.nodes}
+    kinds |= {link.kind for link in cluster.links.values()}
+    return len(kinds) > 1
