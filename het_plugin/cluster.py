@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, f
 from . import catalog
 from .catalog import Accelerator
 from .errors import ConfigError
-from .yamlio import read_data, validate
+from .yamlio import load_validated, validate, with_line
 
 FabricType = Literal["ib", "roce", "ethernet"]
 RDMA = ("ib", "roce")
@@ -126,13 +126,24 @@ class ClusterFile(_Strict):
     @model_validator(mode="after")
     def _references(self):
         names = [c.name for c in self.clusters]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"cluster names must be unique, repeated: {sorted(dup)} | fix: rename them")
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"cluster name {name!r} is used twice (clusters[{names.index(name)}] and "
+                                 f"clusters[{i}]) | field: clusters[{i}].name | fix: give every cluster a unique name")
+        seen: dict[frozenset, int] = {}
         for i, link in enumerate(self.links):
             for end in link.between:
                 if end not in names:
-                    raise ValueError(f"links[{i}].between names unknown cluster {end!r} | fix: use one of {names}")
+                    raise ValueError(f"link names unknown cluster {end!r} | field: links[{i}].between"
+                                     f" | fix: use one of {names}")
+            if link.between[0] == link.between[1]:
+                raise ValueError(f"link joins cluster {link.between[0]!r} to itself | field: links[{i}].between"
+                                 " | fix: name two different clusters (the fabric inside a cluster is its 'fabric')")
+            key = frozenset(link.between)
+            if key in seen:
+                raise ValueError(f"clusters {list(link.between)} are linked twice (links[{seen[key]}] and links[{i}])"
+                                 f" | field: links[{i}] | fix: keep one link per pair of clusters")
+            seen[key] = i
         return self
 
 
@@ -164,6 +175,7 @@ class Node:
     accelerator: Accelerator
     num_accelerators: int
     nics: tuple[NicSpec, ...] = ()
+    spec_path: str = ""        # where the file describes it, e.g. 'clusters[1].nodes[0]' (for error messages)
 
     @property
     def vendor(self) -> str:
@@ -275,26 +287,32 @@ def _default_link(spec: ClusterFile, a: ClusterSpec, b: ClusterSpec, source: str
 
 def build_cluster(spec: ClusterFile, source: str = "<memory>") -> Cluster:
     nodes: list[Node] = []
-    for c in spec.clusters:
+    for ci, c in enumerate(spec.clusters):
         k = 0
-        for g in c.nodes:
+        for gi, g in enumerate(c.nodes):
             acc = g.resolved_accelerator()
             for i in range(g.count):
                 name = g.hostnames[i] if g.hostnames else f"{c.name}-{k}"
-                nodes.append(Node(0, name, c.name, c.fabric, acc, g.accelerators_per_node, tuple(g.nics)))
+                nodes.append(Node(0, name, c.name, c.fabric, acc, g.accelerators_per_node, tuple(g.nics),
+                                  f"clusters[{ci}].nodes[{gi}]"))
                 k += 1
     names = [n.name for n in nodes]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"node names repeat: {dup}", source=source, field="clusters[*].nodes[*].hostnames",
-                          fix="give every node a unique hostname")
+                          fix="give every node a unique hostname (generated names are <cluster>-<i>)")
     if spec.launch.node_order is not None:
         order = spec.launch.node_order
         if sorted(order) != sorted(names):
             missing = sorted(set(names) - set(order))
             extra = sorted(set(order) - set(names))
-            raise ConfigError(f"node_order must list every node once (missing {missing}, unknown {extra})",
-                              source=source, field="launch.node_order", fix="list each node name exactly once")
+            repeated = sorted({n for n in order if order.count(n) > 1})
+            problems = [f"{label} {items}" for label, items in
+                        (("missing", missing), ("unknown", extra), ("repeated", repeated)) if items]
+            raise ConfigError(f"node_order must list every node exactly once ({'; '.join(problems)})",
+                              source=source, field="launch.node_order",
+                              fix=f"list each of the {len(names)} node names once; names are the hostnames, or "
+                                  "<cluster>-<i> when hostnames are not given (e.g. " + ", ".join(names[:3]) + ")")
         by_name = {n.name: n for n in nodes}
         nodes = [by_name[n] for n in order]
     from dataclasses import replace
@@ -313,8 +331,11 @@ def build_cluster(spec: ClusterFile, source: str = "<memory>") -> Cluster:
 
 def load_cluster(path: str | Path) -> Cluster:
     """Read, validate and flatten a cluster file; every problem is a ConfigError naming the field."""
-    spec = validate(ClusterFile, read_data(path), str(path))
-    return build_cluster(spec, str(path))
+    spec = load_validated(ClusterFile, path)
+    try:
+        return build_cluster(spec, str(path))
+    except ConfigError as exc:
+        raise with_line(exc, Path(path).read_text()) from None
 
 
 def cluster_from_dict(data: dict, source: str = "<dict>") -> Cluster:

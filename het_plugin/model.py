@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
-from .yamlio import read_data, validate
+from .yamlio import load_validated
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -32,13 +32,16 @@ class ModelSpec(BaseModel):
     def _consistent(self):
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                             f"{self.num_attention_heads} | fix: pick heads that divide hidden_size")
+                             f"{self.num_attention_heads} | field: num_attention_heads"
+                             " | fix: pick a head count that divides hidden_size")
         if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
-            raise ValueError("num_attention_heads must be a multiple of num_query_groups"
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_query_groups "
+                             f"{self.num_query_groups} | field: num_query_groups"
                              " | fix: use a divisor of num_attention_heads")
         if self.micro_batch_size and self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
-                             f"{self.micro_batch_size} | fix: make it a multiple")
+                             f"{self.micro_batch_size} | field: micro_batch_size"
+                             " | fix: use a micro_batch_size that divides global_batch_size, or leave it out")
         return self
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -88,7 +91,7 @@ class ModelSpec(BaseModel):
 
 
 def load_model(path: str | Path) -> ModelSpec:
-    return validate(ModelSpec, read_data(path), str(path))
+    return load_validated(ModelSpec, path)
 
 
 PRESETS_DIR = Path(__file__).resolve().parent / "data" / "models"

@@ -11,11 +11,14 @@ the order is the launch order and the mapping is the identity: the frameworks' o
 from __future__ import annotations
 
 import itertools
+import math
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .cluster import RDMA, Cluster
 from .errors import ConfigError
+from .yamlio import with_line
 from .topology import ParallelDims
 
 Domain = tuple[str, str]   # (cluster name, accelerator name)
@@ -47,23 +50,61 @@ class Placement:
 
 def check_dims(cluster: Cluster, dims: ParallelDims, num_layers: int | None = None) -> None:
     """Reject degrees that cannot be placed, naming the field and what would work."""
+    local = dims.tp * dims.cp
+    common = math.gcd(*(n.num_accelerators for n in cluster.nodes))
+    for n in cluster.nodes:
+        if n.num_accelerators % local:
+            ok = [d for d in range(1, common + 1) if common % d == 0]
+            what = "tp" if dims.cp == 1 else "tp*cp"
+            raise _located(cluster, ConfigError(
+                f"node {n.name} has accelerators_per_node: {n.num_accelerators}, not divisible by {what} = {local}; "
+                "TP and CP groups must stay inside one node", source=cluster.source,
+                field=f"{n.spec_path or 'clusters'}.accelerators_per_node",
+                fix=f"use {what} in {ok} (a divisor of every node's accelerators_per_node)"))
     if dims.world_size != cluster.world_size:
         raise ConfigError(
             f"tp*cp*pp*dp = {dims.tp}*{dims.cp}*{dims.pp}*{dims.dp} = {dims.world_size} ranks, but the cluster "
-            f"has {cluster.world_size} accelerators", source=cluster.source, field="degrees",
+            f"has {cluster.world_size} accelerators", source=cluster.source, field="degrees (--tp/--cp/--pp/--dp)",
             fix=f"choose degrees whose product is {cluster.world_size}, or describe the nodes you launch")
-    local = dims.tp * dims.cp
-    for n in cluster.nodes:
-        if n.num_accelerators % local:
-            ok = [d for d in range(1, n.num_accelerators + 1) if n.num_accelerators % d == 0]
-            raise ConfigError(
-                f"node {n.name} has {n.num_accelerators} accelerators, not divisible by tp*cp = {local}; "
-                "TP and CP groups must stay inside one node", source=cluster.source,
-                field=f"clusters[{cluster.cluster_names.index(n.cluster)}].nodes.accelerators_per_node",
-                fix=f"use tp*cp in {ok}")
     if num_layers is not None and dims.pp > num_layers:
-        raise ConfigError(f"a pipeline of {dims.pp} stages cannot hold {num_layers} layers", field="pp",
-                          fix=f"use pp <= {num_layers} (num_layers)")
+        raise ConfigError(f"a pipeline of {dims.pp} stages cannot hold {num_layers} layers (every stage needs at "
+                          "least one)", field="pp (--pp)", fix=f"use pp <= {num_layers} (the model's num_layers)")
+
+
+def check_world_size(cluster: Cluster, launched: int, *, rank: int | None = None,
+                     local_world_size: int | None = None) -> None:
+    """Check that the ranks actually launched are the ones the cluster file describes.
+
+    Adapters call this with WORLD_SIZE (and RANK, LOCAL_WORLD_SIZE when known) before creating any
+    group: a plan for a different number of ranks would build wrong groups or hang.
+    """
+    if launched != cluster.world_size:
+        per_cluster = ", ".join(
+            f"{c}: {sum(n.num_accelerators for n in cluster.nodes if n.cluster == c)}" for c in cluster.cluster_names)
+        raise ConfigError(
+            f"{launched} ranks were launched (WORLD_SIZE), but the cluster file describes {cluster.world_size} "
+            f"accelerators ({per_cluster})", source=cluster.source, field="clusters[*].nodes[*].count",
+            fix=f"launch {cluster.world_size} ranks (one per accelerator, e.g. torchrun --nnodes "
+                f"{len(cluster.nodes)}), or make the node counts describe the nodes you launch")
+    if rank is not None and local_world_size is not None:
+        if not 0 <= rank < cluster.world_size:
+            raise ConfigError(f"rank {rank} is outside the cluster's {cluster.world_size} ranks", source=cluster.source,
+                              fix="check RANK and WORLD_SIZE")
+        node = cluster.node_of(rank)
+        if node.num_accelerators != local_world_size:
+            raise _located(cluster, ConfigError(
+                f"rank {rank} runs on node {node.name}, which the file gives accelerators_per_node: "
+                f"{node.num_accelerators}, but {local_world_size} ranks were launched on its node "
+                "(LOCAL_WORLD_SIZE)", source=cluster.source,
+                field=f"{node.spec_path or 'clusters'}.accelerators_per_node",
+                fix="launch one rank per accelerator (--nproc-per-node) in the file's node order, or fix "
+                    "accelerators_per_node / launch.node_order"))
+
+
+def _located(cluster: Cluster, exc: ConfigError) -> ConfigError:
+    """Add the line of the field when the cluster came from a file."""
+    path = Path(cluster.source)
+    return with_line(exc, path.read_text()) if path.is_file() else exc
 
 
 def domain_orders(cluster: Cluster, limit: int = 48) -> Iterator[tuple[Domain, ...]]:

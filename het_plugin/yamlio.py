@@ -1,7 +1,9 @@
 """Reading YAML/JSON inputs and turning schema violations into one clear ConfigError."""
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,26 +42,121 @@ def field_path(loc: tuple) -> str:
     return out or "(top level)"
 
 
-def validate(cls: type[T], data: Any, source: str) -> T:
-    """Validate ``data`` against a pydantic model; the first error becomes a ConfigError."""
+def validate(cls: type[T], data: Any, source: str, text: str | None = None) -> T:
+    """Validate ``data`` against a pydantic model; the most useful error becomes a ConfigError.
+
+    ``text`` (the file's YAML) lets the message say on which line the offending field is.
+    """
     if data is None:
         raise ConfigError("the file is empty", source=source, fix=f"describe a {cls.__name__}")
     try:
         return cls.model_validate(data)
     except pydantic.ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        # Drop pydantic's union/tag names from the path: they are not fields the user wrote.
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
-        msg = err["msg"].removeprefix("Value error, ")
-        fix = _FIXES.get(err["type"])
-        ctx = err.get("ctx") or {}
-        if err["type"] == "extra_forbidden":
-            fix = f"remove it or check its spelling; allowed fields: {', '.join(cls_fields(cls, loc))}"
-        if err["type"] == "literal_error" and "expected" in ctx:
-            fix = f"use one of {ctx['expected']}"
-        if " | fix: " in msg:
-            msg, fix = msg.split(" | fix: ", 1)
-        raise ConfigError(msg, source=source, field=field_path(loc), fix=fix) from None
+        raise _config_error(cls, exc, source, text) from None
+
+
+def load_validated(cls: type[T], path: str | Path) -> T:
+    """Read a YAML/JSON file and validate it; errors name the file, the field path, its line and the fix."""
+    data = read_data(path)
+    return validate(cls, data, str(path), Path(path).read_text())
+
+
+def _config_error(cls: type[pydantic.BaseModel], exc: pydantic.ValidationError, source: str,
+                  text: str | None) -> ConfigError:
+    errors = exc.errors(include_url=False)
+    # A misspelled field shows up twice: 'missing' for the right name and 'extra_forbidden' for the
+    # typo. The typo is the user's actual mistake, so report it first.
+    errors.sort(key=lambda e: e["type"] != "extra_forbidden")
+    err = errors[0]
+    # Drop pydantic's union/tag names from the path: they are not fields the user wrote.
+    tags = _model_names(cls) | {"str", "int", "float", "bool"}
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")
+                                                                       or p in tags)))
+    msg = re.sub(r" or instance of \w+", "", err["msg"].removeprefix("Value error, "))
+    fix = _FIXES.get(err["type"])
+    ctx = err.get("ctx") or {}
+    if err["type"] == "extra_forbidden":
+        allowed = cls_fields(cls, loc)
+        msg = f"unknown field {loc[-1]!r}"
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        fix = (f"did you mean {close[0]!r}? " if close else "remove it or check its spelling; ") + \
+            f"allowed fields here: {', '.join(allowed)}"
+    elif err["type"] == "missing":
+        msg = f"required field {loc[-1]!r} is missing"
+    elif "input" in err and err["type"] not in ("value_error", "assertion_error") and _short(err["input"]):
+        msg = f"{msg} (got {err['input']!r})"
+    if err["type"] == "literal_error" and "expected" in ctx:
+        fix = f"use one of {ctx['expected']}"
+    if " | fix: " in msg:
+        msg, fix = msg.split(" | fix: ", 1)
+    if " | field: " in msg:   # a cross-field check names the exact field it is about
+        msg, rel = msg.split(" | field: ", 1)
+        loc = loc + _parse_path(rel)
+    path = field_path(loc)
+    where = loc if err["type"] != "missing" else loc[:-1]   # a missing key: the mapping that lacks it
+    line = _line_of(text, where) if text and where else None
+    if line:
+        path += f" (line {line})"
+    return ConfigError(msg, source=source, field=path, fix=fix)
+
+
+def _model_names(cls: type, seen: set | None = None) -> set[str]:
+    """Class names of every pydantic model reachable from ``cls`` (pydantic puts them in union error paths)."""
+    seen = set() if seen is None else seen
+    if cls.__name__ in seen:
+        return seen
+    seen.add(cls.__name__)
+    for info in cls.model_fields.values():
+        stack = [info.annotation]
+        while stack:
+            ann = stack.pop()
+            stack.extend(getattr(ann, "__args__", ()))
+            if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
+                _model_names(ann, seen)
+    return seen
+
+
+def with_line(exc: ConfigError, text: str) -> ConfigError:
+    """The same error with the line of its field in ``text`` added (for checks made after validation)."""
+    if not exc.field or "(line" in exc.field or "*" in exc.field:
+        return exc
+    line = _line_of(text, _parse_path(exc.field))
+    if not line:
+        return exc
+    return ConfigError(exc.problem, source=exc.source, field=f"{exc.field} (line {line})", fix=exc.fix)
+
+
+def _short(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool)) and len(repr(value)) <= 60
+
+
+def _parse_path(text: str) -> tuple:
+    """'links[0].between' -> ('links', 0, 'between')."""
+    out: list = []
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", text):
+        out.append(int(index) if index else name)
+    return tuple(out)
+
+
+def _line_of(text: str, loc: tuple) -> int | None:
+    """1-based line of the YAML node at ``loc`` (a key's line for mapping entries), or None."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode) and isinstance(part, str):
+            hit = next(((k, v) for k, v in node.value if getattr(k, "value", None) == part), None)
+            if hit is None:
+                return None
+            line, node = hit[0].start_mark.line + 1, hit[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
 
 
 def cls_fields(cls: type[pydantic.BaseModel], loc: tuple) -> list[str]:
