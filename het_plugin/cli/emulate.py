@@ -1,0 +1,75 @@
+"""``het-plugin emulate CLUSTER -- COMMAND...``: run COMMAND as every rank of CLUSTER on an emulated network.
+
+Each node is a network namespace; its ranks get RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT like
+torchrun, GLOO_SOCKET_IFNAME=eth0 for the default group and HET_PLUGIN_GLOO_IFNAMES so het_plugin's
+adapters put each group on the interface its plan transport names. Needs root.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("emulate", help="run a command as every rank of a cluster on an emulated network (root)",
+                       description=__doc__)
+    p.add_argument("cluster", nargs="?", help="cluster file (one namespace per node; one process per accelerator)")
+    p.add_argument("--scale", type=float, default=1000.0,
+                   help="real bits per emulated bit (default 1000: 200 Gbit/s becomes 200 Mbit/s)")
+    p.add_argument("--port", type=int, default=29500, help="MASTER_PORT (rank 0's namespace; default 29500)")
+    p.add_argument("--timeout", type=float, default=0, help="kill the ranks after this many seconds (0: never)")
+    p.add_argument("--show", action="store_true", help="print the emulated network and exit without building it")
+    p.add_argument("--cleanup", action="store_true",
+                   help="only remove leftovers of crashed runs (namespaces, veths, bridges) and exit")
+    p.add_argument("command", nargs="*", help="after --: the command each rank runs")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..cluster import load_cluster
+    from ..emulate import Emulation, EmulatorUnavailable, make_layout, stream_prefixed, terminate_on_signals
+    from ..emulate.system import check_preconditions, clean_leftovers
+    from ..errors import ConfigError
+
+    if args.cleanup:
+        try:
+            check_preconditions()
+        except EmulatorUnavailable as exc:
+            print(f"het-plugin emulate: {exc}", file=sys.stderr)
+            return 3
+        removed = clean_leftovers()
+        print("removed: " + (", ".join(removed) if removed else "nothing (no leftovers)"))
+        return 0
+    if not args.cluster:
+        raise ConfigError("no cluster file given", field="CLUSTER",
+                          fix="het-plugin emulate examples/clusters/holmes-ib-roce.yaml -- python train.py")
+    cluster = load_cluster(args.cluster)
+    if args.show:
+        print(make_layout(cluster, "000000", args.scale).describe())
+        return 0
+    if not args.command:
+        raise ConfigError("no command to run", field="COMMAND",
+                          fix=f"het-plugin emulate {args.cluster} -- python train.py")
+    terminate_on_signals()
+    try:
+        with Emulation(cluster, scale=args.scale) as emu:
+            print(emu.layout.describe(), file=sys.stderr, flush=True)
+            procs = emu.launch(args.command, master_port=args.port, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, bufsize=1)
+            pumps = [stream_prefixed(p.stdout, f"[rank {r}] ", sys.stdout) for r, p in enumerate(procs)]
+            codes = emu.wait(procs, timeout=args.timeout or 10 ** 9)
+            for t in pumps:
+                t.join(timeout=2)
+    except EmulatorUnavailable as exc:
+        print(f"het-plugin emulate: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("het-plugin emulate: interrupted; network torn down", file=sys.stderr)
+        return 130
+    bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+    if bad:
+        print("het-plugin emulate: ranks failed: " + ", ".join(
+            f"rank {r} {'killed (timeout or a peer failed)' if c is None else f'rc {c}'}" for r, c in bad),
+            file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,197 @@
+"""The emulator itself: build the namespaces, bridges, veths and htb shaping of a Layout, run ranks inside
+them like torchrun, and tear everything down on exit, error, Ctrl-C or SIGTERM.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Callable, Optional, Sequence
+
+from ..cluster import Cluster
+from .layout import Interface, Layout, make_layout
+from .system import (CommandFailed, RunRecord, check_preconditions, clean_leftovers, kill_pids, namespace_pids,
+                     process_start_time, remove_run, sh)
+
+QUANTUM = "65536"          # htb quantum in bytes: >= one GSO frame, quiets the "quantum is big" warning
+DEFAULT_PORT = 29500       # free in every fresh namespace: each run has its own
+
+
+class Emulation:
+    """A running emulated network. Use as a context manager::
+
+        with Emulation(load_cluster("c.yaml"), scale=1000) as emu:
+            procs = emu.launch([sys.executable, "train.py"])
+            codes = emu.wait(procs, timeout=300)
+    """
+
+    def __init__(self, cluster: Cluster, *, scale: float = 1000.0, run_id: Optional[str] = None,
+                 log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)):
+        self.cluster = cluster
+        self.layout: Layout = make_layout(cluster, run_id or secrets.token_hex(3), scale)
+        self.log = log
+        self.procs: list[subprocess.Popen] = []
+        self._record = RunRecord(self.layout.run_id, os.getpid(), process_start_time(os.getpid()))
+        self._up = False
+
+    # ---- life cycle ------------------------------------------------------------------------------
+    def __enter__(self) -> "Emulation":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        check_preconditions()
+        removed = clean_leftovers()
+        if removed:
+            self.log(f"emulate: removed leftovers of crashed runs: {', '.join(removed)}")
+        self._record.write()        # before creating anything: a SIGKILL from here on leaves a record
+        self._up = True
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Kill our ranks by pid, then anything left in our namespaces, then delete namespaces and links."""
+        if not self._up:
+            return
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        for ns in self.layout.namespaces:
+            kill_pids(namespace_pids(ns), grace_s=0.5)
+        remove_run(self.layout.run_id)
+        self._up = False
+
+    # ---- building ---------------------------------------------------------------------------------
+    def _build(self) -> None:
+        for br in self.layout.bridges:
+            sh(["ip", "link", "add", br, "type", "bridge"])
+            sh(["ip", "link", "set", br, "up"])
+        for node in self.layout.nodes:
+            sh(["ip", "netns", "add", node.namespace])
+            sh(["ip", "-n", node.namespace, "link", "set", "lo", "up"])
+            for itf in node.interfaces:
+                self._add_interface(node.namespace, itf)
+
+    def _add_interface(self, ns: str, itf: Interface) -> None:
+        sh(["ip", "link", "add", itf.peer, "type", "veth", "peer", "name", itf.name, "netns", ns])
+        sh(["ip", "link", "set", itf.peer, "master", itf.bridge])
+        sh(["ip", "link", "set", itf.peer, "up"])
+        sh(["ip", "-n", ns, "addr", "add", f"{itf.address}/{itf.prefix}", "dev", itf.name])
+        sh(["ip", "-n", ns, "link", "set", itf.name, "up"])
+        # egress from the node, per destination class, under the NIC's rate
+        default = 10 + len(itf.classes) - 1
+        tc = ["tc", "-n", ns]
+        sh(tc + ["qdisc", "add", "dev", itf.name, "root", "handle", "1:", "htb", "default", str(default)])
+        sh(tc + ["class", "add", "dev", itf.name, "parent", "1:", "classid", "1:1", "htb",
+                 "rate", f"{itf.kbit}kbit", "ceil", f"{itf.kbit}kbit", "quantum", QUANTUM])
+        for i, c in enumerate(itf.classes):
+            sh(tc + ["class", "add", "dev", itf.name, "parent", "1:1", "classid", f"1:{10 + i}", "htb",
+                     "rate", f"{c.kbit}kbit", "ceil", f"{c.kbit}kbit", "quantum", QUANTUM])
+            if c.dst is not None:
+                sh(tc + ["filter", "add", "dev", itf.name, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                         "match", "ip", "dst", c.dst, "flowid", f"1:{10 + i}"])
+        # ingress to the node: the bridge port's egress, capped at the NIC's rate
+        sh(["tc", "qdisc", "add", "dev", itf.peer, "root", "handle", "1:", "htb", "default", "10"])
+        sh(["tc", "class", "add", "dev", itf.peer, "parent", "1:", "classid", "1:10", "htb",
+            "rate", f"{itf.kbit}kbit", "ceil", f"{itf.kbit}kbit", "quantum", QUANTUM])
+
+    # ---- running ranks -----------------------------------------------------------------------------
+    def rank_env(self, rank: int, master_port: int = DEFAULT_PORT) -> dict[str, str]:
+        """torchrun's variables plus the interface choices for gloo."""
+        node = self.layout.node_of_rank(rank)
+        return {
+            "RANK": str(rank), "LOCAL_RANK": str(rank - node.first_rank), "WORLD_SIZE": str(self.layout.world_size),
+            "LOCAL_WORLD_SIZE": str(node.num_ranks), "GROUP_RANK": str(node.index), "NODE_RANK": str(node.index),
+            "MASTER_ADDR": self.layout.master_addr, "MASTER_PORT": str(master_port),
+            "GLOO_SOCKET_IFNAME": node.eth.name,          # the default group: Ethernet, like a plain run
+            "HET_PLUGIN_GLOO_IFNAMES": node.gloo_ifnames(),
+            "HET_PLUGIN_EMULATED": self.layout.run_id, "HET_PLUGIN_EMULATED_NODE": node.name,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+
+    def popen_in(self, node_index: int, argv: Sequence[str], env: Optional[dict] = None,
+                 **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside node ``node_index``'s namespace (its own session, so it can be killed whole)."""
+        if not self._up:
+            raise RuntimeError("the emulated network is not running")
+        ns = self.layout.nodes[node_index].namespace
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=full_env, start_new_session=True, **kwargs)
+        self.procs.append(p)
+        return p
+
+    def launch(self, argv: Sequence[str], *, env: Optional[dict] = None, master_port: int = DEFAULT_PORT,
+               rank_env: Optional[Sequence[dict]] = None, **kwargs) -> list[subprocess.Popen]:
+        """Start ``argv`` once per rank, each in its node's namespace with a torchrun-style environment."""
+        procs = []
+        for r in range(self.layout.world_size):
+            e = dict(env or {})
+            e.update(self.rank_env(r, master_port))
+            if rank_env:
+                e.update(rank_env[r])
+            procs.append(self.popen_in(self.layout.node_of_rank(r).index, argv, e, **kwargs))
+        return procs
+
+    def wait(self, procs: Sequence[subprocess.Popen], timeout: float, *, fail_fast: float = 10.0) -> list[Optional[int]]:
+        """Wait for all; past ``timeout``, or ``fail_fast`` s after one failed, kill the rest (None: killed)."""
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                return codes
+            now = time.monotonic()
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now - failed_at > fail_fast):
+                for p in procs:
+                    if p.poll() is None:
+                        try:
+                            os.killpg(p.pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                for p in procs:
+                    p.wait()
+                return codes
+            time.sleep(0.05)
+
+
+def stream_prefixed(stream: IO[str], prefix: str, out: IO[str]) -> threading.Thread:
+    """Copy ``stream`` to ``out`` line by line with ``prefix`` (the CLI's "[rank N]" output)."""
+    def pump():
+        for line in stream:
+            out.write(prefix + line)
+            out.flush()
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    return t
+
+
+def terminate_on_signals() -> None:
+    """Turn SIGTERM and SIGHUP into SystemExit so ``with Emulation(...)`` tears down (Ctrl-C already does)."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, handler)
+
+
+__all__ = ["Emulation", "CommandFailed", "stream_prefixed", "terminate_on_signals"]

@@ -1,0 +1,229 @@
+"""Thin wrappers over ``ip``/``tc``, the preconditions check, and the run registry used to find leftovers.
+
+Every run writes ``/run/het-plugin-emulate/<run id>.json`` (its owner's pid and process start time)
+*before* creating anything, so a run killed with SIGKILL leaves a record; the next start removes the
+namespaces, links and record of every run whose owner is gone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..errors import HetPluginError
+from .layout import LINK_PREFIX, NS_PREFIX, RUN_ID_RE
+
+STATE_DIR = Path(os.environ.get("HET_PLUGIN_EMULATE_STATE", "/run/het-plugin-emulate"))
+
+
+class EmulatorUnavailable(HetPluginError, RuntimeError):
+    """The emulator cannot run here (not root, no network namespaces, no ip/tc, no htb)."""
+
+
+class CommandFailed(HetPluginError, RuntimeError):
+    pass
+
+
+def sh(args: Sequence[str], *, check: bool = True, ns: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run one command (inside namespace ``ns`` when given); a failure names the command and its stderr."""
+    cmd = list(args)
+    if ns is not None:
+        cmd = ["ip", "netns", "exec", ns, *cmd]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if check and p.returncode != 0:
+        raise CommandFailed(f"`{' '.join(cmd)}` failed (rc {p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+def check_preconditions() -> None:
+    """One clear message when the emulator cannot work here."""
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        raise EmulatorUnavailable(f"the emulator needs {' and '.join(missing)} (iproute2): install iproute2")
+    if os.geteuid() != 0:
+        raise EmulatorUnavailable("the emulator needs root (it creates network namespaces, veths, bridges and tc "
+                                  "qdiscs): run as root, or in CI as root (sudo -E)")
+    probe = f"{NS_PREFIX}probe{os.getpid()}"
+    p = sh(["ip", "netns", "add", probe], check=False)
+    if p.returncode != 0:
+        raise EmulatorUnavailable(f"cannot create a network namespace (`ip netns add` said: {p.stderr.strip()}); "
+                                  "the emulator needs CONFIG_NET_NS and CAP_SYS_ADMIN (a privileged container)")
+    try:
+        q = sh(["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb"], ns=probe, check=False)
+        if q.returncode != 0:
+            raise EmulatorUnavailable(f"tc cannot add an htb qdisc ({q.stderr.strip()}): the emulator needs sch_htb")
+    finally:
+        sh(["ip", "netns", "del", probe], check=False)
+
+
+# ---- processes -------------------------------------------------------------------------------------
+
+def process_start_time(pid: int) -> Optional[int]:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None when it is gone; guards pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def alive(pid: int, start_time: Optional[int]) -> bool:
+    now = process_start_time(pid)
+    return now is not None and (start_time is None or now == start_time)
+
+
+def kill_pids(pids: Sequence[int], grace_s: float = 2.0) -> None:
+    """SIGTERM, wait up to ``grace_s``, then SIGKILL; by pid only."""
+    live = [p for p in pids if process_start_time(p) is not None]
+    for p in live:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while live and time.monotonic() < deadline:
+        live = [p for p in live if _running(p)]
+        time.sleep(0.05)
+    for p in live:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in live:
+        for _ in range(100):
+            if not _running(p):
+                break
+            time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (reaps our own children)."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def namespace_pids(ns: str) -> list[int]:
+    p = sh(["ip", "netns", "pids", ns], check=False)
+    return [int(x) for x in p.stdout.split()] if p.returncode == 0 else []
+
+
+# ---- what exists -----------------------------------------------------------------------------------
+
+def namespaces(prefix: str = NS_PREFIX) -> list[str]:
+    out = sh(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+def root_links(prefix: str = LINK_PREFIX) -> list[str]:
+    out = sh(["ip", "-o", "link", "show"], check=False).stdout
+    names = []
+    for line in out.splitlines():
+        name = line.split(":", 2)[1].strip().split("@")[0]
+        if name.startswith(prefix) and _is_emulator_link(name):
+            names.append(name)
+    return names
+
+
+def _is_emulator_link(name: str) -> bool:
+    """hp<6 hex><E|F<k>|e<i>|f<i>>: only names the emulator makes."""
+    rest = name[len(LINK_PREFIX):]
+    return len(rest) >= 7 and all(c in "0123456789abcdef" for c in rest[:6]) and rest[6] in "EFef"
+
+
+def run_of_name(name: str) -> Optional[str]:
+    run = None
+    if name.startswith(NS_PREFIX):
+        run = name[len(NS_PREFIX):len(NS_PREFIX) + 6]
+    elif name.startswith(LINK_PREFIX) and _is_emulator_link(name):
+        run = name[len(LINK_PREFIX):len(LINK_PREFIX) + 6]
+    return run if run and RUN_ID_RE.match(run) else None
+
+
+# ---- the run registry ------------------------------------------------------------------------------
+
+@dataclass
+class RunRecord:
+    run_id: str
+    pid: int
+    start_time: Optional[int]
+
+    @property
+    def path(self) -> Path:
+        return STATE_DIR / f"{self.run_id}.json"
+
+    def write(self) -> None:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"run_id": self.run_id, "pid": self.pid, "start_time": self.start_time}))
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    @property
+    def owner_alive(self) -> bool:
+        return alive(self.pid, self.start_time)
+
+
+def records() -> dict[str, RunRecord]:
+    out = {}
+    if STATE_DIR.is_dir():
+        for f in STATE_DIR.glob("*.json"):
+            try:
+                d = json.loads(f.read_text())
+                out[d["run_id"]] = RunRecord(d["run_id"], int(d["pid"]), d.get("start_time"))
+            except (OSError, ValueError, KeyError):
+                f.unlink(missing_ok=True)
+    return out
+
+
+def remove_run(run_id: str) -> list[str]:
+    """Kill what runs in the run's namespaces (by pid), delete them and its root links; returns what went."""
+    removed = []
+    for ns in namespaces(f"{NS_PREFIX}{run_id}-"):
+        kill_pids(namespace_pids(ns))
+        sh(["ip", "netns", "del", ns], check=False)
+        removed.append(f"netns {ns}")
+    for link in root_links(f"{LINK_PREFIX}{run_id}"):
+        sh(["ip", "link", "del", link], check=False)   # a veth's peer went with its namespace
+        removed.append(f"link {link}")
+    RunRecord(run_id, 0, None).remove()
+    return removed
+
+
+def clean_leftovers() -> list[str]:
+    """Remove every emulator run whose owner is gone (crashed, SIGKILLed); live runs are left alone."""
+    recs = records()
+    runs = {run_of_name(n) for n in namespaces() + root_links()} | set(recs)
+    removed = []
+    for ns in namespaces(f"{NS_PREFIX}probe"):          # a precondition probe whose process died
+        pid = ns[len(NS_PREFIX) + 5:]
+        if pid.isdigit() and process_start_time(int(pid)) is None:
+            sh(["ip", "netns", "del", ns], check=False)
+            removed.append(f"netns {ns}")
+    for run_id in sorted(r for r in runs if r):
+        rec = recs.get(run_id)
+        if rec is not None and rec.owner_alive:
+            continue
+        removed += remove_run(run_id)
+    return removed
+
+
+def leftovers(run_id: Optional[str] = None) -> list[str]:
+    """Namespaces and root links of ``run_id`` (or of any run) that still exist; for tests and checks."""
+    ns_prefix = NS_PREFIX + (f"{run_id}-" if run_id else "")
+    link_prefix = LINK_PREFIX + (run_id or "")
+    return [f"netns {n}" for n in namespaces(ns_prefix)] + [f"link {n}" for n in root_links(link_prefix)]
