@@ -6,8 +6,11 @@ adapters put each group on the interface its plan transport names. Needs root.
 """
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+
+_PARSER: argparse.ArgumentParser | None = None
 
 
 def register(sub) -> None:
@@ -21,8 +24,26 @@ def register(sub) -> None:
     p.add_argument("--show", action="store_true", help="print the emulated network and exit without building it")
     p.add_argument("--cleanup", action="store_true",
                    help="only remove leftovers of crashed runs (namespaces, veths, bridges) and exit")
-    p.add_argument("command", nargs="*", help="after --: the command each rank runs")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command each rank runs")
     p.set_defaults(func=run)
+    global _PARSER
+    _PARSER = p
+
+
+def split_command(args) -> argparse.Namespace:
+    """argparse hands options written after CLUSTER to the command; parse those, keep what follows ``--``."""
+    words = list(args.command or [])
+    if "--" in words:
+        i = words.index("--")
+        options, words = words[:i], words[i + 1:]
+    elif words and words[0].startswith("-"):
+        options, words = words, []          # only options after CLUSTER, no command
+    else:
+        options = []
+    if options and _PARSER is not None:
+        args = _PARSER.parse_args([*options, *([args.cluster] if args.cluster else [])])
+    args.command = words
+    return args
 
 
 def run(args) -> int:
@@ -31,6 +52,7 @@ def run(args) -> int:
     from ..emulate.system import check_preconditions, clean_leftovers
     from ..errors import ConfigError
 
+    args = split_command(args)
     if args.cleanup:
         try:
             check_preconditions()
