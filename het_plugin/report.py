@@ -1,18 +1,226 @@
-"""Readable text report of a Plan (what ``het-plugin plan`` prints)."""
+"""Readable text report of a Plan (what ``het-plugin plan`` prints).
+
+Works from the Plan alone (no cluster file needed), so a saved plan can be shown anywhere. Big
+clusters stay readable: consecutive nodes that hold the same stages and TP/CP coordinates are shown
+as one line. Prediction and baseline are optional (a plan built without the cost model has neither).
+"""
 from __future__ import annotations
 
-from .plan import Plan
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from .plan import Plan, Prediction
+
+
+def spans(values: Iterable[int]) -> str:
+    """Compact integer set: [0,1,2,5,7,8] -> '0-2,5,7-8'."""
+    vals = sorted(set(values))
+    if not vals:
+        return "-"
+    out, start, prev = [], vals[0], vals[0]
+    for v in vals[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(out)
+
+
+@dataclass
+class NodeRow:
+    """One line of the placement table: a run of consecutive nodes holding the same coordinates."""
+    cluster: str
+    accelerator: str
+    names: list[str]
+    ranks: list[int]
+    stages: tuple[int, ...]
+    tp: tuple[int, ...]
+    cp: tuple[int, ...]
+    dp: set[int]
+
+    @property
+    def label(self) -> str:
+        if len(self.names) == 1:
+            return self.names[0]
+        return f"{self.names[0]} .. {self.names[-1]} ({len(self.names)} nodes)"
+
+
+def node_rows(plan: Plan) -> list[NodeRow]:
+    """Per-node coordinates, with runs of consecutive similar nodes merged (compact for big clusters)."""
+    rows: list[NodeRow] = []
+    coords = [plan.coord(r) for r in range(plan.world_size)]
+    for node in plan.nodes:
+        ranks = list(range(node.first_rank, node.first_rank + node.num_ranks))
+        cs = [coords[r] for r in ranks]
+        key = (node.cluster, node.accelerator, tuple(sorted({c["pp"] for c in cs})),
+               tuple(sorted({c["tp"] for c in cs})), tuple(sorted({c["cp"] for c in cs})))
+        dp = {c["dp"] for c in cs}
+        last = rows[-1] if rows else None
+        if last and (last.cluster, last.accelerator, last.stages, last.tp, last.cp) == key \
+                and last.ranks[-1] + 1 == ranks[0] and len(ranks) == len(last.ranks) // len(last.names):
+            last.names.append(node.name)
+            last.ranks.extend(ranks)
+            last.dp |= dp
+        else:
+            rows.append(NodeRow(node.cluster, node.accelerator, [node.name], ranks, *key[2:], dp))
+    return rows
+
+
+def stage_summary(plan: Plan) -> list[dict[str, Any]]:
+    """Per stage: its layers, where it runs (cluster/accelerator and rank count), embedding/output."""
+    size = plan.world_size // plan.pp
+    out = []
+    for s in range(plan.pp):
+        where: Counter = Counter()
+        for r in plan.rank_of_logical[s * size:(s + 1) * size]:
+            n = plan.node_of(r)
+            where[f"{n.cluster}/{n.accelerator}"] += 1
+        extra = []
+        if s == 0:
+            extra.append("embedding")
+        if s == plan.pp - 1:
+            extra.append("output")
+        out.append({"stage": s, "layers": plan.layers_per_stage[s], "where": dict(where), "extra": extra})
+    return out
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def _prediction_lines(p: Prediction, indent: str = "  ", memory: bool = True) -> list[str]:
+    lines = [f"{indent}iteration {_fmt_s(p.iteration_s)}, {p.tokens_per_s:,.0f} tokens/s, "
+             f"{p.tflops_per_device:.1f} TFLOPS per device"]
+    parts = []
+    if p.pipeline_s:
+        parts.append(f"pipeline {_fmt_s(p.pipeline_s)}")
+    if p.bubble_fraction:
+        parts.append(f"bubble {p.bubble_fraction:.1%}")
+    if p.dp_exposed_s:
+        parts.append(f"exposed gradient reduction {_fmt_s(p.dp_exposed_s)}")
+    if p.optimizer_s:
+        parts.append(f"optimizer {_fmt_s(p.optimizer_s)}")
+    if parts:
+        lines.append(indent + ", ".join(parts))
+    if memory and p.memory_gib_per_stage:
+        lines.append(f"{indent}memory per rank, by stage (used / capacity):")
+        caps = p.capacity_gib_per_stage or [None] * len(p.memory_gib_per_stage)
+        for s, (m, c) in enumerate(zip(p.memory_gib_per_stage, caps)):
+            if c:
+                flag = "" if m <= c else "  DOES NOT FIT"
+                lines.append(f"{indent}  stage {s}: {m:6.1f} / {c:.0f} GiB ({m / c:.0%}){flag}")
+            else:
+                lines.append(f"{indent}  stage {s}: {m:6.1f} GiB")
+    return lines
+
+
+def _alternative_line(alt: dict[str, Any], planned_s: Optional[float]) -> str:
+    """One alternative plan from the search: its degrees, split, domain order and predicted time."""
+    alt = dict(alt)
+    parts = []
+    degrees = [f"{k}={alt.pop(k)}" for k in ("tp", "cp", "pp", "dp") if k in alt]
+    if degrees:
+        parts.append(" ".join(degrees))
+    if "micro_batch_size" in alt:
+        parts.append(f"micro-batch {alt.pop('micro_batch_size')}")
+    if "layers_per_stage" in alt:
+        parts.append(f"layers {alt.pop('layers_per_stage')}")
+    order = alt.pop("domain_order", None)
+    if order:
+        parts.append("order " + " > ".join(map(str, order)))
+    if "distributed_optimizer" in alt:
+        parts.append("distributed optimizer" if alt.pop("distributed_optimizer") else "plain optimizer")
+    it = alt.pop("iteration_s", None)
+    alt.pop("tokens_per_s", None)   # follows from the iteration time
+    for k in sorted(alt):
+        v = alt[k]
+        parts.append(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}")
+    if isinstance(it, (int, float)):
+        rel = f" ({it / planned_s:.3f}x the plan's time)" if planned_s else ""
+        parts.append(f"-> {_fmt_s(it)}{rel}")
+    return ", ".join(parts)
 
 
 def render_text(plan: Plan) -> str:
-    lines = [f"het_plugin plan {plan.hash} for {plan.model.get('name')} on {plan.cluster_name} "
-             f"({plan.world_size} ranks)",
-             f"degrees: tp={plan.tp} cp={plan.cp} pp={plan.pp} dp={plan.dp}  micro-batch {plan.micro_batch_size} "
-             f"x {plan.num_micro_batches}",
-             f"layers per stage: {plan.layers_per_stage}"]
-    for kind in ("tp", "dp", "pp", "embedding"):
-        kinds = sorted({g.transport for g in plan.groups[kind]})
-        lines.append(f"  {kind:10s} groups: {len(plan.groups[kind]):4d}  transport: {', '.join(kinds)}")
-    for w in plan.warnings:
-        lines.append(f"warning: {w}")
+    model = plan.model.get("name", "model")
+    clusters = list(dict.fromkeys(n.cluster for n in plan.nodes))
+    kind = "homogeneous: the frameworks' default groups" if plan.homogeneous else "heterogeneous"
+    lines = [f"het_plugin plan {plan.hash}: {model} on {plan.cluster_name} "
+             f"({plan.world_size} ranks, {len(plan.nodes)} nodes, {len(clusters)} cluster(s), {kind})",
+             f"degrees: tp={plan.tp} cp={plan.cp} pp={plan.pp} dp={plan.dp}   micro-batch {plan.micro_batch_size}"
+             f" x {plan.num_micro_batches} per iteration   overlap grad reduce: "
+             f"{'on' if plan.overlap_grad_reduce else 'off'}   distributed optimizer: "
+             f"{'on' if plan.distributed_optimizer else 'off'}",
+             f"placement: {'identity (logical rank = launch rank)' if plan.is_identity else 'remapped'}",
+             ""]
+
+    lines.append("where the ranks live (per cluster and node):")
+    rows = node_rows(plan)
+    label_w = max(len(r.label) for r in rows)
+    ranks_w = max(len(spans(r.ranks)) for r in rows)
+    for c in clusters:
+        members = [n for n in plan.nodes if n.cluster == c]
+        accs = Counter(f"{n.num_ranks} x {n.accelerator} ({n.vendor})" for n in members)
+        desc = ", ".join(f"{k} on {v} node(s)" for k, v in accs.items())
+        lines.append(f"  cluster {c} [{members[0].fabric}]: {desc}")
+        for row in (r for r in rows if r.cluster == c):
+            coord = f"stage {spans(row.stages)}  tp {spans(row.tp)}"
+            if plan.cp > 1:
+                coord += f"  cp {spans(row.cp)}"
+            coord += f"  dp {spans(row.dp)}"
+            lines.append(f"    {row.label:<{label_w}s}  ranks {spans(row.ranks):<{ranks_w}s}  {coord}")
+    lines.append("")
+
+    lines.append("layers per stage:")
+    for st in stage_summary(plan):
+        where = ", ".join(f"{k} x{v}" for k, v in st["where"].items())
+        extra = f" + {' + '.join(st['extra'])}" if st["extra"] else ""
+        lines.append(f"  stage {st['stage']:>2d}: {st['layers']:>3d} layers{extra:<22s} on {where}")
+    lines.append(f"  total {sum(plan.layers_per_stage)} layers: {plan.layers_per_stage}")
+    lines.append("")
+
+    lines.append("communicators (kind: count x size, transport):")
+    for kind_name, groups in plan.groups.items():
+        if not groups or (all(len(g.ranks) == 1 for g in groups) and kind_name != "tp"):
+            continue   # a degree of 1: no communication
+        sizes = Counter(len(g.ranks) for g in groups)
+        size = "/".join(str(s) for s in sorted(sizes))
+        transports = Counter(g.transport for g in groups)
+        tdesc = ", ".join(f"{t} ({n})" if len(transports) > 1 else t for t, n in sorted(transports.items()))
+        lines.append(f"  {kind_name:<10s} {len(groups):>5d} x {size:<5s} {tdesc}")
+    lines.append("")
+
+    lines.append("prediction (this plan):")
+    if plan.prediction is None:
+        lines.append("  not available (the plan carries no cost-model prediction)")
+    else:
+        lines.extend(_prediction_lines(plan.prediction))
+    lines.append("baseline (framework-default placement, uniform layers):")
+    if plan.baseline is None:
+        lines.append("  not available")
+    else:
+        if plan.baseline.description:
+            lines.append(f"  {plan.baseline.description}")
+        lines.extend(_prediction_lines(plan.baseline, memory=False))
+    speedup = plan.speedup
+    if speedup is not None:
+        lines.append(f"speed-up over the baseline: {speedup:.2f}x (baseline iteration {_fmt_s(plan.baseline.iteration_s)}"
+                     f" / planned {_fmt_s(plan.prediction.iteration_s)})")
+    if plan.alternatives:
+        lines.append("")
+        lines.append("alternatives considered (next best):")
+        for i, alt in enumerate(plan.alternatives, 1):
+            lines.append(f"  {i}. {_alternative_line(alt, plan.prediction.iteration_s if plan.prediction else None)}")
+    if plan.warnings:
+        lines.append("")
+        for w in plan.warnings:
+            lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def speedup_text(plan: Plan) -> Optional[str]:
+    s = plan.speedup
+    return None if s is None else f"{s:.2f}x"

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from ..cluster import load_cluster
+from ..errors import ConfigError
 from ..model import load_model, preset_model
 
 DEFAULT_CLUSTER = Path(__file__).resolve().parent.parent / "data" / "clusters" / "holmes-ib-roce.yaml"
@@ -25,6 +26,9 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", help="write the plan to this file (.json or .yaml)")
     p.add_argument("--format", choices=["text", "json"], default="text",
                    help="text: a readable report; json: the plan itself on stdout")
+    p.add_argument("--svg", metavar="FILE",
+                   help="also draw the placement (clusters, nodes, ranks coloured by stage, slow links) "
+                        "into FILE: .svg, or .png (needs matplotlib)")
     p.set_defaults(func=run)
 
 
@@ -41,7 +45,13 @@ def run(args) -> int:
     plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
                      micro_batch_size=args.micro_batch_size, progress=sys.stderr.isatty())
     if args.output:
+        if Path(args.output).suffix not in (".json", ".yaml", ".yml"):
+            raise ConfigError(f"cannot tell the format of {args.output!r}", field="-o/--output",
+                              fix="use a name ending in .json or .yaml")
         plan.save(args.output)
+    if args.svg:
+        from ..svg import draw_plan
+        draw_plan(plan, args.svg, cluster)
     if args.format == "json":
         json.dump(plan.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -49,4 +59,6 @@ def run(args) -> int:
         print(render_text(plan))
         if args.output:
             print(f"\nplan written to {args.output} (hash {plan.hash})")
+        if args.svg:
+            print(f"placement picture written to {args.svg}")
     return 0
