@@ -1,0 +1,17 @@
+"""Cross-vendor communicator shim: ``import het_plugin.comm`` registers the ``het_shim`` backend.
+
+Groups whose plan transport is ``host-staged`` are created with
+``torch.distributed.new_group(ranks, backend=het_plugin.comm.SHIM_BACKEND)``; hand the plan's vendors
+over first with :func:`set_vendor_map` (or :func:`set_vendor_map_from_plan`). See docs/shim.md.
+"""
+from .layout import ShimLayout, chunk_bounds
+from .shim import SHIM_BACKEND, ShimProcessGroup, ShimUnsupportedError, create_shim_group, register
+from .vendors import (ENV_AGREE_TIMEOUT, ENV_VENDOR, ENV_VENDOR_MAP, VendorMapError, declared_vendor_map,
+                      detect_vendor, parse_vendor_map, set_vendor_map, set_vendor_map_from_plan)
+from .work import ShimWork
+
+register()
+
+__all__ = ["SHIM_BACKEND", "ShimProcessGroup", "ShimUnsupportedError", "ShimWork", "ShimLayout", "VendorMapError",
+           "set_vendor_map", "set_vendor_map_from_plan", "declared_vendor_map", "detect_vendor", "parse_vendor_map",
+           "chunk_bounds", "create_shim_group", "register", "ENV_VENDOR", "ENV_VENDOR_MAP", "ENV_AGREE_TIMEOUT"]

@@ -1,0 +1,618 @@
+"""The ``het_shim`` process group: collectives over ranks on different accelerator vendors.
+
+NCCL and RCCL cannot share a communicator, so a group spanning vendors works in three hops:
+inside each vendor subgroup with that vendor's native backend, between the subgroups' leaders through
+host memory (CPU tensors over gloo/TCP), then back inside each subgroup. Tensors are cut into chunks
+and the hops run as a pipeline (chunk i crosses between leaders while chunk i+1 is reduced inside the
+subgroups and chunk i-1 is sent back down). A group whose members all have one vendor forwards every
+call to the native backend.
+
+Collectives run in submission order on one worker thread per group (every member submits the same
+sequence, so the hops match up); point-to-point calls are issued directly (their peers do not
+follow the group's collective order).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import HetPluginError
+from ..netselect import gloo_network
+from .layout import ShimLayout, chunk_bounds, describe
+from .vendors import ENV_AGREE_TIMEOUT, DEFAULT_AGREE_TIMEOUT_S, agree_on_vendors
+from .work import ShimWork, done_work
+
+SHIM_BACKEND = "het_shim"
+ENV_NATIVE = "HET_PLUGIN_SHIM_NATIVE"   # 'gloo' forces gloo inside subgroups even where NCCL/RCCL exists
+
+RedOp = dist.ReduceOp.RedOpType
+SUPPORTED_REDUCE_OPS = (RedOp.SUM, RedOp.AVG, RedOp.MAX, RedOp.MIN, RedOp.PRODUCT)
+
+
+class ShimUnsupportedError(HetPluginError, NotImplementedError):
+    """An operation the cross-vendor shim does not implement; the message names a workaround."""
+
+
+# ---- helpers over native backends -------------------------------------------------------------
+
+def _op_kind(reduce_op) -> RedOp:
+    return getattr(reduce_op, "op", reduce_op)
+
+
+def _allreduce_opts(op: RedOp) -> dist.AllreduceOptions:
+    o = dist.AllreduceOptions()
+    o.reduceOp = dist.ReduceOp(op)
+    return o
+
+
+def _reduce_opts(op: RedOp, root: int) -> dist.ReduceOptions:
+    o = dist.ReduceOptions()
+    o.reduceOp = dist.ReduceOp(op)
+    o.rootRank = root
+    o.rootTensor = 0
+    return o
+
+
+def _bcast_opts(root: int) -> dist.BroadcastOptions:
+    o = dist.BroadcastOptions()
+    o.rootRank = root
+    o.rootTensor = 0
+    return o
+
+
+def _gather_opts(root: int) -> dist.GatherOptions:
+    o = dist.GatherOptions()
+    o.rootRank = root
+    return o
+
+
+def _scatter_opts(root: int) -> dist.ScatterOptions:
+    o = dist.ScatterOptions()
+    o.rootRank = root
+    return o
+
+
+def _rs_opts(op: RedOp) -> dist.ReduceScatterOptions:
+    o = dist.ReduceScatterOptions()
+    o.reduceOp = dist.ReduceOp(op)
+    return o
+
+
+def _all_gather_base(pg, out: torch.Tensor, inp: torch.Tensor):
+    fn = getattr(pg, "all_gather_single", None) or pg._allgather_base
+    return fn(out, inp)
+
+
+def _reduce_scatter_base(pg, out: torch.Tensor, inp: torch.Tensor, op: RedOp):
+    fn = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base
+    return fn(out, inp, _rs_opts(op))
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when already in host memory, else a host copy (pinned where possible)."""
+    if t.device.type == "cpu":
+        return t
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    h.copy_(t)
+    return h
+
+
+def _host_buffer(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+
+
+def _from_host(h: torch.Tensor, t: torch.Tensor) -> None:
+    if h is not t:
+        t.copy_(h)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D tensor with t's data: a view when t is contiguous, else a copy."""
+    return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+
+def _writeback(flat: torch.Tensor, t: torch.Tensor) -> None:
+    if not (t.is_contiguous() and flat.data_ptr() == t.data_ptr()):
+        t.copy_(flat.view(t.shape))
+
+
+def _make_native(kind: str, store, rank: int, size: int, timeout: timedelta):
+    if kind == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if kind == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(kind)
+
+
+def _device_native_kind() -> Optional[str]:
+    """The native backend for accelerator tensors in this process (NCCL, which is RCCL on ROCm builds)."""
+    if os.environ.get(ENV_NATIVE, "").strip().lower() == "gloo":
+        return None
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return None
+
+
+class ShimProcessGroup(dist.ProcessGroup):
+    """A torch.distributed ProcessGroup; create with ``new_group(ranks, backend="het_shim")``."""
+
+    def __init__(self, store, rank: int, size: int, global_ranks: Sequence[int], timeout: timedelta,
+                 layout: ShimLayout):
+        super().__init__(rank, size)
+        self.layout = layout
+        self.global_ranks = list(global_ranks)
+        self._timeout = timeout
+        self._sub = layout.subgroup_index(rank)
+        members = layout.subgroups[self._sub]
+        self._members = members
+        self._local_rank = members.index(rank)
+        self._is_leader = self._local_rank == 0
+        # Native backends of this rank's vendor subgroup, per device type. A one-member subgroup of a
+        # mixed group needs none; a single-vendor group always has them (they carry every call).
+        self._native: dict[str, object] = {}
+        if len(members) > 1 or layout.single_vendor:
+            self._native["cpu"] = _make_native("gloo", dist.PrefixStore(f"het_shim/sub{self._sub}/cpu", store),
+                                               self._local_rank, len(members), timeout)
+            device_kind = _device_native_kind()
+            if device_kind:
+                self._native["cuda"] = _make_native(device_kind,
+                                                    dist.PrefixStore(f"het_shim/sub{self._sub}/dev", store),
+                                                    self._local_rank, len(members), timeout)
+        self._host = self._leaders = None
+        self._worker = None
+        if not layout.single_vendor:
+            with gloo_network("host-staged"):
+                self._host = dist.ProcessGroupGloo(dist.PrefixStore("het_shim/host", store), rank, size, timeout)
+                if self._is_leader:
+                    self._leaders = dist.ProcessGroupGloo(dist.PrefixStore("het_shim/leaders", store), self._sub,
+                                                          len(layout.subgroups), timeout)
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="het_shim")
+
+    # ---- identity ---------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - name fixed by the C++ ProcessGroup interface
+        return SHIM_BACKEND
+
+    def __repr__(self) -> str:
+        return f"ShimProcessGroup(rank={self.rank()}, size={self.size()}, {describe(self.layout, self.global_ranks)})"
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _native_for(self, t: torch.Tensor):
+        """This subgroup's native backend for t's device; None in a one-member subgroup."""
+        if not self._native:
+            return None
+        pg = self._native.get(t.device.type)
+        if pg is None:
+            raise ShimUnsupportedError(
+                f"het_shim has no native backend for {t.device.type} tensors in this process "
+                f"(have: {sorted(self._native)}); move the tensor to one of those devices")
+        return pg
+
+    def _submit(self, job: Callable[[], None], tensors: Sequence[torch.Tensor]) -> ShimWork:
+        """Run ``job`` on the worker thread after the caller's stream produced ``tensors``."""
+        ready, device = None, None
+        for t in tensors:
+            if t.device.type == "cuda":
+                device = t.device
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(device))
+                break
+
+        def run():
+            if ready is not None:
+                torch.cuda.set_device(device)
+                ready.synchronize()
+            job()
+            if device is not None:
+                torch.cuda.synchronize(device)
+
+        return ShimWork(future=self._worker.submit(run), result=tensors)
+
+    def _check_op(self, name: str, op: RedOp, t: torch.Tensor) -> None:
+        if op not in SUPPORTED_REDUCE_OPS:
+            raise ShimUnsupportedError(
+                f"het_shim {name}: reduce op {op.name} is not supported (supported: "
+                f"{', '.join(o.name for o in SUPPORTED_REDUCE_OPS)}); apply the scaling yourself and use SUM")
+        if op == RedOp.AVG and not (t.is_floating_point() or t.is_complex()):
+            raise ShimUnsupportedError(f"het_shim {name}: AVG on {t.dtype} tensors is not supported; use SUM "
+                                       "and divide by the group size")
+
+    # ---- all_reduce -------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        t = _single(tensors, "all_reduce")
+        op = _op_kind(opts.reduceOp)
+        self._check_op("all_reduce", op, t)
+        if self.layout.single_vendor:
+            return self._native_allreduce(t, op)
+        flat = _flat(t)
+
+        def job():
+            self._hier_allreduce(flat, op)
+            _writeback(flat, t)
+        return self._submit(job, [t])
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = _op_kind((opts or dist.AllreduceCoalescedOptions()).reduceOp)
+        works = [self.allreduce([t], _allreduce_opts(op)) for t in tensors]
+        return ShimWork(works=works, result=list(tensors))
+
+    def _native_allreduce(self, t: torch.Tensor, op: RedOp):
+        pg = self._native_for(t)
+        native_avg = not (op == RedOp.AVG and isinstance(pg, dist.ProcessGroupGloo))   # gloo has no AVG
+        buf = _contiguous(t)       # gloo would treat a strided view as dense memory
+        work = pg.allreduce([buf], _allreduce_opts(op if native_avg else RedOp.SUM))
+        if buf is t and native_avg:
+            return work
+
+        def finish():
+            if not native_avg:
+                buf.div_(self.size())
+            if buf is not t:
+                t.copy_(buf)
+        return ShimWork(works=[work], finish=finish, result=[t])
+
+    def _hier_allreduce(self, flat: torch.Tensor, op: RedOp) -> None:
+        red = RedOp.SUM if op == RedOp.AVG else op
+        native = self._native_for(flat)
+        chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), flat.element_size())]
+        down = [native.reduce([c], _reduce_opts(red, 0)) for c in chunks] if native else []
+        up = []
+        if self._is_leader:
+            across = []
+            for i, c in enumerate(chunks):
+                if down:
+                    down[i].wait()
+                h = _to_host(c)
+                across.append((self._leaders.allreduce([h], _allreduce_opts(red)), h))
+            for c, (w, h) in zip(chunks, across):
+                w.wait()
+                _from_host(h, c)
+                if op == RedOp.AVG:
+                    c.div_(self.size())
+                if native:
+                    up.append(native.broadcast([c], _bcast_opts(0)))
+        else:
+            for i, c in enumerate(chunks):
+                down[i].wait()
+                up.append(native.broadcast([c], _bcast_opts(0)))
+        for w in up:
+            w.wait()
+
+    # ---- broadcast --------------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        t = _single(tensors, "broadcast")
+        root = opts.rootRank
+        if not 0 <= root < self.size():
+            raise ValueError(f"het_shim broadcast: root {root} is not a rank of this group (size {self.size()})")
+        if self.layout.single_vendor:
+            buf = _contiguous(t)
+            work = self._native_for(t).broadcast([buf], _bcast_opts(root))
+            return work if buf is t else ShimWork(works=[work], finish=lambda: t.copy_(buf), result=[t])
+        flat = _flat(t)
+
+        def job():
+            self._hier_broadcast(flat, root)
+            _writeback(flat, t)
+        return self._submit(job, [t])
+
+    def _hier_broadcast(self, flat: torch.Tensor, root: int) -> None:
+        lay = self.layout
+        root_sub = lay.subgroup_index(root)
+        native = self._native_for(flat)
+        chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), flat.element_size())]
+        if self._sub == root_sub:
+            down = [native.broadcast([c], _bcast_opts(lay.local_rank(root))) for c in chunks] if native else []
+            if self._is_leader:
+                across = []
+                for i, c in enumerate(chunks):
+                    if down:
+                        down[i].wait()
+                    across.append(self._leaders.broadcast([_to_host(c)], _bcast_opts(root_sub)))
+                for w in across:
+                    w.wait()
+            for w in down:
+                w.wait()
+            return
+        up = []
+        if self._is_leader:
+            across = []
+            for c in chunks:
+                h = _host_buffer(c)
+                across.append((self._leaders.broadcast([h], _bcast_opts(root_sub)), h))
+            for c, (w, h) in zip(chunks, across):
+                w.wait()
+                _from_host(h, c)
+                if native:
+                    up.append(native.broadcast([c], _bcast_opts(0)))
+        else:
+            up = [native.broadcast([c], _bcast_opts(0)) for c in chunks]
+        for w in up:
+            w.wait()
+
+    # ---- all_gather -------------------------------------------------------------------------
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's parameter name
+        n = self.size()
+        if output.numel() != n * input.numel() or output.dtype != input.dtype:
+            raise ValueError(f"het_shim all_gather_into_tensor: output must have group size ({n}) x input's "
+                             f"elements and input's dtype; got {output.numel()} {output.dtype} for "
+                             f"{input.numel()} {input.dtype}")
+        if self.layout.single_vendor:
+            return self._native_all_gather(output, input)
+        inp = _flat(input)
+        out = _flat(output)
+
+        def job():
+            self._hier_all_gather(out, inp)
+            _writeback(out, output)
+        return self._submit(job, [output, input])
+
+    _allgather_base = all_gather_single
+
+    def _native_all_gather(self, output: torch.Tensor, input: torch.Tensor):  # noqa: A002
+        """Gloo wants the output as the inputs stacked along dim 0; any other shape goes through a view."""
+        inp = _contiguous(input)
+        out = _contiguous(output)
+        stacked = out.view(self.size() * inp.shape[0], *inp.shape[1:]) if inp.dim() else out.view(self.size())
+        work = _all_gather_base(self._native_for(inp), stacked, inp)
+        if out is output:
+            return work
+        return ShimWork(works=[work], finish=lambda: output.copy_(out), result=[output])
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """The list form (``dist.all_gather``): gathered into one buffer, then split into the list."""
+        inp = _single(input_tensors, "all_gather")
+        outs = _single(output_tensors, "all_gather", what="output lists")
+        if len(outs) != self.size() or any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
+            raise ValueError(f"het_shim all_gather: need {self.size()} output tensors shaped like the input")
+        buf = torch.empty(self.size() * inp.numel(), dtype=inp.dtype, device=inp.device)
+        work = self.all_gather_single(buf, inp)
+
+        def finish():
+            for o, part in zip(outs, buf.view(self.size(), -1)):
+                o.copy_(part.view(o.shape))
+        return ShimWork(works=[work], finish=finish, result=list(outs))
+
+    def _hier_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        lay, n, m = self.layout, self.size(), inp.numel()
+        out2 = out.view(n, m)
+        native = self._native_for(inp)
+        members = list(self._members)
+        bounds = chunk_bounds(m, inp.element_size() * n)
+        rows = [torch.empty(n, b - a, dtype=inp.dtype, device=inp.device) for a, b in bounds]
+        down = []
+        for (a, b), r in zip(bounds, rows):
+            if native is None:
+                r[self.rank()].copy_(inp[a:b])
+            elif self._is_leader:
+                down.append(native.gather([[r[g] for g in members]], [inp[a:b]], _gather_opts(0)))
+            else:
+                down.append(native.gather([], [inp[a:b]], _gather_opts(0)))
+        up = []
+        if self._is_leader:
+            smax, subs = lay.max_subgroup, lay.subgroups
+            across = []
+            for i, r in enumerate(rows):
+                if down:
+                    down[i].wait()
+                pack = torch.zeros(smax, r.shape[1], dtype=r.dtype)
+                pack[:len(members)] = _to_host(r[members])
+                big = torch.empty(len(subs), smax, r.shape[1], dtype=r.dtype)
+                across.append((_all_gather_base(self._leaders, big.view(-1), pack.view(-1)), big))
+            for r, (w, big) in zip(rows, across):
+                w.wait()
+                for j, sub in enumerate(subs):
+                    r[list(sub)] = big[j, :len(sub)].to(r.device)
+                if native:
+                    up.append(native.broadcast([r], _bcast_opts(0)))
+        else:
+            for i, r in enumerate(rows):
+                down[i].wait()
+                up.append(native.broadcast([r], _bcast_opts(0)))
+        for w in up:
+            w.wait()
+        for (a, b), r in zip(bounds, rows):
+            out2[:, a:b] = r
+
+    # ---- reduce_scatter ---------------------------------------------------------------------
+    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
+        opts = opts or dist.ReduceScatterOptions()
+        n = self.size()
+        op = _op_kind(opts.reduceOp)
+        self._check_op("reduce_scatter", op, input)
+        if input.numel() != n * output.numel() or output.dtype != input.dtype:
+            raise ValueError(f"het_shim reduce_scatter_tensor: input must have group size ({n}) x output's "
+                             f"elements and output's dtype; got {input.numel()} {input.dtype} for "
+                             f"{output.numel()} {output.dtype}")
+        if self.layout.single_vendor:
+            return self._native_reduce_scatter(output, input, op)
+        inp = _flat(input)
+        out = _flat(output)
+
+        def job():
+            self._hier_reduce_scatter(out, inp, op)
+            _writeback(out, output)
+        return self._submit(job, [output, input])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def _native_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp):  # noqa: A002
+        n = self.size()
+        pg = self._native_for(input)
+        native_avg = not (op == RedOp.AVG and isinstance(pg, dist.ProcessGroupGloo))   # gloo has no AVG
+        out = _contiguous(output)
+        stacked = _contiguous(input).view(n * out.shape[0], *out.shape[1:]) if out.dim() else input.reshape(n)
+        work = _reduce_scatter_base(pg, out, stacked, op if native_avg else RedOp.SUM)
+        if out is output and native_avg:
+            return work
+
+        def finish():
+            if not native_avg:
+                out.div_(n)
+            if out is not output:
+                output.copy_(out)
+        return ShimWork(works=[work], finish=finish, result=[output])
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """The list form (``dist.reduce_scatter``): one concatenated buffer through the tensor form."""
+        out = _single(output_tensors, "reduce_scatter")
+        ins = _single(input_tensors, "reduce_scatter", what="input lists")
+        if len(ins) != self.size() or any(i.numel() != out.numel() or i.dtype != out.dtype for i in ins):
+            raise ValueError(f"het_shim reduce_scatter: need {self.size()} input tensors shaped like the output")
+        buf = torch.cat([i.reshape(-1) for i in ins])
+        return self.reduce_scatter_single(out, buf, opts)
+
+    def _hier_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: RedOp) -> None:
+        lay, n, m = self.layout, self.size(), out.numel()
+        red = RedOp.SUM if op == RedOp.AVG else op
+        inp2 = inp.view(n, m)
+        native = self._native_for(inp)
+        bounds = chunk_bounds(m, inp.element_size() * n)
+        parts = [inp2[:, a:b].contiguous() for a, b in bounds]       # reduced in place at the leader
+        down = [native.reduce([x], _reduce_opts(red, 0)) for x in parts] if native else []
+        up = []
+        if self._is_leader:
+            smax, subs = lay.max_subgroup, lay.subgroups
+            across = []
+            for i, x in enumerate(parts):
+                if down:
+                    down[i].wait()
+                xh = _to_host(x)
+                packed = torch.zeros(len(subs), smax, x.shape[1], dtype=x.dtype)
+                for j, sub in enumerate(subs):
+                    packed[j, :len(sub)] = xh[list(sub)]
+                mine = torch.empty(smax, x.shape[1], dtype=x.dtype)
+                across.append((_reduce_scatter_base(self._leaders, mine.view(-1), packed.view(-1), red), mine))
+            for (a, b), (w, mine) in zip(bounds, across):
+                w.wait()
+                if op == RedOp.AVG:
+                    mine.div_(n)
+                mine = mine.to(out.device)
+                if native:
+                    up.append(native.scatter([out[a:b]], [[mine[k] for k in range(len(self._members))]],
+                                             _scatter_opts(0)))
+                else:
+                    out[a:b] = mine[0]
+        else:
+            for i, (a, b) in enumerate(bounds):
+                down[i].wait()
+                up.append(native.scatter([out[a:b]], [], _scatter_opts(0)))
+        for w in up:
+            w.wait()
+
+    # ---- barrier ----------------------------------------------------------------------------
+    def barrier(self, opts=None):
+        if self.layout.single_vendor:
+            return self._native["cpu"].barrier()
+        return self._submit(lambda: self._host.barrier().wait(), [])
+
+    # ---- point to point ---------------------------------------------------------------------
+    def send(self, tensors, dst_rank, tag=0):
+        t = _single(tensors, "send")
+        self._check_peer(dst_rank, "send")
+        if self.layout.same_vendor(self.rank(), dst_rank):
+            pg = self._native_for(t)
+            return pg.send([_contiguous(t)], self.layout.local_rank(dst_rank), tag)
+        h = _to_host(_contiguous(t))
+        return ShimWork(works=[self._host.send([h], dst_rank, tag)], result=[t])
+
+    def recv(self, tensors, src_rank, tag=0):
+        t = _single(tensors, "recv")
+        self._check_peer(src_rank, "recv")
+        same = self.layout.same_vendor(self.rank(), src_rank)
+        pg = self._native_for(t) if same else self._host
+        peer = self.layout.local_rank(src_rank) if same else src_rank
+        buf = (t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format))
+        if not same:
+            buf = _host_buffer(buf)
+        work = pg.recv([buf], peer, tag)
+        if buf is t:
+            return work
+        return ShimWork(works=[work], finish=lambda: t.copy_(buf), result=[t])
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self.size():
+            raise ValueError(f"het_shim {what}: peer {peer} is not a rank of this group (size {self.size()})")
+        if peer == self.rank():
+            raise ValueError(f"het_shim {what}: peer {peer} is this rank itself")
+
+    # ---- everything else: a clear error ------------------------------------------------------
+    def _unsupported(name: str, fix: str):  # noqa: N805 - class-body helper
+        def method(self, *args, **kwargs):
+            raise ShimUnsupportedError(f"het_shim does not support {name} (group {self.global_ranks} spans "
+                                       f"vendors: {describe(self.layout, self.global_ranks)}); {fix}")
+        method.__name__ = name
+        return method
+
+    reduce = _unsupported("reduce", "use all_reduce (every rank gets the result)")
+    gather = _unsupported("gather", "use all_gather_into_tensor and keep the part you need")
+    scatter = _unsupported("scatter", "use broadcast of the whole tensor and slice it")
+    alltoall = _unsupported("all_to_all", "use all_gather_into_tensor and select, or keep expert-parallel "
+                                          "groups inside one vendor")
+    alltoall_base = all_to_all_single = _unsupported("all_to_all_single", "keep expert-parallel groups inside "
+                                                     "one vendor (the planner does this by default)")
+    allgather_coalesced = _unsupported("all_gather_coalesced", "call all_gather once per tensor")
+    recv_anysource = _unsupported("recv from any source", "receive from a named source rank")
+    monitored_barrier = _unsupported("monitored_barrier", "use barrier")
+    del _unsupported
+
+    # Coalesced forms (torch's _coalescing_manager, Megatron's distributed optimizer): one call each.
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
+        return ShimWork(works=works, result=list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        op = _op_kind((opts or dist.ReduceScatterOptions()).reduceOp)
+        works = [self.reduce_scatter_single(o, i, _rs_opts(op)) for o, i in zip(outputs, inputs)]
+        return ShimWork(works=works, result=list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+
+    abort = shutdown
+
+
+def _single(tensors, name: str, what: str = "tensors"):
+    if len(tensors) != 1:
+        raise ShimUnsupportedError(f"het_shim {name}: exactly one {what[:-1]} per call (got {len(tensors)}); "
+                                   "call once per tensor")
+    return tensors[0]
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+# ---- registration -----------------------------------------------------------------------------
+
+def create_shim_group(dist_opts, backend_opts=None) -> ShimProcessGroup:
+    """The creator torch.distributed calls on each member when a het_shim group is created."""
+    global_ranks = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
+    world = dist.get_world_size() if dist.is_initialized() else dist_opts.group_size
+    group_timeout = dist_opts.timeout.total_seconds() if dist_opts.timeout else DEFAULT_AGREE_TIMEOUT_S
+    agree_timeout = min(group_timeout, float(os.environ.get(ENV_AGREE_TIMEOUT, DEFAULT_AGREE_TIMEOUT_S)))
+    vendors = agree_on_vendors(dist_opts.store, group_rank=dist_opts.group_rank, global_ranks=global_ranks,
+                               world_size=world, timeout_s=agree_timeout)
+    return ShimProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, global_ranks,
+                            dist_opts.timeout, ShimLayout(tuple(vendors)))
+
+
+def register() -> None:
+    """Make ``backend="het_shim"`` known to torch.distributed (idempotent)."""
+    if SHIM_BACKEND.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(SHIM_BACKEND, create_shim_group, extended_api=True, devices=["cpu", "cuda"])
