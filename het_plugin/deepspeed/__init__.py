@@ -1,0 +1,28 @@
+"""DeepSpeed adapter: wrap a config, then build the model and engine through these calls.
+
+    cfg = het_plugin.deepspeed.wrap("ds_config.json", cluster="cluster.yaml", pp=2)
+    model = het_plugin.deepspeed.PipelineModule(layers, num_stages=2, loss_fn=..., config=cfg)
+    engine, *_ = het_plugin.deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+
+``wrap`` needs no DeepSpeed (it also backs ``het-plugin wrap-config``); the other names import DeepSpeed
+when first used. See docs/deepspeed.md.
+"""
+from __future__ import annotations
+
+from .config import SECTION, HetSection, load_ds_config, section_of, strip_section, wrap, write_config
+
+__all__ = ["wrap", "initialize", "PipelineModule", "PlanTopology", "HetSection", "SECTION", "load_ds_config",
+           "section_of", "strip_section", "write_config"]
+
+
+def __getattr__(name):
+    if name == "initialize":
+        from .engine import initialize
+        return initialize
+    if name == "PipelineModule":
+        from .pipe import PipelineModule
+        return PipelineModule
+    if name == "PlanTopology":
+        from .topology import PlanTopology
+        return PlanTopology
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

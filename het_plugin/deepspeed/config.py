@@ -1,0 +1,296 @@
+"""The ``"heterogeneous"`` section of a DeepSpeed config: what :func:`wrap` records and every rank reads.
+
+DeepSpeed has no notion of a pipeline degree in its config (the model's ``num_stages``/topology holds it),
+so the section records the degrees the plan was made for, the cluster source, the model used for
+planning, and by default the plan itself (so every rank loads the same plan without the cluster file).
+No torch.distributed here: ``het-plugin wrap-config`` runs without DeepSpeed installed.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from ..cluster import Cluster, load_cluster
+from ..errors import ConfigError
+from ..model import ModelSpec, load_model, preset_model
+from ..plan import Plan, looks_like_plan
+
+SECTION = "heterogeneous"
+SECTION_VERSION = 1
+AUTO = "auto"
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+@dataclass
+class HetSection:
+    """What a wrapped config carries; enough to load (``plan``) or recompute (cluster + model) the plan."""
+    cluster: Optional[str]              # cluster file, plan file, "auto", or None (a Plan given in memory)
+    cluster_digest: Optional[str] = None
+    model: Optional[dict[str, Any]] = None   # ModelSpec fields; None: derived from the layer list at run time
+    tp: Optional[int] = None            # DeepSpeed's 'model' axis
+    pp: Optional[int] = None
+    dp: Optional[int] = None
+    layer_pattern: Optional[str] = None  # regex on layer class names: which layers the plan counts
+    plan_hash: Optional[str] = None
+    plan: Optional[dict[str, Any]] = None    # the plan itself (wrap's default), so ranks need no cluster file
+    version: int = SECTION_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<config>") -> "HetSection":
+        if not isinstance(data, dict):
+            raise ConfigError(f"the '{SECTION}' section must be a mapping, got {type(data).__name__}",
+                              source=source, field=SECTION, fix="re-create it with `het-plugin wrap-config`")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown keys {unknown}", source=source, field=SECTION,
+                              fix=f"allowed keys: {sorted(known)}; re-create it with `het-plugin wrap-config`")
+        if data.get("version") != SECTION_VERSION:
+            raise ConfigError(f"section version {data.get('version')!r}, this het_plugin reads {SECTION_VERSION}",
+                              source=source, field=f"{SECTION}.version", fix="re-wrap the config with this version")
+        return cls(**data)
+
+    @property
+    def planned_at_wrap(self) -> bool:
+        return self.plan_hash is not None
+
+
+# ---- reading DeepSpeed configs --------------------------------------------------------------------
+
+def load_ds_config(config: Union[str, Path, dict]) -> tuple[dict, str]:
+    """A deep copy of the config (dict or JSON path) and a name for messages."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config), "<config dict>"
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigError("DeepSpeed config file not found", source=str(path), fix="pass an existing JSON file")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}", source=str(path),
+                          fix="DeepSpeed configs are JSON; correct the syntax there") from None
+    if not isinstance(data, dict):
+        raise ConfigError("a DeepSpeed config must be a JSON object", source=str(path), fix="wrap it in { }")
+    return data, str(path)
+
+
+def section_of(config: Optional[dict], source: str = "<config>") -> Optional[HetSection]:
+    """The parsed section, or None when the config has none (het_plugin is then a pass-through)."""
+    if not isinstance(config, dict) or SECTION not in config:
+        return None
+    return HetSection.from_dict(config[SECTION], source)
+
+
+def strip_section(config: dict) -> dict:
+    """The config DeepSpeed sees: everything but our section."""
+    return {k: v for k, v in config.items() if k != SECTION}
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    train_batch_size: Optional[int]
+    micro_batch_size: Optional[int]
+    grad_accum: Optional[int]
+
+    @classmethod
+    def of(cls, config: dict, source: str = "<config>") -> "BatchSettings":
+        values = []
+        for key in BATCH_KEYS:
+            v = config.get(key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"must be a positive integer, got {v!r}", source=source, field=key,
+                                  fix="use a positive integer (or remove it)")
+            values.append(v)
+        return cls(*values)
+
+    @property
+    def dp(self) -> Optional[int]:
+        """The data-parallel degree the config implies (DeepSpeed: batch = micro * accum * dp)."""
+        if None in (self.train_batch_size, self.micro_batch_size, self.grad_accum):
+            return None
+        return self.train_batch_size // (self.micro_batch_size * self.grad_accum)
+
+    def check_divisible(self, source: str) -> None:
+        if self.dp is not None and self.train_batch_size % (self.micro_batch_size * self.grad_accum):
+            raise ConfigError(
+                f"train_batch_size {self.train_batch_size} is not a multiple of train_micro_batch_size_per_gpu * "
+                f"gradient_accumulation_steps = {self.micro_batch_size}*{self.grad_accum}", source=source,
+                field="train_batch_size", fix="DeepSpeed needs train_batch_size = micro * accumulation * dp")
+
+
+# ---- resolving wrap()'s inputs --------------------------------------------------------------------
+
+ModelArg = Union[None, ModelSpec, dict, str, Path]
+
+
+def resolve_model(model: ModelArg) -> Optional[ModelSpec]:
+    if model is None or isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, dict):
+        from ..yamlio import validate
+        return validate(ModelSpec, model, "<model dict>")
+    text = str(model)
+    if Path(text).exists() or text.endswith((".yaml", ".yml", ".json")):
+        return load_model(text)
+    return preset_model(text)
+
+
+def load_cluster_or_plan(source: str) -> Union[Cluster, Plan]:
+    """A cluster file or a plan file (``het-plugin plan -o``); a missing file is a ConfigError."""
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError("cluster file not found", source=str(path), field="cluster",
+                          fix="pass an existing cluster file (see examples/clusters), a plan file, or 'auto'")
+    return Plan.load(path) if looks_like_plan(path) else load_cluster(path)
+
+
+def model_for_config(model: ModelSpec, batch: BatchSettings) -> ModelSpec:
+    """The config decides the batch DeepSpeed trains with; the planning model follows it."""
+    update = {}
+    if batch.train_batch_size is not None:
+        update["global_batch_size"] = batch.train_batch_size
+    if batch.micro_batch_size is not None:
+        update["micro_batch_size"] = batch.micro_batch_size
+    if not update:
+        return model
+    from ..yamlio import validate
+    return validate(ModelSpec, {**model.model_dump(), **update}, "<model + DeepSpeed batch settings>")
+
+
+def check_degrees_fit(world_size: int, *, tp: Optional[int], pp: Optional[int], dp: Optional[int],
+                      source: str) -> None:
+    """The config's implied dp and the given tp/pp must multiply to the cluster's world size."""
+    if None in (tp, pp, dp):
+        return
+    if tp * pp * dp != world_size:
+        raise ConfigError(
+            f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} ranks (dp from train_batch_size / (micro * accumulation)), "
+            f"but the cluster has {world_size}", source=source, field="train_batch_size",
+            fix=f"make train_batch_size = micro * accumulation * {world_size // (tp * pp) if world_size % (tp * pp) == 0 else '?'}"
+                f", or change --pp/--tp")
+
+
+def check_plan(plan: Plan, *, world_size: Optional[int] = None, pp: Optional[int] = None,
+               tp: Optional[int] = None, dp: Optional[int] = None, num_layers: Optional[int] = None,
+               source: str = "<config>") -> None:
+    """Reject a plan that contradicts what DeepSpeed will run (before any group is created)."""
+    if plan.cp != 1 or plan.ep != 1:
+        raise ConfigError(f"the plan uses cp={plan.cp}, ep={plan.ep}; DeepSpeed's pipeline topology has no such axes",
+                          source=source, field=f"{SECTION}.plan", fix="plan with cp=1")
+    if world_size is not None and plan.world_size != world_size:
+        raise ConfigError(f"the plan is for {plan.world_size} ranks but {world_size} were launched", source=source,
+                          field=f"{SECTION}.plan.world_size",
+                          fix=f"launch {plan.world_size} ranks, or re-wrap the config for the nodes you launch")
+    if pp is not None and plan.pp != pp:
+        raise ConfigError(f"the plan has {plan.pp} pipeline stages but the model has {pp}", source=source,
+                          field=f"{SECTION}.pp",
+                          fix=f"re-wrap with pp={pp} (`het-plugin wrap-config --pp {pp}`), or build the "
+                              f"PipelineModule with num_stages={plan.pp}")
+    if tp is not None and plan.tp != tp:
+        raise ConfigError(f"the plan has tensor (model-axis) degree {plan.tp} but the model's topology has {tp}",
+                          source=source, field=f"{SECTION}.tp", fix=f"re-wrap with tp={tp}, or use num_mp={plan.tp}")
+    if dp is not None and plan.dp != dp:
+        raise ConfigError(f"the plan has data-parallel degree {plan.dp} but the config/topology implies {dp}",
+                          source=source, field="train_batch_size",
+                          fix=f"make train_batch_size = micro * accumulation * {plan.dp}, or re-wrap the config")
+    if num_layers is not None and sum(plan.layers_per_stage) != num_layers:
+        raise ConfigError(f"the plan splits {sum(plan.layers_per_stage)} layers {plan.layers_per_stage}, but the "
+                          f"model has {num_layers}", source=source, field=f"{SECTION}.model.num_layers",
+                          fix=f"re-wrap with a model of {num_layers} layers, or set layer_pattern to the layers "
+                              "the plan counts (e.g. your transformer block's class name)")
+    if pp is not None and any(n < 1 for n in plan.layers_per_stage):
+        raise ConfigError(f"the plan gives a stage no layers {plan.layers_per_stage}; a DeepSpeed pipeline stage "
+                          "needs at least one", source=source, field=f"{SECTION}.plan.layers_per_stage",
+                          fix="use fewer pipeline stages")
+
+
+# ---- wrap -----------------------------------------------------------------------------------------
+
+def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO, model: ModelArg = None, *,
+         pp: Optional[int] = None, tp: Optional[int] = None, layer_pattern: Optional[str] = None,
+         embed_plan: bool = True) -> dict:
+    """Return ``config`` with a ``"heterogeneous"`` section (the input is not modified).
+
+    ``cluster``: a cluster file, a plan file, a :class:`Plan`, or ``"auto"`` (every rank discovers the
+    cluster at start-up). ``model``: a ModelSpec, dict, model file or preset; None plans from the
+    layer list at run time. ``pp``/``tp``: the pipeline and tensor (DeepSpeed 'model' axis) degrees of
+    the model you will build; ``dp`` follows from the config's batch settings. ``layer_pattern``: a
+    regex on layer class names selecting the layers the plan counts (default: every layer).
+    ``embed_plan``: store the plan in the config (default) or only its hash (ranks then recompute it
+    from the cluster file and must get the same hash).
+    """
+    cfg, source = load_ds_config(config)
+    batch = BatchSettings.of(cfg, source)
+    batch.check_divisible(source)
+    spec = resolve_model(model)
+    if spec is not None:
+        spec = model_for_config(spec, batch)
+    if layer_pattern is not None:
+        _check_pattern(layer_pattern)
+
+    plan: Optional[Plan] = None
+    section = HetSection(cluster=None, model=spec.model_dump() if spec else None, tp=tp, pp=pp, dp=batch.dp,
+                         layer_pattern=layer_pattern)
+    if isinstance(cluster, Plan):
+        plan = cluster
+    elif str(cluster) == AUTO:
+        section.cluster = AUTO
+    else:
+        section.cluster = os.path.abspath(cluster)
+        loaded = load_cluster_or_plan(str(cluster))
+        if isinstance(loaded, Plan):
+            plan = loaded
+        else:
+            section.cluster_digest = loaded.digest
+            check_degrees_fit(loaded.world_size, tp=tp or 1, pp=pp, dp=batch.dp, source=source)
+            if spec is not None:
+                spec = _global_batch_from_accumulation(spec, batch, loaded.world_size, tp or 1, pp)
+                from ..planner import make_plan
+                plan = make_plan(loaded, spec, tp=tp or 1, pp=pp, dp=batch.dp,
+                                 micro_batch_size=batch.micro_batch_size)
+    if plan is not None:
+        check_plan(plan, pp=pp, tp=tp, dp=batch.dp, source=source)
+        section.cluster_digest = plan.cluster_digest
+        section.tp, section.pp, section.dp = plan.tp, plan.pp, plan.dp
+        section.model = plan.model
+        section.plan_hash = plan.hash
+        if embed_plan or section.cluster is None:
+            section.plan = json.loads(json.dumps(plan.to_dict(), default=repr))
+        if all(getattr(batch, f) is None for f in ("train_batch_size", "micro_batch_size", "grad_accum")):
+            cfg["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
+            cfg["gradient_accumulation_steps"] = plan.num_micro_batches
+            cfg["train_batch_size"] = plan.micro_batch_size * plan.num_micro_batches * plan.dp
+    cfg[SECTION] = section.to_dict()
+    return cfg
+
+
+def _global_batch_from_accumulation(spec: ModelSpec, batch: BatchSettings, world_size: int, tp: int,
+                                    pp: Optional[int]) -> ModelSpec:
+    """A config with micro-batch and accumulation but no train_batch_size: DeepSpeed's batch is
+    micro * accumulation * dp, so plan with that one."""
+    if batch.train_batch_size is not None or None in (batch.micro_batch_size, batch.grad_accum, pp):
+        return spec
+    if world_size % (tp * pp):
+        return spec
+    gbs = batch.micro_batch_size * batch.grad_accum * (world_size // (tp * pp))
+    return spec.model_copy(update={"global_batch_size": gbs})
+
+
+def _check_pattern(pattern: str) -> None:
+    import re
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ConfigError(f"layer_pattern {pattern!r} is not a regular expression: {exc}",
+                          field=f"{SECTION}.layer_pattern", fix="use e.g. 'TransformerLayer' or 'Block$'") from None
+
+
+def write_config(config: dict, path: Union[str, Path]) -> None:
+    Path(path).write_text(json.dumps(config, indent=2) + "\n")

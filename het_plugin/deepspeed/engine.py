@@ -1,0 +1,108 @@
+"""``initialize``: ``deepspeed.initialize`` that applies a wrapped config's plan.
+
+Without a ``"heterogeneous"`` section the call goes to ``deepspeed.initialize`` untouched. With one:
+
+* pipeline models must come from :class:`het_plugin.deepspeed.PipelineModule` (which already placed the
+  stages and checked the plan on every rank); the config's batch settings must match the plan's dp;
+* any other model is plain data parallelism (ZeRO or not): every rank resolves and checks the plan
+  (pp = tp = 1), and when the plan reorders ranks DeepSpeed gets an ``mpu`` (a
+  ``PipelineParallelGrid`` over :class:`PlanTopology`) whose data-parallel group has the plan's rank
+  order, created with the plan's transport. On an identity plan nothing is passed: DeepSpeed's defaults.
+
+DeepSpeed sees the config without the section.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+from ..agreement import agree_on_plan
+from ..errors import ConfigError
+from .config import SECTION, BatchSettings, check_plan, load_ds_config, section_of, strip_section
+from .groups import PlannedGroups
+from .resolve import RunShape, resolve_plan
+
+
+def initialize(*args, **kwargs):
+    """Same signature and return value as ``deepspeed.initialize``."""
+    import deepspeed
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    arguments = bound.arguments
+    ds_args = arguments.get("args")
+    config = arguments.get("config", arguments.get("config_params"))
+    from_args = config is None and getattr(ds_args, "deepspeed_config", None) is not None
+    if from_args:
+        config = ds_args.deepspeed_config
+    if config is None:
+        return deepspeed.initialize(*args, **kwargs)
+    cfg, source = load_ds_config(config)
+    section = section_of(cfg, source)
+    if section is None:
+        return deepspeed.initialize(*args, **kwargs)
+
+    arguments.pop("config_params", None)
+    arguments["config"] = strip_section(cfg)
+    if from_args:
+        ds_args = copy.copy(ds_args)
+        ds_args.deepspeed_config = None
+        arguments["args"] = ds_args
+    batch = BatchSettings.of(cfg, source)
+    model = arguments.get("model")
+    from deepspeed.pipe import PipelineModule as DeepSpeedPipelineModule
+    if isinstance(model, DeepSpeedPipelineModule):
+        plan = _pipeline_plan(model, section, source)
+        check_plan(plan, dp=batch.dp, source=source)
+        result = deepspeed.initialize(**arguments)
+    else:
+        plan = _data_parallel_setup(arguments, section, batch, source)
+        result = deepspeed.initialize(**arguments)
+    result[0].het_plan = plan
+    return result
+
+
+def _pipeline_plan(model, section, source):
+    plan = getattr(model, "het_plan", None)
+    if plan is None:
+        raise ConfigError("the config has a heterogeneous section but the model is DeepSpeed's own PipelineModule "
+                          "(or was built without config=)", source=source, field=SECTION,
+                          fix="build it with het_plugin.deepspeed.PipelineModule(..., config=<the same config>)")
+    if section.plan_hash is not None and plan.hash != section.plan_hash:
+        raise ConfigError(f"the PipelineModule was built with plan {plan.hash}, this config holds "
+                          f"{section.plan_hash}", source=source, field=f"{SECTION}.plan_hash",
+                          fix="pass the same wrapped config to PipelineModule(config=) and initialize()")
+    return plan
+
+
+def _data_parallel_setup(arguments, section, batch, source):
+    """Resolve the plan for plain data parallelism and, if it reorders ranks, hand DeepSpeed an mpu."""
+    if arguments.get("mpu") is not None:
+        raise ConfigError("an mpu was passed together with a heterogeneous section; het_plugin builds the "
+                          "data-parallel group itself for non-pipeline models", source=source, field="mpu",
+                          fix="drop mpu=, or drop the heterogeneous section")
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    from .pipe import model_from_module
+    from .topology import PlanTopology
+
+    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                          distributed_port=arguments.get("distributed_port", deepspeed.TORCH_DISTRIBUTED_DEFAULT_PORT),
+                          dist_init_required=arguments.get("dist_init_required"))
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    shape = RunShape(world_size=world_size, pp=1, tp=1)
+    model = arguments["model"]
+
+    def make():
+        plan = resolve_plan(section, shape, source=source,
+                            derive_model=lambda: model_from_module(model, batch, world_size))
+        check_plan(plan, dp=batch.dp, source=source)
+        return plan
+
+    plan = agree_on_plan(make, rank=rank, world_size=world_size)
+    if not plan.is_identity:
+        groups = PlannedGroups(plan)
+        with groups.installed():
+            arguments["mpu"] = PipelineParallelGrid(topology=PlanTopology(plan))
+    return plan

@@ -1,0 +1,136 @@
+"""Create DeepSpeed's groups with the plan's network per group.
+
+``PipelineParallelGrid`` and ``PipelineModule`` create every group through ``deepspeed.comm.new_group``
+(the grid's model/data/pipe/slice groups, the module's world group and tied-weight groups). While a
+:class:`PlannedGroups` is installed, that function is replaced by one that looks up the group's transport
+in the plan and creates it:
+
+* gloo: inside ``netselect.gloo_network(transport)`` (GLOO_SOCKET_IFNAME per group);
+* NCCL: with ``ProcessGroupNCCL.Options`` whose ``config.net_name`` is ``IB`` or ``Socket``;
+* transport ``host-staged`` (members of different vendors): backend ``het_shim`` when
+  ``het_plugin.comm`` registered it, else the default backend with a warning;
+* ranks kept in the order DeepSpeed gave (``sort_ranks=False``), so a group's rank order is the plan's.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+from ..netselect import gloo_network, nccl_net_name
+from ..plan import Plan
+
+log = logging.getLogger(__name__)
+SHIM_BACKEND = "het_shim"
+
+
+@dataclass
+class GroupRecord:
+    """One group created under the plan (kept for checks and for the start-up report)."""
+    ranks: list[int]
+    transport: str
+    backend: Optional[str]
+    ifname: Optional[str]
+    net_name: Optional[str]
+
+
+def transport_from_nodes(plan: Plan, ranks: Sequence[int]) -> str:
+    """Transport of a group the plan does not list (the world group, DeepSpeed's model group), from the
+    plan's node table: one node 'local'; several vendors 'host-staged'; one cluster on RDMA its fabric;
+    otherwise 'socket' (node tables do not carry inter-cluster link types, so RDMA between clusters is
+    not assumed)."""
+    nodes = {plan.node_of(r).name: plan.node_of(r) for r in ranks}
+    if len(nodes) <= 1:
+        return "local"
+    members = list(nodes.values())
+    if len({n.vendor for n in members}) > 1:
+        return "host-staged"
+    if len({n.cluster for n in members}) == 1 and members[0].fabric in ("ib", "roce"):
+        return members[0].fabric
+    return "socket"
+
+
+class PlannedGroups:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.by_members: dict[frozenset, str] = {}
+        for groups in plan.groups.values():
+            for g in groups:
+                self.by_members.setdefault(frozenset(g.ranks), g.transport)
+        self.records: list[GroupRecord] = []
+        self._warned_shim = False
+
+    def transport_of(self, ranks: Sequence[int]) -> str:
+        found = self.by_members.get(frozenset(ranks))
+        return found if found is not None else transport_from_nodes(self.plan, ranks)
+
+    def new_group(self, ranks):
+        import torch.distributed as tdist
+        ranks = list(ranks)
+        transport = self.transport_of(ranks)
+        kwargs = {}
+        if ranks != sorted(ranks) and "sort_ranks" in inspect.signature(tdist.new_group).parameters:
+            kwargs["sort_ranks"] = False
+        backend = self._backend_for(transport)
+        if backend is not None:
+            kwargs["backend"] = backend
+        default_backend = str(tdist.get_backend()).lower()
+        net_name = None
+        if backend is None and default_backend == "nccl":
+            net_name = nccl_net_name(transport)
+            options = nccl_options(net_name)
+            if options is not None:
+                kwargs["pg_options"] = options
+        with gloo_network(transport) if default_backend == "gloo" or backend else contextlib.nullcontext() as ifname:
+            group = tdist.new_group(ranks=ranks, **kwargs)
+        self.records.append(GroupRecord(ranks, transport, backend, ifname, net_name))
+        return group
+
+    def _backend_for(self, transport: str) -> Optional[str]:
+        if transport != "host-staged":
+            return None
+        if shim_available():
+            return SHIM_BACKEND
+        if not self._warned_shim:
+            log.warning("a group spans vendors (transport host-staged) but het_plugin.comm (backend %r) is not "
+                        "available; using the default backend for it", SHIM_BACKEND)
+            self._warned_shim = True
+        return None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["PlannedGroups"]:
+        """Route ``deepspeed.comm.new_group`` through :meth:`new_group` for the duration."""
+        import deepspeed.comm as ds_comm
+        original = ds_comm.new_group
+        ds_comm.new_group = self.new_group
+        try:
+            yield self
+        finally:
+            ds_comm.new_group = original
+
+
+def shim_available() -> bool:
+    """True when ``import het_plugin.comm`` registers the cross-vendor backend."""
+    try:
+        importlib.import_module("het_plugin.comm")
+    except ImportError:
+        return False
+    import torch.distributed as tdist
+    return SHIM_BACKEND in getattr(tdist.Backend, "backend_list", [])
+
+
+def nccl_options(net_name: Optional[str]):
+    """``ProcessGroupNCCL.Options`` selecting NCCL's network for one communicator (what Megatron-Core's
+    ``nccl_communicator_config_path`` sets); None when there is nothing to select or no NCCL."""
+    if net_name is None:
+        return None
+    import torch.distributed as tdist
+    pg_nccl = getattr(tdist, "ProcessGroupNCCL", None)
+    if pg_nccl is None:
+        return None
+    options = pg_nccl.Options()
+    options.config.net_name = net_name
+    return options

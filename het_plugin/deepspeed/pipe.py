@@ -1,0 +1,162 @@
+"""``PipelineModule`` with the plan's placement, layer split and per-group networks.
+
+Same constructor as ``deepspeed.pipe.PipelineModule`` plus ``config=`` (the wrapped DeepSpeed config you
+also pass to :func:`het_plugin.deepspeed.initialize`) and ``layer_pattern=``. Without a
+``"heterogeneous"`` section it *is* DeepSpeed's PipelineModule. With one:
+
+* the pipeline degree comes from ``num_stages`` (or ``topology``'s 'pipe' axis), the tensor degree from
+  ``topology``'s 'model' axis, the layers from ``layers``; the plan must agree (ConfigError otherwise);
+* every rank computes or loads the plan and checks its hash with the others before any group exists;
+* ``topology`` becomes :class:`PlanTopology` and the partition is the plan's layers per stage
+  (``partition_method`` is ignored);
+* groups are created with the plan's transports (:mod:`het_plugin.deepspeed.groups`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from deepspeed.pipe import LayerSpec
+from deepspeed.pipe import PipelineModule as _DeepSpeedPipelineModule
+
+from ..agreement import agree_on_plan
+from ..errors import ConfigError
+from ..model import ModelSpec
+from ..plan import Plan
+from .config import BatchSettings, load_ds_config, section_of
+from .groups import PlannedGroups
+from .partition import counted_layers, plan_parts
+from .resolve import RunShape, resolve_plan
+from .topology import PlanTopology
+
+ASSUMED_SEQ_LENGTH = 2048
+
+
+class PipelineModule(_DeepSpeedPipelineModule):
+    def __init__(self, layers, num_stages=None, topology=None, *args, config=None,
+                 layer_pattern: Optional[str] = None, **kwargs):
+        object.__setattr__(self, "_het_parts", None)
+        cfg, source = load_ds_config(config) if config is not None else (None, "<config>")
+        section = section_of(cfg, source)
+        if section is None:
+            super().__init__(layers, num_stages, topology, *args, **kwargs)
+            self.het_plan = None
+            self.het_groups = []
+            return
+
+        import deepspeed.comm as dist
+        if not dist.is_initialized():
+            raise RuntimeError("call deepspeed.init_distributed() before building a PipelineModule "
+                               "(as with DeepSpeed's own)")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        pp, tp = _user_degrees(num_stages, topology)
+        specs = list(layers)
+        pattern = layer_pattern if layer_pattern is not None else section.layer_pattern
+        counted = counted_layers([layer_name(s) for s in specs], pattern)
+        shape = RunShape(world_size=world_size, pp=pp, tp=tp, num_layers=len(counted))
+        batch = BatchSettings.of(cfg, source)
+
+        def make() -> Plan:
+            plan = resolve_plan(section, shape, source=source,
+                                derive_model=lambda: model_from_layers(specs, counted, batch, shape.dp))
+            if batch.dp is not None and batch.dp != plan.dp:
+                raise ConfigError(f"train_batch_size / (micro * accumulation) = {batch.dp} data-parallel replicas, "
+                                  f"the plan has {plan.dp}", source=source, field="train_batch_size",
+                                  fix=f"make train_batch_size = micro * accumulation * {plan.dp}")
+            # The split must fit this layer list (raises the layer-count ConfigError on every rank).
+            plan_parts(len(specs), counted, plan.layers_per_stage, source)
+            return plan
+
+        plan = agree_on_plan(make, rank=rank, world_size=world_size)
+        object.__setattr__(self, "_het_parts", plan_parts(len(specs), counted, plan.layers_per_stage, source))
+        groups = PlannedGroups(plan)
+        kwargs.pop("partition_method", None)
+        with groups.installed():
+            super().__init__(specs, None, PlanTopology(plan), *args, **kwargs)
+        self.het_plan = plan
+        self.het_groups = groups.records
+        if rank == 0:
+            print(summary(plan, self.parts), flush=True)
+
+    def _partition_layers(self, method="uniform"):
+        """The plan's split; DeepSpeed's methods when there is no plan."""
+        parts = getattr(self, "_het_parts", None)
+        if parts is None:
+            return super()._partition_layers(method=method)
+        self.parts = list(parts)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def _user_degrees(num_stages, topology) -> tuple[int, int]:
+    """(pp, tp) of the model the user built."""
+    if topology is not None:
+        axes = topology.get_axis_names()
+        extra = [a for a in axes if a not in ("pipe", "data", "model")]
+        if extra:
+            raise ConfigError(f"topology axes {axes}: het_plugin places pipe, data and model axes only",
+                              field="topology", fix="use PipeModelDataParallelTopology or PipeDataParallelTopology")
+        return max(topology.get_dim("pipe"), 1), max(topology.get_dim("model"), 1)
+    if num_stages is None:
+        raise RuntimeError("must provide num_stages or topology")
+    return int(num_stages), 1
+
+
+def layer_name(spec) -> Optional[str]:
+    """The class name DeepSpeed's ``type:`` partitioning matches against."""
+    if isinstance(spec, LayerSpec):
+        return spec.typename.__name__
+    if isinstance(spec, torch.nn.Module):
+        return spec.__class__.__name__
+    return getattr(spec, "__name__", None)
+
+
+def model_from_layers(specs, counted: list[int], batch: BatchSettings, dp: Optional[int]) -> ModelSpec:
+    """A planning model when the config has none: identical GPT-shaped layers whose hidden size h comes
+    from the first counted layer's parameter count (about 12*h*h), one head, no embedding cost, sequence
+    length ASSUMED_SEQ_LENGTH, and the config's batch settings."""
+    params = _param_count(specs[counted[0]]) if counted else 0
+    hidden = max(1, round(math.sqrt(params / 12)))
+    return _synthetic_model(len(counted), hidden, batch, dp)
+
+
+def model_from_module(module: torch.nn.Module, batch: BatchSettings, dp: int) -> ModelSpec:
+    """Planning model for plain data parallelism: one layer holding all parameters (only the ordering of
+    the data-parallel group depends on it)."""
+    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return _synthetic_model(1, max(1, round(math.sqrt(params / 12))), batch, dp)
+
+
+def _synthetic_model(num_layers: int, hidden: int, batch: BatchSettings, dp: Optional[int]) -> ModelSpec:
+    micro = batch.micro_batch_size
+    gbs = batch.train_batch_size
+    if gbs is None:
+        gbs = (micro or 1) * (batch.grad_accum or 1) * (dp or 1)
+    return ModelSpec(name="deepspeed-layers", num_layers=max(1, num_layers), hidden_size=hidden,
+                     num_attention_heads=1, vocab_size=1, seq_length=ASSUMED_SEQ_LENGTH,
+                     global_batch_size=gbs, micro_batch_size=micro if micro and gbs % micro == 0 else None)
+
+
+def _param_count(spec) -> int:
+    if isinstance(spec, LayerSpec):
+        spec = spec.build()
+    if isinstance(spec, torch.nn.Module):
+        return sum(p.numel() for p in spec.parameters() if p.requires_grad)
+    return 0
+
+
+def summary(plan: Plan, parts) -> str:
+    stages = ", ".join(f"{n}" for n in plan.layers_per_stage)
+    lines = [f"het_plugin: DeepSpeed pipeline plan {plan.hash} on {plan.cluster_name}: pp={plan.pp} "
+             f"tp={plan.tp} dp={plan.dp}, layers per stage [{stages}] (list boundaries {list(parts)})"]
+    if not plan.is_identity:
+        for s in range(plan.pp):
+            ranks = sorted(plan.rank_of_logical[s * plan.dims.stage_size:(s + 1) * plan.dims.stage_size])
+            nodes = sorted({plan.node_of(r).name for r in ranks})
+            lines.append(f"  stage {s}: ranks {ranks} on {', '.join(nodes)}")
+    for kind in ("model", "data", "pipe"):
+        key = {"model": "tp", "data": "dp", "pipe": "pp"}[kind]
+        kinds = sorted({g.transport for g in plan.groups[key]})
+        lines.append(f"  {kind} groups: {', '.join(kinds)}")
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""One rank of a DeepSpeed pipeline training run (pp x mp x dp) on CPU/gloo.
+
+``--config FILE``: a wrapped config; the model is built with het_plugin.deepspeed.PipelineModule and
+the engine with het_plugin.deepspeed.initialize. ``--baseline``: DeepSpeed's own PipelineModule with
+PipeModelDataParallelTopology and deepspeed.initialize (no het_plugin at all).
+Reports losses, the layer split, the topology's groups and the groups each rank is in.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from integration_tests.support.deepspeed_cpu import init_gloo  # noqa: E402
+from integration_tests.support.launch import arm_watchdog, report  # noqa: E402
+
+HIDDEN = 16
+BLOCKS = 8
+MICRO = 2
+ACCUM = 2
+
+
+def main() -> None:
+    arm_watchdog()
+    p = argparse.ArgumentParser()
+    p.add_argument("--config")
+    p.add_argument("--baseline", action="store_true")
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--mp", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+
+    import torch
+    import torch.distributed as tdist
+    init_gloo()
+    import deepspeed
+    from deepspeed.pipe import LayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    class InProj(torch.nn.Linear):
+        pass
+
+    class Block(torch.nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.fc = torch.nn.Linear(h, h)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x))
+
+    class Head(torch.nn.Linear):
+        pass
+
+    world = tdist.get_world_size()
+    dp = world // (args.pp * args.mp)
+    layers = [LayerSpec(InProj, HIDDEN, HIDDEN)] + [LayerSpec(Block, HIDDEN) for _ in range(BLOCKS)] + \
+        [LayerSpec(Head, HIDDEN, HIDDEN)]
+    topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.mp, num_dp=dp)
+    common = dict(loss_fn=torch.nn.MSELoss(), seed_layers=True, base_seed=1234)
+    if args.baseline:
+        config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
+                  "train_batch_size": MICRO * ACCUM * dp, "steps_per_print": 10 ** 6}
+        model = deepspeed.pipe.PipelineModule(layers=layers, topology=topo, partition_method="uniform", **common)
+        init = deepspeed.initialize
+    else:
+        import het_plugin.deepspeed as hds
+        config = json.loads(Path(args.config).read_text())
+        model = hds.PipelineModule(layers=layers, topology=topo, config=config, **common)
+        init = hds.initialize
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
+
+    grid = model.mpu()
+    data_id = grid.get_data_parallel_rank()
+
+    def batches():
+        gen = torch.Generator().manual_seed(1000 + data_id)
+        while True:
+            x = torch.randn(MICRO, HIDDEN, generator=gen)
+            yield x, torch.sin(x.flip(-1))
+
+    it = batches()
+    losses = [float(engine.train_batch(it)) for _ in range(args.steps)]
+    topology = model.topology()
+    rank = tdist.get_rank()
+    plan = getattr(model, "het_plan", None)
+    report({
+        "rank": rank,
+        "losses": losses,
+        "parts": list(model.parts),
+        "stage": grid.get_stage_id(),
+        "data_id": data_id,
+        "mapping": sorted([list(c), r] for c, r in topology.mapping.items()),
+        "comm_lists": {a: topology.get_axis_comm_lists(a) for a in ("pipe", "data", "model")},
+        "dp_group": tdist.get_process_group_ranks(grid.get_data_parallel_group()),
+        "pp_group": tdist.get_process_group_ranks(grid.get_pipe_parallel_group()),
+        "slice_group": tdist.get_process_group_ranks(grid.get_slice_parallel_group()),
+        "next_rank": grid.stage_to_global(grid.get_stage_id() + 1) if not grid.is_last_stage else None,
+        "plan_hash": plan.hash if plan else None,
+        "records": [[g.ranks, g.transport, g.ifname] for g in getattr(model, "het_groups", [])],
+        "gloo_ifname_after": os.environ.get("GLOO_SOCKET_IFNAME"),
+    })
+
+
+if __name__ == "__main__":
+    main()
