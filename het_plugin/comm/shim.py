@@ -220,7 +220,8 @@ class ShimProcessGroup(dist.ProcessGroup):
         if op not in SUPPORTED_REDUCE_OPS:
             raise ShimUnsupportedError(
                 f"het_shim {name}: reduce op {op.name} is not supported (supported: "
-                f"{', '.join(o.name for o in SUPPORTED_REDUCE_OPS)}); apply the scaling yourself and use SUM")
+                f"{', '.join(o.name for o in SUPPORTED_REDUCE_OPS)}); for PREMUL_SUM scale the input and use SUM, for "
+                f"BAND/BOR use MIN/MAX on 0/1 tensors")
         if op == RedOp.AVG and not (t.is_floating_point() or t.is_complex()):
             raise ShimUnsupportedError(f"het_shim {name}: AVG on {t.dtype} tensors is not supported; use SUM "
                                        "and divide by the group size")
