@@ -1,0 +1,61 @@
+"""Megatron's own arguments -> ModelSpec, so a Megatron launch needs no separate model file."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..errors import ConfigError
+from ..model import ModelSpec
+
+# GPT-2's vocabulary padded to a multiple of 128 (Megatron's default make_vocab_size_divisible_by).
+# Used when the launch names no vocabulary size: the tokenizer is built after the plan, and the
+# embedding is a small share of the cost model's work.
+DEFAULT_VOCAB_SIZE = 50304
+
+
+def _get(args: Any, name: str, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def model_from_args(args: Any, *, data_parallel_size: Optional[int] = None) -> ModelSpec:
+    """Build a ModelSpec from a Megatron-LM ``args`` namespace (or any object with the same fields).
+
+    ``global_batch_size`` left unset by the user becomes ``micro_batch_size * data_parallel_size``
+    (Megatron's own rule) when ``data_parallel_size`` is known, else ``micro_batch_size``.
+    """
+    num_layers = _get(args, "num_layers") or _get(args, "decoder_num_layers")
+    missing = [f for f, v in (("num_layers", num_layers), ("hidden_size", _get(args, "hidden_size")),
+                              ("num_attention_heads", _get(args, "num_attention_heads")),
+                              ("seq_length", _get(args, "seq_length"))) if not v]
+    if missing:
+        flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise ConfigError(f"the model is read from Megatron's arguments, but {missing} are not set",
+                          source="command line", field=missing[0], fix=f"pass {flags}")
+    micro = _get(args, "micro_batch_size")
+    gbs = _get(args, "global_batch_size")
+    if gbs is None:
+        gbs = (micro or 1) * (data_parallel_size or 1)
+    vocab = _get(args, "padded_vocab_size") or _get(args, "vocab_size") or DEFAULT_VOCAB_SIZE
+    dtype = "bf16" if _get(args, "bf16", False) else "fp16" if _get(args, "fp16", False) else "fp32"
+    query_groups = _get(args, "num_query_groups") if _get(args, "group_query_attention", False) else None
+    fields = dict(
+        name="megatron-args",
+        num_layers=int(num_layers),
+        hidden_size=int(args.hidden_size),
+        num_attention_heads=int(args.num_attention_heads),
+        num_query_groups=query_groups,
+        ffn_hidden_size=_get(args, "ffn_hidden_size"),
+        vocab_size=int(vocab),
+        seq_length=int(args.seq_length),
+        global_batch_size=int(gbs),
+        micro_batch_size=micro,
+        dtype=dtype,
+        activation="swiglu" if _get(args, "swiglu", False) else "gelu",
+        tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False),
+    )
+    try:
+        return ModelSpec(**fields)
+    except Exception as exc:   # pydantic's ValidationError: re-raise in het_plugin's shape
+        raise ConfigError(f"Megatron's model arguments are inconsistent: {exc}", source="command line",
+                          fix="check --hidden-size, --num-attention-heads, --num-query-groups and the batch sizes"
+                          ) from None

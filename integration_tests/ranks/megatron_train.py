@@ -1,0 +1,49 @@
+"""Rank script: train the tiny GPT through het_plugin (or plain Megatron-Core) and report losses and groups.
+
+    python megatron_train.py --tp 2 --pp 2 --cluster FILE         # through het_plugin.megatron
+    python megatron_train.py --tp 2 --pp 1 --baseline             # Megatron-Core's own groups
+Cluster file may also come from env HET_TEST_CLUSTER (lets ranks be given different files).
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from integration_tests.support.launch import arm_watchdog, report  # noqa: E402
+
+
+def main() -> int:
+    arm_watchdog()
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int)
+    p.add_argument("--pp", type=int)
+    p.add_argument("--cluster", default=os.environ.get("HET_TEST_CLUSTER"))
+    p.add_argument("--plan")
+    p.add_argument("--baseline", action="store_true")
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--groups-only", action="store_true", help="initialise the groups, report them, stop")
+    a = p.parse_args()
+
+    from integration_tests.support.megatron_tiny import TinyGPT, init_distributed, my_groups, shutdown, train
+    cfg = TinyGPT(num_layers=a.layers)
+    if a.groups_only:
+        init_distributed()
+        from het_plugin.megatron import current_plan, initialize_model_parallel
+        plan = initialize_model_parallel(a.tp, a.pp, cluster=a.cluster, plan=a.plan, model=cfg.model_spec(),
+                                         micro_batch_size=cfg.micro_batch_size)
+        applied = current_plan()
+        report({"rank": applied.rank, "plan": plan.to_dict(), "groups": my_groups(),
+                "created": applied.groups})
+    else:
+        result = train(cfg, tp=a.tp or 1, pp=a.pp or 1, steps=a.steps, cluster=a.cluster, plan=a.plan,
+                       use_plugin=not a.baseline)
+        report(result.to_dict())
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

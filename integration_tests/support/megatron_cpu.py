@@ -1,0 +1,96 @@
+"""TEST-ONLY shims that let Megatron-Core 0.16 train a GPTModel on CPU with the gloo backend.
+
+Never imported by het_plugin itself. Three CUDA assumptions are bent, nothing else:
+
+1. the pipeline schedules allocate a token counter with a hard-coded ``device="cuda"``: mapped to CPU;
+2. pipeline send/receive and DDP's buffers use ``torch.cuda.current_device()`` and
+   ``torch.cuda.synchronize()``: they return ``"cpu"`` and do nothing (and ``Tensor.cuda()``, used once
+   for the tied embedding, returns the tensor itself);
+3. the CUDA RNG tracker (tensor-parallel dropout/initialisation streams) keeps CPU generator states.
+
+What still does not run on CPU: the distributed optimizer and gradient clipping > 0 (both need
+CUDA-only multi-tensor kernels). Usage, from a test or a plain script::
+
+    from integration_tests.support.megatron_cpu import enable_cpu_shims
+    enable_cpu_shims()          # before building any Megatron model
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+_enabled = False
+
+
+def _cpu_device(device):
+    if device == "cuda" or (isinstance(device, str) and device.startswith("cuda")):
+        return "cpu"
+    if isinstance(device, int):
+        return "cpu"
+    return device
+
+
+class _TorchOnCpu(types.ModuleType):
+    """A stand-in for ``torch`` inside one Megatron module: factory calls with device='cuda' go to CPU."""
+
+    def __init__(self, torch_module):
+        super().__init__("torch")
+        self.__dict__["_torch"] = torch_module
+
+    def __getattr__(self, name):
+        attr = getattr(self._torch, name)
+        if name in ("zeros", "ones", "empty", "tensor", "full", "arange"):
+            def factory(*args, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _cpu_device(kwargs["device"])
+                return attr(*args, **kwargs)
+            return factory
+        if name == "autocast":
+            return lambda *a, **k: contextlib.nullcontext()
+        return attr
+
+
+def enable_cpu_shims() -> None:
+    """Install the three shims (idempotent)."""
+    global _enabled
+    if _enabled:
+        return
+    import torch
+
+    # (2) current device and synchronize: p2p_communication, DDP buffers, finalize_model_grads.
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    # ... and the tied-embedding setup moves the shared weight with ``.cuda()``: stay on the CPU.
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+    # (1) hard-coded device="cuda" in the schedules.
+    from megatron.core.pipeline_parallel import schedules
+    schedules.torch = _TorchOnCpu(torch)
+
+    # (3) the RNG tracker on the CPU generator.
+    from megatron.core.tensor_parallel import random as tp_random
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    tp_random._get_cuda_rng_state = get_state
+    tp_random._set_cuda_rng_state = set_state
+
+    def tracker_add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    tp_random.CudaRNGStatesTracker.add = tracker_add
+    # model_parallel_cuda_manual_seed calls torch.cuda.manual_seed for the data-parallel stream.
+    torch.cuda.manual_seed = lambda seed: None
+    _enabled = True

@@ -1,0 +1,237 @@
+"""A tiny Megatron-Core GPT trainer for CPU/gloo runs (TEST AND BENCHMARK SUPPORT, not product code).
+
+Builds a GPTModel with TP x PP (and an uneven layer split) either through het_plugin.megatron (a
+cluster file or plan) or through plain Megatron-Core (``use_plugin=False``), trains N steps on
+synthetic data with a fixed seed and returns the per-step losses and step times.
+
+Two runs compute the same function whatever their parallel layout: every weight is drawn from a
+generator seeded by its *global* identity (global layer number + parameter name; a tensor-parallel
+shard is a slice of the full tensor), dropout is off, and every step's global batch is the same
+tokens split over the data-parallel ranks. So losses can be compared across placements and splits.
+
+Use from a plain script run under torchrun or ``integration_tests.support.launch.run_ranks``::
+
+    from integration_tests.support.megatron_tiny import TinyGPT, train
+    result = train(TinyGPT(num_layers=5), tp=2, pp=2, cluster="cluster.yaml")
+    print(result.losses)
+"""
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Optional, Sequence
+
+from .megatron_cpu import enable_cpu_shims
+
+
+@dataclass
+class TinyGPT:
+    num_layers: int = 5
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 64
+    vocab_size: int = 128
+    seq_length: int = 16
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    seed: int = 1234
+    lr: float = 0.5
+
+    def model_spec(self):
+        from het_plugin.model import ModelSpec
+        return ModelSpec(name="tiny-gpt", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                         num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size,
+                         vocab_size=self.vocab_size, seq_length=self.seq_length,
+                         global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
+                         dtype="fp32", activation="gelu", tie_embeddings=True)
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]                 # per step, the global-batch mean loss (same on every rank)
+    step_times: list[float]             # seconds per step on this rank
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    stage: int
+    layer_numbers: list[int]            # global (1-based) transformer layers held by this rank
+    groups: dict[str, list[int]] = field(default_factory=dict)   # this rank's Megatron groups
+    plan_hash: Optional[str] = None
+    overlap_grad_reduce: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def init_distributed(backend: str = "gloo") -> None:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def my_groups() -> dict[str, list[int]]:
+    """This rank's group rank lists, as Megatron-Core stored them (physical global ranks, group order)."""
+    from megatron.core import parallel_state as ps
+    return {"tp": list(ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS), "pp": list(ps._PIPELINE_GLOBAL_RANKS),
+            "dp": list(ps._DATA_PARALLEL_GLOBAL_RANKS), "dp-cp": list(ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP),
+            "cp": list(ps._CONTEXT_PARALLEL_GLOBAL_RANKS), "tp-pp": list(ps._MODEL_PARALLEL_GLOBAL_RANKS),
+            "embedding": list(ps._EMBEDDING_GLOBAL_RANKS)}
+
+
+def _full_tensor(key: str, shape, seed: int):
+    import torch
+    g = torch.Generator().manual_seed((zlib.crc32(key.encode()) + seed) % (2 ** 63))
+    return torch.randn(*shape, generator=g) * 0.02
+
+
+def deterministic_init(model, seed: int) -> None:
+    """Give every matrix a value that depends only on its global identity, not on this rank's piece."""
+    import torch
+    from megatron.core import parallel_state as ps
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    layer_of = {f"decoder.layers.{i}.": layer.layer_number for i, layer in enumerate(model.decoder.layers)} \
+        if hasattr(model, "decoder") else {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2:
+                continue      # norms (ones) and biases (zeros) are deterministic already
+            key = name
+            for prefix, number in layer_of.items():
+                if name.startswith(prefix):
+                    key = f"layer{number}." + name[len(prefix):]
+            if key == "output_layer.weight":
+                key = "embedding.word_embeddings.weight"     # tied: the same matrix on both ends
+            shape = list(param.shape)
+            if getattr(param, "tensor_model_parallel", False):
+                dim = param.partition_dim
+                shape[dim] *= tp
+                full = _full_tensor(key, shape, seed)
+                param.copy_(full.chunk(tp, dim=dim)[tp_rank])
+            else:
+                param.copy_(_full_tensor(key, shape, seed))
+
+
+def _batches(cfg: TinyGPT, step: int, dp: int, dp_rank: int):
+    import torch
+    # Two fixed global batches, alternating: a learnable task, so the losses go down.
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + step % 2)
+    data = torch.randint(0, cfg.vocab_size, (cfg.global_batch_size, cfg.seq_length + 1), generator=g)
+    per_rank = cfg.global_batch_size // dp
+    mine = data[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    position_ids = torch.arange(cfg.seq_length).unsqueeze(0).expand(cfg.micro_batch_size, -1)
+    # An explicit causal mask (True = masked): Megatron's default one is allocated on CUDA.
+    causal = torch.triu(torch.ones(cfg.seq_length, cfg.seq_length), diagonal=1).bool()[None, None]
+    for mb in mine.split(cfg.micro_batch_size):
+        yield {"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous(), "position_ids": position_ids,
+               "loss_mask": torch.ones(cfg.micro_batch_size, cfg.seq_length), "attention_mask": causal}
+
+
+def _loss_func(loss_mask, output_tensor):
+    loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}   # clone: the schedule scales loss in place
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=None, plan=None,
+          use_plugin: bool = True, layers_per_stage: Optional[Sequence[int]] = None,
+          overlap_grad_reduce: Optional[bool] = None) -> TrainResult:
+    """Initialise groups (through het_plugin or plain Megatron-Core), build the model, train ``steps`` steps.
+
+    ``use_plugin=False`` is the reference run: Megatron-Core's own groups; ``layers_per_stage`` then
+    gives its split (default: even), through Megatron-Core's own pipeline_model_parallel_layout.
+    """
+    import torch
+    import torch.distributed as dist
+    init_distributed()
+    enable_cpu_shims()
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(cfg.seed)
+    config_kwargs = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                         num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
+                         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                         pipeline_dtype=torch.float32, params_dtype=torch.float32)
+    plan_hash = None
+    if use_plugin:
+        from het_plugin.megatron import apply_plan_to_config, initialize_model_parallel
+        the_plan = initialize_model_parallel(tp, pp, cluster=cluster, plan=plan, model=cfg.model_spec(),
+                                             micro_batch_size=cfg.micro_batch_size)
+        plan_hash = the_plan.hash
+        tp, pp = the_plan.tp, the_plan.pp
+        config_kwargs = apply_plan_to_config(dict(config_kwargs, tensor_model_parallel_size=tp,
+                                                  pipeline_model_parallel_size=pp), the_plan)
+        ddp_overlap = the_plan.overlap_grad_reduce if overlap_grad_reduce is None else overlap_grad_reduce
+    else:
+        ps.initialize_model_parallel(tp, pp)
+        config_kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        if layers_per_stage is not None and pp > 1:
+            from het_plugin.megatron.layout import layout_string
+            config_kwargs["pipeline_model_parallel_layout"] = layout_string(layers_per_stage)
+        ddp_overlap = bool(overlap_grad_reduce)
+    model_parallel_cuda_manual_seed(cfg.seed)
+    config = TransformerConfig(**config_kwargs)
+
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=cfg.vocab_size,
+                     max_sequence_length=cfg.seq_length, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
+    deterministic_init(model, cfg.seed)
+    layer_numbers = [layer.layer_number for layer in model.decoder.layers]
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=ddp_overlap, use_distributed_optimizer=False,
+                                               bucket_size=None if not ddp_overlap else 10_000)
+    ddp = DistributedDataParallel(config, ddp_config, module=model)
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    if ddp_overlap:
+        config.grad_sync_func = ddp.start_grad_sync
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    num_mb = cfg.global_batch_size // (dp * cfg.micro_batch_size)
+    fb = get_forward_backward_func()
+    reporter = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0)
+    losses, times = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        ddp.zero_grad_buffer()
+        out = fb(forward_step_func=_forward_step, data_iterator=_batches(cfg, step, dp, dp_rank), model=[ddp],
+                 num_microbatches=num_mb, seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+                 forward_only=False)
+        with torch.no_grad():
+            for p in model.parameters():
+                grad = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+                if grad is not None:
+                    p.add_(grad, alpha=-cfg.lr)
+        local = torch.zeros(1, dtype=torch.float64)
+        if ps.is_pipeline_last_stage():
+            local += torch.stack([d["lm loss"] for d in out]).double().mean()
+            dist.all_reduce(local, group=ps.get_data_parallel_group())
+            local /= dp
+        total = local if reporter else torch.zeros(1, dtype=torch.float64)
+        dist.all_reduce(total)
+        losses.append(float(total.item()))
+        times.append(time.perf_counter() - t0)
+    return TrainResult(losses=losses, step_times=times, rank=dist.get_rank(), tp=tp, pp=pp, dp=dp,
+                       stage=ps.get_pipeline_model_parallel_rank(), layer_numbers=layer_numbers, groups=my_groups(),
+                       plan_hash=plan_hash, overlap_grad_reduce=ddp_overlap)
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
