@@ -29,6 +29,20 @@ def spans(values: Iterable[int]) -> str:
     return ",".join(out)
 
 
+def all_coords(plan: Plan) -> list[dict[str, int]]:
+    """Coordinates of every physical rank (Plan.coord inverts the placement on each call: O(n) each)."""
+    dims, inverse = plan.dims, plan.logical_of_physical
+    return [dims.coord(inverse[r]) for r in range(plan.world_size)]
+
+
+def rank_nodes(plan: Plan) -> list:
+    """NodePlan of every physical rank."""
+    out = [None] * plan.world_size
+    for n in plan.nodes:
+        out[n.first_rank:n.first_rank + n.num_ranks] = [n] * n.num_ranks
+    return out
+
+
 @dataclass
 class NodeRow:
     """One line of the placement table: a run of consecutive nodes holding the same coordinates."""
@@ -51,7 +65,7 @@ class NodeRow:
 def node_rows(plan: Plan) -> list[NodeRow]:
     """Per-node coordinates, with runs of consecutive similar nodes merged (compact for big clusters)."""
     rows: list[NodeRow] = []
-    coords = [plan.coord(r) for r in range(plan.world_size)]
+    coords = all_coords(plan)
     for node in plan.nodes:
         ranks = list(range(node.first_rank, node.first_rank + node.num_ranks))
         cs = [coords[r] for r in ranks]
@@ -72,11 +86,12 @@ def node_rows(plan: Plan) -> list[NodeRow]:
 def stage_summary(plan: Plan) -> list[dict[str, Any]]:
     """Per stage: its layers, where it runs (cluster/accelerator and rank count), embedding/output."""
     size = plan.world_size // plan.pp
+    node_of = rank_nodes(plan)
     out = []
     for s in range(plan.pp):
         where: Counter = Counter()
         for r in plan.rank_of_logical[s * size:(s + 1) * size]:
-            n = plan.node_of(r)
+            n = node_of[r]
             where[f"{n.cluster}/{n.accelerator}"] += 1
         extra = []
         if s == 0:

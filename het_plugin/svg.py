@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 from .errors import ConfigError
 from .plan import Plan
-from .report import node_rows, spans
+from .report import all_coords, node_rows, spans
 
 # A 20-colour qualitative palette (matplotlib's tab20 order: strong colours first).
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -106,7 +106,7 @@ def layout(plan: Plan, cluster=None) -> tuple[list[Shape], float, float]:
     shapes: list[Shape] = []
     names = list(dict.fromkeys(n.cluster for n in plan.nodes))
     compact = len(plan.nodes) > MAX_NODES_DRAWN
-    coords = [plan.coord(r) for r in range(plan.world_size)]
+    coords = all_coords(plan)
     title = (f"het_plugin plan {plan.hash}: {plan.model.get('name', 'model')} on {plan.cluster_name}  "
              f"tp={plan.tp} cp={plan.cp} pp={plan.pp} dp={plan.dp}")
     shapes.append(Text(10, 20, title, 14, bold=True))
