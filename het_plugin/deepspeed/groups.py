@@ -7,8 +7,9 @@ in the plan and creates it:
 
 * gloo: inside ``netselect.gloo_network(transport)`` (GLOO_SOCKET_IFNAME per group);
 * NCCL: with ``ProcessGroupNCCL.Options`` whose ``config.net_name`` is ``IB`` or ``Socket``;
-* transport ``host-staged`` (members of different vendors): backend ``het_shim`` when
-  ``het_plugin.comm`` registered it, else the default backend with a warning;
+* transport ``host-staged`` (members of different vendors): backend ``het_shim`` (registered by
+  ``import het_plugin.comm``; the plan's vendor per rank is handed to it first), or the default backend
+  with a warning where het_plugin.comm cannot be imported;
 * ranks kept in the order DeepSpeed gave (``sort_ranks=False``), so a group's rank order is the plan's.
 """
 from __future__ import annotations
@@ -62,6 +63,7 @@ class PlannedGroups:
                 self.by_members.setdefault(frozenset(g.ranks), g.transport)
         self.records: list[GroupRecord] = []
         self._warned_shim = False
+        self._vendors_declared = False
 
     def transport_of(self, ranks: Sequence[int]) -> str:
         found = self.by_members.get(frozenset(ranks))
@@ -93,6 +95,10 @@ class PlannedGroups:
         if transport != "host-staged":
             return None
         if shim_available():
+            if not self._vendors_declared:
+                from het_plugin.comm import set_vendor_map_from_plan
+                set_vendor_map_from_plan(self.plan)
+                self._vendors_declared = True
             return SHIM_BACKEND
         if not self._warned_shim:
             log.warning("a group spans vendors (transport host-staged) but het_plugin.comm (backend %r) is not "
