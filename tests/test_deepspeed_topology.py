@@ -1,0 +1,168 @@
+"""PlanTopology against DeepSpeed's own topologies, the plan's partition, and per-group transports."""
+from __future__ import annotations
+
+import types
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("deepspeed")
+
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
+
+from het_plugin.cluster import cluster_from_dict  # noqa: E402
+from het_plugin.deepspeed.groups import PlannedGroups, nccl_options, transport_from_nodes  # noqa: E402
+from het_plugin.deepspeed.partition import counted_layers, layers_in_parts, plan_parts  # noqa: E402
+from het_plugin.deepspeed.topology import PlanTopology  # noqa: E402
+from het_plugin.errors import ConfigError  # noqa: E402
+from het_plugin.model import ModelSpec  # noqa: E402
+from het_plugin.placement import place  # noqa: E402
+from het_plugin.planner import assemble_plan, uniform_layers  # noqa: E402
+from het_plugin.topology import ParallelDims  # noqa: E402
+
+MODEL = ModelSpec(name="m", num_layers=8, hidden_size=16, num_attention_heads=1, vocab_size=16, seq_length=4,
+                  global_batch_size=64, micro_batch_size=1)
+
+
+def homogeneous(nodes: int, per_node: int) -> dict:
+    return {"name": "homo", "clusters": [{"name": "ib", "fabric": {"type": "ib", "gbps": 400},
+                                          "nodes": [{"count": nodes, "accelerator": "A100-80",
+                                                     "accelerators_per_node": per_node}]}]}
+
+
+def interleaved(per_node: int, amd: bool = False) -> dict:
+    """IB (H100) and RoCE (A100, or MI250X when ``amd``) nodes launched alternately."""
+    return {"name": "het", "clusters": [
+        {"name": "ib", "fabric": {"type": "ib", "gbps": 400},
+         "nodes": [{"count": 2, "accelerator": "H100", "accelerators_per_node": per_node, "hostnames": ["i0", "i1"]}]},
+        {"name": "roce", "fabric": {"type": "roce", "gbps": 200},
+         "nodes": [{"count": 2, "accelerator": "MI250X" if amd else "A100-80", "accelerators_per_node": per_node,
+                    "hostnames": ["r0", "r1"]}]}],
+        "links": [{"between": ["ib", "roce"], "gbps": 25}],
+        "launch": {"node_order": ["i0", "r0", "i1", "r1"]}}
+
+
+def plan_for(data: dict, pp: int, tp: int, dp: int, layers=None):
+    cluster = cluster_from_dict(data)
+    placement = place(cluster, ParallelDims(tp=tp, pp=pp, dp=dp))
+    return assemble_plan(cluster, MODEL, placement, layers or uniform_layers(MODEL.num_layers, pp), 1)
+
+
+@pytest.mark.parametrize("nodes, per_node, pp, tp", [
+    (1, 1, 1, 1), (2, 2, 2, 1), (2, 2, 1, 2), (2, 4, 2, 2), (4, 2, 4, 2), (2, 4, 4, 1), (4, 4, 2, 4), (8, 1, 8, 1),
+])
+def test_homogeneous_plan_topology_is_deepspeeds(nodes, per_node, pp, tp):
+    world = nodes * per_node
+    plan = plan_for(homogeneous(nodes, per_node), pp, tp, world // (pp * tp))
+    ours = PlanTopology(plan)
+    theirs = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
+    assert plan.is_identity
+    assert ours.mapping == theirs.mapping
+    for axis in ("pipe", "data", "model"):
+        assert ours.get_axis_comm_lists(axis) == theirs.get_axis_comm_lists(axis)
+
+
+@pytest.mark.parametrize("per_node, pp, tp", [(1, 2, 1), (2, 2, 2), (2, 2, 1), (2, 4, 1)])
+def test_permuted_plan_topology_answers_every_query_from_the_plan(per_node, pp, tp):
+    world = 4 * per_node
+    dp = world // (pp * tp)
+    plan = plan_for(interleaved(per_node), pp, tp, dp)
+    assert not plan.is_identity
+    topo = PlanTopology(plan)
+    # Groups: DeepSpeed's axis lists are the plan's groups, member order included.
+    assert topo.get_axis_comm_lists("data") == [g.ranks for g in plan.groups["dp"]]
+    assert topo.get_axis_comm_lists("pipe") == [g.ranks for g in plan.groups["pp"]]
+    assert topo.get_axis_comm_lists("model") == [g.ranks for g in plan.groups["tp"]]
+    for rank in range(world):
+        coord = plan.coord(rank)
+        assert topo.get_coord(rank) == topo.ProcessCoord(pipe=coord["pp"], data=coord["dp"], model=coord["tp"])
+        assert topo.get_rank(pipe=coord["pp"], data=coord["dp"], model=coord["tp"]) == rank
+    for stage in range(pp):
+        expected = sorted(plan.rank_of_logical[stage * tp * dp:(stage + 1) * tp * dp])
+        assert sorted(topo.filter_match(pipe=stage)) == expected
+        assert sorted(topo.get_axis_list("pipe", stage)) == expected
+    # The parent's linear search and our index agree.
+    parent = super(PlanTopology, topo)
+    assert all(parent.get_coord(r) == topo.get_coord(r) for r in range(world))
+    with pytest.raises(ValueError):
+        topo.get_coord(world)
+
+
+def test_stage_neighbours_follow_the_plan():
+    """DeepSpeed's engine sends to stage_to_global(stage + 1): it must be the plan's next pipeline member."""
+    plan = plan_for(interleaved(2), 2, 2, 2)
+    topo = PlanTopology(plan)
+    for group in plan.groups["pp"]:
+        first, second = group.ranks
+        me = topo.get_coord(first)
+        assert topo.get_rank(**me._replace(pipe=1)._asdict()) == second
+
+
+# ---- partition ------------------------------------------------------------------------------------
+
+NAMES = ["InProj"] + ["Block"] * 8 + ["Head"]
+
+
+def test_plan_parts_place_unplanned_layers_with_their_neighbours():
+    counted = counted_layers(NAMES, "Block")
+    assert counted == list(range(1, 9))
+    assert plan_parts(len(NAMES), counted, [5, 3]) == [0, 6, 10]      # InProj on stage 0, Head on the last
+    assert plan_parts(len(NAMES), counted, [2, 3, 3]) == [0, 3, 6, 10]
+    assert counted_layers([None, "Block", "TransformerBlock", "head"], "^block$") == [1]
+
+
+def test_plan_parts_without_pattern_count_every_entry():
+    assert plan_parts(4, counted_layers(["a", None, "b", "c"], None), [1, 3]) == [0, 1, 4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=6), st.integers(0, 3), st.integers(0, 3))
+def test_plan_parts_give_each_stage_its_planned_count(split, lead, tail):
+    names = ["Embed"] * lead + ["Block"] * sum(split) + ["Head"] * tail
+    counted = counted_layers(names, "Block")
+    parts = plan_parts(len(names), counted, split)
+    assert parts[0] == 0 and parts[-1] == len(names)
+    assert all(a < b for a, b in zip(parts, parts[1:]))
+    assert layers_in_parts(parts, counted) == split
+
+
+def test_plan_parts_reject_a_plan_for_a_different_layer_count():
+    with pytest.raises(ConfigError) as err:
+        plan_parts(len(NAMES), counted_layers(NAMES, None), [5, 3])
+    assert err.value.field == "heterogeneous.model.num_layers" and "10 counted layers" in str(err.value)
+    with pytest.raises(ConfigError, match="empty"):
+        plan_parts(3, [0, 1, 2], [3, 0])
+
+
+# ---- per-group transport --------------------------------------------------------------------------
+
+def test_group_transports_come_from_the_plan():
+    plan = plan_for(interleaved(2), 2, 2, 2)
+    groups = PlannedGroups(plan)
+    for kind in ("tp", "dp", "pp"):
+        for g in plan.groups[kind]:
+            assert groups.transport_of(list(reversed(g.ranks))) == g.transport
+    assert {g.transport for g in plan.groups["dp"]} == {"ib", "roce"}
+    assert groups.transport_of(range(8)) == "socket"           # the world group: both clusters
+    assert groups.transport_of([3]) == "local"
+
+
+def test_groups_spanning_vendors_are_host_staged():
+    plan = plan_for(interleaved(1, amd=True), 2, 1, 2)
+    assert transport_from_nodes(plan, range(4)) == "host-staged"
+    assert {g.transport for g in plan.groups["pp"]} == {"host-staged"}
+    assert PlannedGroups(plan).transport_of(plan.groups["pp"][0].ranks) == "host-staged"
+
+
+def test_nccl_options_select_the_network(monkeypatch):
+    import torch.distributed as tdist
+
+    class FakeOptions:
+        def __init__(self):
+            self.config = types.SimpleNamespace(net_name=None)
+
+    monkeypatch.setattr(tdist, "ProcessGroupNCCL", types.SimpleNamespace(Options=FakeOptions), raising=False)
+    assert nccl_options("IB").config.net_name == "IB"
+    assert nccl_options("Socket").config.net_name == "Socket"
+    assert nccl_options(None) is None
