@@ -1,0 +1,86 @@
+"""The import-time hook shipped as ``het_plugin_megatron.pth`` (no patch to Megatron-LM needed).
+
+Python runs the ``.pth`` line at start-up; :func:`install` only puts a small finder on
+``sys.meta_path`` (no imports beyond the standard library). When ``megatron.training.arguments`` is
+imported *and* ``--heterogeneous-nic`` is on the command line, the finder wraps that module's
+``parse_args`` so that it (1) chains the script's ``extra_args_provider`` with het_plugin's flags (Megatron
+parses strictly) and (2) applies the plan (:func:`het_plugin.megatron.lm.prepare_args`), which also routes
+``parallel_state.initialize_model_parallel`` through het_plugin. Anything else: untouched.
+Set ``HET_PLUGIN_NO_HOOK=1`` to switch the hook off.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from importlib.abc import Loader, MetaPathFinder
+
+TARGET = "megatron.training.arguments"
+FLAG = "--heterogeneous-nic"
+ENV_OFF = "HET_PLUGIN_NO_HOOK"
+
+
+def _flag_on(argv=None) -> bool:
+    argv = sys.argv[1:] if argv is None else argv
+    return any(a == FLAG or a.startswith(FLAG + "=") for a in argv)
+
+
+class _PatchingLoader(Loader):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        patch_arguments_module(module)
+
+    def __getattr__(self, name):           # get_source, get_code, ... for tracebacks and tools
+        return getattr(self.inner, name)
+
+
+class MegatronArgsFinder(MetaPathFinder):
+    """Finds nothing itself; wraps the real loader of megatron.training.arguments when the flag is on."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET or not _flag_on():
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def patch_arguments_module(module) -> None:
+    """Wrap ``parse_args`` of a loaded megatron.training.arguments (idempotent)."""
+    original = getattr(module, "parse_args", None)
+    if original is None or getattr(original, "__het_plugin_wrapped__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        from .args import chain_extra_args_provider
+        from .lm import prepare_args
+        args = original(chain_extra_args_provider(extra_args_provider), ignore_unknown_args)
+        return prepare_args(args)
+
+    parse_args.__het_plugin_wrapped__ = original
+    module.parse_args = parse_args
+
+
+def install() -> None:
+    """Register the finder once (called from the .pth at interpreter start-up)."""
+    if os.environ.get(ENV_OFF, "") not in ("", "0"):
+        return
+    if any(isinstance(f, MegatronArgsFinder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, MegatronArgsFinder())
+    loaded = sys.modules.get(TARGET)      # imported before us (unusual): patch in place
+    if loaded is not None and _flag_on():
+        patch_arguments_module(loaded)

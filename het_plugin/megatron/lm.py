@@ -1,0 +1,118 @@
+"""Megatron-LM integration shared by the import hook and the patches.
+
+Two calls, at the two moments Megatron-LM gives us:
+
+* :func:`prepare_args` right after ``parse_args`` (before ``validate_args``): with a cluster or plan
+  file the plan is computed here (pure: no process group yet) and written into ``args`` (degrees,
+  ``pipeline_model_parallel_layout``, ``overlap_grad_reduce``), so Megatron validates and builds the
+  model for it. A planning error is kept, not raised: it is published at the agreement so *every*
+  rank stops with it (raising here would leave the other ranks waiting in init_process_group).
+* :func:`planned_initialize_model_parallel` in place of ``parallel_state.initialize_model_parallel``
+  (called by ``_initialize_distributed`` after ``init_process_group``): ranks agree on the plan (the
+  bare flag discovers the cluster and plans here, with the degrees Megatron already validated), then
+  every group is built on the plan's placement.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import HetPluginError
+from .args import DISCOVER, apply_plan_to_args, check_compatible, degrees_given
+
+
+@dataclass
+class LaunchState:
+    args: Any = None
+    source: Optional[str] = None
+    plan_out: Optional[str] = None
+    plan: Any = None
+    error: Optional[BaseException] = None
+    changes: list[str] = field(default_factory=list)
+
+
+state = LaunchState()
+
+
+def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
+    """Plan from a file and apply it to ``args``; a no-op without ``--heterogeneous-nic``."""
+    global state
+    source = getattr(args, "heterogeneous_nic", None)
+    if source is None or getattr(args, "_het_plugin_prepared", False):
+        return args
+    argv = sys.argv[1:] if argv is None else argv
+    check_compatible(args)        # the same command line on every rank: raising here stops all alike
+    state = LaunchState(args=args, source=source, plan_out=getattr(args, "heterogeneous_plan_out", None))
+    given = degrees_given(args, argv)
+    if source != DISCOVER:
+        try:
+            state.plan = _plan_for(args, given, source)
+            state.changes = apply_plan_to_args(args, state.plan)
+        except HetPluginError as exc:
+            state.error = exc
+    args._het_plugin_prepared = True
+    install_initialize_wrapper()
+    return args
+
+
+def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int] = None,
+              world_size: Optional[int] = None):
+    from .core import resolve_plan
+    from .modelspec import model_from_args
+    world = world_size or int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
+    rank = rank if rank is not None else int(getattr(args, "rank", None) or os.environ.get("RANK", "0"))
+    dp_guess = max(1, world // ((given["tp"] or 1) * (given["pp"] or 1) * (given["cp"] or 1)))
+    model = model_from_args(args, data_parallel_size=dp_guess)
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    return resolve_plan(None if source == DISCOVER else source, model=model, world_size=world, rank=rank,
+                        local_world_size=int(lws) if lws else None, tp=given["tp"], pp=given["pp"],
+                        cp=given["cp"], micro_batch_size=given["micro_batch_size"])
+
+
+def install_initialize_wrapper() -> None:
+    """Route ``parallel_state.initialize_model_parallel`` (what Megatron-LM calls, as ``mpu.``) through het_plugin."""
+    from megatron.core import parallel_state
+    current = parallel_state.initialize_model_parallel
+    if getattr(current, "__het_plugin_wrapped__", None) is not None:
+        return
+    def planned(*a, **kw):
+        return planned_initialize_model_parallel(*a, **kw)
+
+    functools.update_wrapper(planned, current)
+    planned.__het_plugin_wrapped__ = current
+    parallel_state.initialize_model_parallel = planned
+
+
+def planned_initialize_model_parallel(*args, **kwargs):
+    """Megatron-LM's call to initialize_model_parallel, on the plan (pass-through without the flag)."""
+    import torch.distributed as dist
+    from ..agreement import agree_on_plan
+    from .core import build_groups, original_initialize_model_parallel
+
+    original = original_initialize_model_parallel()
+    if state.args is None:
+        return original(*args, **kwargs)
+    names = list(inspect.signature(original).parameters)
+    kwargs = {**dict(zip(names, args)), **kwargs}
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def make():
+        if state.error is not None:
+            raise state.error
+        if state.plan is not None:
+            return state.plan
+        fixed = {"tp": kwargs.get("tensor_model_parallel_size", 1), "pp": kwargs.get("pipeline_model_parallel_size", 1),
+                 "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": state.args.micro_batch_size}
+        return _plan_for(state.args, fixed, DISCOVER, rank=rank, world_size=world)
+
+    plan = agree_on_plan(make, rank=rank, world_size=world)
+    if state.plan is None:        # discovered: the model is built after this, so args still take the split
+        state.plan = plan
+        state.changes = apply_plan_to_args(state.args, plan)
+    if rank == 0 and state.changes:
+        print("het_plugin: Megatron arguments set from the plan: " + ", ".join(state.changes), flush=True)
+    return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None)

@@ -1,0 +1,57 @@
+"""Ships ``het_plugin_megatron.pth`` into site-packages (everything else is in pyproject.toml).
+
+The .pth registers het_plugin's Megatron-LM import hook (het_plugin/megatron/hook.py), which does
+nothing unless ``--heterogeneous-nic`` is on the command line. setuptools has no declarative way to
+put a file at the top of site-packages, so build_py copies it next to the packages (wheels, sdists)
+and editable installs add it to the editable wheel.
+"""
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+PTH = "het_plugin_megatron.pth"
+# One line, run by Python's site module at start-up; harmless if het_plugin was removed.
+PTH_TEXT = ('import importlib.util as _het_u; _het_u.find_spec("het_plugin") and '
+            '__import__("het_plugin.megatron.hook", fromlist=["install"]).install()\n')
+
+
+class BuildPyWithPth(build_py):
+    def run(self):
+        super().run()
+        Path(self.build_lib).mkdir(parents=True, exist_ok=True)
+        Path(self.build_lib, PTH).write_text(PTH_TEXT)
+
+    def get_outputs(self, include_bytecode=1):
+        return list(super().get_outputs(include_bytecode)) + [str(Path(self.build_lib, PTH))]
+
+
+cmdclass = {"build_py": BuildPyWithPth}
+
+try:  # setuptools >= 64 (PEP 660 editable installs)
+    from setuptools.command.editable_wheel import editable_wheel
+
+    class EditableWheelWithPth(editable_wheel):
+        def _select_strategy(self, name, tag, build_lib):
+            strategy = super()._select_strategy(name, tag, build_lib)
+
+            class WithPth:
+                def __enter__(self):
+                    strategy.__enter__()
+                    return self
+
+                def __exit__(self, *exc):
+                    return strategy.__exit__(*exc)
+
+                def __call__(self, wheel, files, mapping):
+                    strategy(wheel, [f for f in files if not f.endswith(PTH)],
+                             {k: v for k, v in mapping.items() if not k.endswith(PTH)})
+                    wheel.writestr(PTH, PTH_TEXT)
+
+            return WithPth()
+
+    cmdclass["editable_wheel"] = EditableWheelWithPth
+except ImportError:
+    pass
+
+setup(cmdclass=cmdclass)
