@@ -21,6 +21,13 @@ class BuildPyWithPth(build_py):
         super().run()
         Path(self.build_lib).mkdir(parents=True, exist_ok=True)
         Path(self.build_lib, PTH).write_text(PTH_TEXT)
+        # `het-plugin patch` finds the Megatron-LM patches inside the installed package.
+        patches = Path(__file__).resolve().parent / "patches"
+        if patches.is_dir() and not getattr(self, "editable_mode", False):
+            for src in patches.rglob("*.patch"):
+                dst = Path(self.build_lib, "het_plugin", "_patches", src.relative_to(patches))
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                self.copy_file(str(src), str(dst), preserve_mode=0)
 
     def get_outputs(self, include_bytecode=1):
         return list(super().get_outputs(include_bytecode)) + [str(Path(self.build_lib, PTH))]
