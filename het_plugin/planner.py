@@ -1,16 +1,28 @@
 """Planner: choose degrees, placement, micro-batch size and layer split for a cluster and a model.
 
-(First cut: fixed degrees, uniform layers, no search. The cost-model search replaces ``make_plan``'s body;
-``assemble_plan`` and ``make_plan``'s signature are the contract the adapters use.)
+``make_plan`` searches TP (divisors of the accelerators per node that divide the heads), PP, DP and the
+micro-batch size; for each it tries the domain orders of :func:`placement.domain_orders`, splits the layers
+exactly (:mod:`het_plugin.partition`) and predicts the iteration (:mod:`het_plugin.cost`). The plan also
+carries the *baseline*: what the frameworks do by themselves (identity placement, uniform layers, one
+process-wide network setting) with the degrees that are best for that baseline. On a homogeneous cluster
+the plan *is* that default. ``assemble_plan`` and ``make_plan``'s signature are the adapters' contract.
 """
 from __future__ import annotations
 
+import math
+import sys
+import time
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from . import cost
 from .cluster import Cluster
 from .errors import ConfigError
 from .model import ModelSpec
-from .placement import Placement, check_dims, place, stage_domains, transport
+from .partition import bottleneck, exact_partition
+from .placement import (Placement, baseline_transport, check_dims, default_placement, domain_orders, place,
+                        stage_domains, transport)
+from .profile import Profile
 from .plan import GroupPlan, NodePlan, Plan, Prediction
 from .topology import GROUP_KINDS, ParallelDims
 
@@ -31,8 +43,10 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         raise ValueError(f"layers_per_stage {list(layers_per_stage)} must have {dims.pp} entries summing to "
                          f"{model.num_layers}")
     groups: dict[str, list[GroupPlan]] = {}
+    net = cost.Network(cluster, transport)      # cached transport(): one call per group shape
+    rank_node = cluster.rank_node
     for kind in GROUP_KINDS + ("embedding",):
-        groups[kind] = [GroupPlan(g, transport(cluster, g)) for g in placement.physical_groups(kind)]
+        groups[kind] = [GroupPlan(g, net.transport([rank_node[r] for r in g])) for g in placement.physical_groups(kind)]
     nodes = [NodePlan(n.name, n.cluster, n.fabric.type, n.accelerator.name, n.vendor,
                       cluster.node_first_rank[n.index], n.num_accelerators) for n in cluster.nodes]
     warnings = list(extra_warnings)
@@ -56,19 +70,312 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         prediction=prediction, baseline=baseline, alternatives=list(alternatives), warnings=warnings)
 
 
+MICRO_BATCH_CHOICES = (1, 2, 4, 8)
+NUM_ALTERNATIVES = 5
+PROGRESS_AFTER_S = 1.0
+
+
+@dataclass
+class Candidate:
+    """One evaluated plan of the search."""
+    prediction: Prediction
+    placement: Placement
+    layers: list[int]
+    micro_batch_size: int
+    order_index: int
+    distributed_optimizer: bool = False
+
+    @property
+    def key(self) -> tuple:
+        d = self.placement.dims
+        return (self.prediction.iteration_s, d.tp, d.pp, self.micro_batch_size, self.order_index)
+
+    def summary(self) -> dict:
+        d = self.placement.dims
+        p = self.prediction
+        return {"tp": d.tp, "cp": d.cp, "pp": d.pp, "dp": d.dp, "micro_batch_size": self.micro_batch_size,
+                "domain_order": [f"{c}/{a}" for c, a in self.placement.domain_order],
+                "layers_per_stage": list(self.layers), "iteration_s": round(p.iteration_s, 6),
+                "tokens_per_s": round(p.tokens_per_s, 1), "distributed_optimizer": self.distributed_optimizer}
+
+
+@dataclass
+class _Search:
+    """Top candidates kept during a search, plus what was rejected and why (for the error messages)."""
+    keep: int
+    best: list[Candidate] = field(default_factory=list)
+    closest_overflow: Optional[tuple[float, str]] = None     # (GiB over, description) of the nearest miss
+
+    def bound(self) -> float:
+        return self.best[-1].prediction.iteration_s if len(self.best) >= self.keep else math.inf
+
+    def offer(self, cand: Candidate) -> None:
+        self.best.append(cand)
+        self.best.sort(key=lambda c: c.key)
+        del self.best[self.keep:]
+
+    def miss(self, overflow_gib: float, what: str) -> None:
+        if self.closest_overflow is None or overflow_gib < self.closest_overflow[0]:
+            self.closest_overflow = (overflow_gib, what)
+
+
+class _Progress:
+    """A one-line progress display on stderr, shown only once a search has run for a second."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total, self.start, self.shown, self.last = enabled, total, time.monotonic(), False, 0.0
+
+    def update(self, done: int, best: Optional[Candidate]) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self.start < PROGRESS_AFTER_S or now - self.last < 0.2:
+            return
+        self.last, self.shown = now, True
+        tail = f", best so far {best.prediction.iteration_s:.3f} s/iteration" if best else ""
+        sys.stderr.write(f"\rplanning: {done}/{self.total} degree combinations{tail}   ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write(f"\rplanning: done in {time.monotonic() - self.start:.1f} s" + " " * 40 + "\n")
+            sys.stderr.flush()
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _degree_options(cluster: Cluster, model: ModelSpec, tp: Optional[int], pp: Optional[int],
+                    dp: Optional[int], cp: int, fixed_mb: Optional[int]) -> list[ParallelDims]:
+    """Every (tp, pp, dp) the frameworks accept for this cluster and model; fixed ones are checked."""
+    world = cluster.world_size
+    per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])
+    src = cluster.source
+    if cp < 1 or per_node % cp:
+        raise ConfigError(f"cp={cp} does not divide the accelerators per node ({per_node})", field="cp",
+                          fix=f"use cp in {_divisors(per_node)}")
+    heads, kv = model.num_attention_heads, model.kv_heads
+    tps = [t for t in _divisors(per_node // cp) if heads % t == 0 and kv % t == 0]
+    if tp is not None:
+        if tp < 1 or per_node % (tp * cp):
+            raise ConfigError(f"tp={tp}: tp*cp must divide the accelerators of every node ({per_node}); TP "
+                              "groups stay inside one node", source=src, field="tp", fix=f"use tp in {tps}")
+        if heads % tp or kv % tp:
+            raise ConfigError(f"tp={tp} does not divide num_attention_heads={heads} and num_query_groups={kv}",
+                              field="tp", fix=f"use tp in {tps}")
+        tps = [tp]
+    if pp is not None and pp > model.num_layers:
+        raise ConfigError(f"a pipeline of {pp} stages cannot hold {model.num_layers} layers", field="pp",
+                          fix=f"use pp <= {model.num_layers} (num_layers)")
+    out = []
+    for t in tps:
+        if world % (t * cp):
+            continue
+        rest = world // (t * cp)
+        for p in _divisors(rest):
+            d = rest // p
+            if (pp is not None and p != pp) or (dp is not None and d != dp) or p > model.num_layers:
+                continue
+            if model.global_batch_size % (d * (fixed_mb or 1)):
+                continue
+            out.append(ParallelDims(tp=t, cp=cp, pp=p, dp=d))
+    if not out:
+        fixed = ", ".join(f"{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp),
+                                                   ("micro_batch_size", fixed_mb)) if v is not None)
+        if (tp or 1) * cp * (pp or 1) * (dp or 1) > world or (tp and pp and dp and tp * cp * pp * dp != world):
+            raise ConfigError(f"tp*cp*pp*dp must equal the {world} accelerators of the cluster ({fixed})",
+                              source=src, field="degrees", fix="choose degrees whose product is the world size")
+        raise ConfigError(f"no degree combination is valid for {world} accelerators ({fixed}): tp must divide "
+                          f"{per_node} (accelerators per node) and the heads, pp <= {model.num_layers} layers, "
+                          f"and dp*micro_batch must divide global_batch_size={model.global_batch_size}",
+                          source=src, field="degrees",
+                          fix="drop a fixed degree, or change global_batch_size to a multiple of the data-"
+                              "parallel size")
+    return out
+
+
+def _micro_batches(model: ModelSpec, dims: ParallelDims, fixed_mb: Optional[int]) -> list[int]:
+    choices = [fixed_mb] if fixed_mb else list(MICRO_BATCH_CHOICES)
+    return [mb for mb in choices if model.global_batch_size % (dims.dp * mb) == 0]
+
+
+def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDims, mb: int,
+                    layers: Optional[list[int]], search: _Search, order_index: int, dist_opt: bool,
+                    overlap: bool, profile: Optional[Profile], label: str) -> None:
+    """Partition (when ``layers`` is None) and predict one candidate; offer it or record why not."""
+    m = model.global_batch_size // (dims.dp * mb)
+    sts = cost.stage_models(model, analysis, mb, m, profile)
+    L = model.num_layers
+    caps = [cost.max_layers_fitting(st, L, dims.dp, dist_opt) for st in sts]
+    if layers is None:
+        tables = cost.stage_costs(sts, L, m, dims.dp, overlap, dist_opt, profile)
+        layers = exact_partition(L, tables, caps)
+        if layers is None:
+            even = uniform_layers(L, dims.pp)
+            over = max(cost.memory_bytes(st, n, dims.dp, dist_opt) / cost.GIB - st.capacity_gib
+                       for st, n in zip(sts, even))
+            search.miss(over, f"{label} mb={mb}")
+            return
+        lower = bottleneck(tables, layers)
+        if lower >= search.bound():
+            return
+    elif any(n > c for n, c in zip(layers, caps)):
+        over = max(cost.memory_bytes(st, n, dims.dp, dist_opt) / cost.GIB - st.capacity_gib
+                   for st, n in zip(sts, layers))
+        search.miss(over, f"{label} mb={mb}")
+        return
+    pred = cost.evaluate(model, analysis, layers, mb, overlap_grad_reduce=overlap, distributed_optimizer=dist_opt,
+                         profile=profile, sts=sts)
+    if not pred.fits:
+        search.miss(max(m_ - c for m_, c in zip(pred.memory_gib_per_stage, pred.capacity_gib_per_stage)),
+                    f"{label} mb={mb}")
+        return
+    search.offer(Candidate(pred, analysis.placement, list(layers), mb, order_index, dist_opt))
+
+
+def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
+                    overlap: bool, profile: Optional[Profile], show: Optional[_Progress] = None) -> _Search:
+    """Het-aware search: every domain order, the exact partition, with and without the distributed
+    optimizer, for each degree combination."""
+    found = _Search(keep=NUM_ALTERNATIVES + 1)
+    orders = list(domain_orders(cluster))
+    net = cost.Network(cluster, transport)
+    most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
+    for i, dims in enumerate(options):
+        dist_opts = [d for d in (False, True) if not (d and dims.dp == 1)]
+        dist_opts = [d for d in dist_opts if _states_lower_bound_gib(model, dims, d) <= most_memory]
+        if not dist_opts:
+            found.miss(_states_lower_bound_gib(model, dims, True) - most_memory, _label(dims))
+            continue
+        seen: set = set()
+        for k, order in enumerate(orders):
+            placement = place(cluster, dims, order)
+            if placement.rank_of_logical in seen:
+                continue
+            seen.add(placement.rank_of_logical)
+            analysis = cost.analyze(cluster, placement, transport, net)
+            for mb in _micro_batches(model, dims, fixed_mb):
+                for dist_opt in dist_opts:
+                    _evaluate_split(model, analysis, dims, mb, None, found, k, dist_opt, overlap, profile,
+                                    _label(dims))
+        if show is not None:
+            show.update(i + 1, found.best[0] if found.best else None)
+    return found
+
+
+def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
+                    dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
+                    profile: Optional[Profile] = None) -> list[Candidate]:
+    """The best few plans of the het-aware search, best first, on any cluster (homogeneous ones too:
+    benchmarks use it for the best a sub-cluster could do on its own)."""
+    fixed_mb = micro_batch_size or model.micro_batch_size
+    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb)
+    return _search_planned(cluster, model, options, fixed_mb, True, profile).best
+
+
+def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
+                    fixed_pp: bool, dist_opt: bool, overlap: bool, profile: Optional[Profile],
+                    transport_fn, show: Optional[_Progress] = None) -> _Search:
+    """The frameworks' default: identity placement, uniform layers (pp must divide the layers, as
+    Megatron-Core requires without a layout, unless the user fixed such a pp), ``transport_fn``."""
+    found = _Search(keep=NUM_ALTERNATIVES + 1)
+    net = cost.Network(cluster, transport_fn)
+    for i, dims in enumerate(options):
+        uneven = model.num_layers % dims.pp != 0
+        if uneven and not fixed_pp:
+            continue
+        if _states_lower_bound_gib(model, dims, dist_opt) > max(n.accelerator.memory_gib for n in cluster.nodes):
+            continue
+        analysis = cost.analyze(cluster, default_placement(cluster, dims), transport_fn, net)
+        for mb in _micro_batches(model, dims, fixed_mb):
+            layers = None if uneven else uniform_layers(model.num_layers, dims.pp)
+            _evaluate_split(model, analysis, dims, mb, layers, found, 0, dist_opt, overlap, profile, _label(dims))
+        if show is not None:
+            show.update(i + 1, found.best[0] if found.best else None)
+    return found
+
+
+def _label(dims: ParallelDims) -> str:
+    return f"tp={dims.tp} pp={dims.pp} dp={dims.dp}" + (f" cp={dims.cp}" if dims.cp > 1 else "")
+
+
+def _states_lower_bound_gib(model: ModelSpec, dims: ParallelDims, dist_opt: bool) -> float:
+    """Weights, gradients and optimizer state per device if the model split perfectly over tp*pp."""
+    opt = cost.OPTIMIZER_STATE_BYTES / dims.dp if dist_opt else cost.OPTIMIZER_STATE_BYTES
+    per_param = cost.WEIGHT_BYTES + cost.GRAD_BYTES + opt
+    return model.total_params * per_param / (dims.tp * dims.pp) / cost.GIB
+
+
+def _describe(cand: Candidate, what: str) -> str:
+    d = cand.placement.dims
+    order = " > ".join(f"{c}/{a}" for c, a in cand.placement.domain_order)
+    return (f"{what}: tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp} micro-batch {cand.micro_batch_size}, "
+            f"domain order {order}, layers {cand.layers}"
+            + (", distributed optimizer" if cand.distributed_optimizer else ""))
+
+
 def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
               dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
-              progress: bool = False) -> Plan:
-    """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected."""
-    tp = tp or 1
-    if pp is None and dp is None:
-        pp = 1
-    if pp is None:
-        pp = cluster.world_size // (tp * cp * dp)
-    if dp is None:
-        dp = cluster.world_size // (tp * cp * pp)
-    dims = ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp)
-    check_dims(cluster, dims, model.num_layers)
-    mb = micro_batch_size or model.micro_batch_size or 1
-    placement = place(cluster, dims)
-    return assemble_plan(cluster, model, placement, uniform_layers(model.num_layers, pp), mb)
+              progress: bool = False, profile: Optional[Profile] = None) -> Plan:
+    """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected.
+
+    ``profile`` (measured layer times and link bandwidths) overrides the analytic estimates. Raises a
+    ConfigError naming the field when no plan is possible (degrees, memory).
+    """
+    fixed_mb = micro_batch_size or model.micro_batch_size
+    if fixed_mb is not None and model.global_batch_size % fixed_mb:
+        raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of micro_batch_size "
+                          f"{fixed_mb}", field="micro_batch_size", fix="use a divisor of global_batch_size")
+    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb)
+    overlap = True
+    show = _Progress(progress, len(options))
+    try:
+        if cluster.is_homogeneous:
+            for dist_opt in (False, True):      # Megatron's default first; the distributed optimizer if needed
+                planned = _search_default(cluster, model, options, fixed_mb, pp is not None, dist_opt, overlap,
+                                          profile, transport, show)
+                if planned.best:
+                    break
+        else:
+            planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, show)
+        if not planned.best:
+            raise _memory_error(cluster, model, planned)
+        base = planned
+        if not cluster.is_homogeneous:
+            for base_dist_opt in (False, True):
+                base = _search_default(cluster, model, options, fixed_mb, pp is not None, base_dist_opt, overlap,
+                                       profile, baseline_transport)
+                if base.best:
+                    break
+    finally:
+        show.close()
+    best = planned.best[0]
+    best.prediction.description = _describe(best, "planned" if not cluster.is_homogeneous else
+                                            "framework default (homogeneous cluster: het_plugin changes nothing)")
+    baseline = None
+    if base.best:
+        b = base.best[0]
+        baseline = b.prediction
+        if b is not best:
+            baseline.description = _describe(b, "baseline = framework default placement (identity), uniform "
+                                                "layers, one process-wide NCCL network setting, best degrees "
+                                                "for that default")
+    warnings = []
+    if baseline is None:
+        warnings.append("no framework-default plan fits in memory (uniform layers); no baseline to compare")
+    return assemble_plan(cluster, model, best.placement, best.layers, best.micro_batch_size,
+                         prediction=best.prediction, baseline=baseline, overlap_grad_reduce=overlap,
+                         distributed_optimizer=best.distributed_optimizer,
+                         alternatives=[c.summary() for c in planned.best[1:]], extra_warnings=warnings)
+
+
+def _memory_error(cluster: Cluster, model: ModelSpec, found: _Search) -> ConfigError:
+    over, what = found.closest_overflow or (float("nan"), "any plan")
+    mem = sorted({n.accelerator.memory_gib for n in cluster.nodes})
+    return ConfigError(
+        f"memory cannot hold even the smallest plan of {model.name} ({model.total_params / 1e9:.1f}B parameters, "
+        f"seq_length {model.seq_length}): the closest, {what}, is {over:.1f} GiB per device over the "
+        f"{', '.join(f'{m:g}' for m in mem)} GiB the devices have (distributed optimizer tried too)",
+        source=cluster.source, field="clusters[*].nodes[*].accelerator (memory_gib)",
+        fix="add nodes or use accelerators with more memory, or a smaller model / seq_length / global batch")

@@ -1,0 +1,578 @@
+"""Predictor: iteration time, throughput and memory per stage of one plan (HETHUB's performance predictor).
+
+The model, in short (details and constants in docs/planner.md):
+
+* Compute: a transformer layer's forward FLOPs / TP / (peak x efficiency) of the slowest device in the
+  stage; backward = 2 x forward. With TP > 1 (sequence parallel) each layer pays 2 all-reduce-equivalents
+  of its activations forward and 2 backward over the node's intra-node link. A measured profile
+  (:mod:`het_plugin.profile`) replaces these per (device, layer kind, micro-batch, TP).
+* Communication: latency-bandwidth per link tier. A collective over ``n`` members is ``2(n-1)`` ring steps
+  of ``bytes/n``; a group spanning tiers reduces hierarchically (inside the node, then over the cluster
+  fabric, then across clusters), each step paying its tier's latency and its bandwidth shared by all
+  accelerators of the node that talk at once. A group whose transport is ``socket`` uses Ethernet even
+  inside an RDMA cluster; ``host-staged`` (cross-vendor shim) also uses sockets and pays a device-host
+  copy each way.
+* Pipeline: 1F1B with per-stage forward/backward times and per-hop send times, simulated op by op.
+* Data parallel: gradient reduction per stage; with ``overlap_grad_reduce`` (Megatron's bucketed overlap)
+  only the last micro-batch's backward can hide it. Tied embeddings add the first/last-stage all-reduce.
+* Memory per rank: bf16 weights, fp32 gradients, fp32 master + Adam moments (divided by DP with the
+  distributed optimizer), activations of the in-flight micro-batches, logits on the last stage.
+
+The expensive part (walking every group of a placement) is :func:`analyze`; :func:`evaluate` is cheap, so
+the planner analyzes a placement once and evaluates it for many micro-batch sizes and layer splits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from .catalog import Accelerator
+from .cluster import RDMA, Cluster, Link, Node
+from .model import ModelSpec
+from .placement import Placement, transport as placement_transport
+from .plan import Prediction
+from .profile import Profile
+
+TransportFn = Callable[[Cluster, Sequence[int]], str]
+
+# ---- constants (documented in docs/planner.md) ----------------------------------------------------
+HOST_COPY_GBPS = 200.0          # device <-> host copy of the host-staged shim (PCIe Gen4 x16, one way)
+DEFAULT_SOCKET_GBPS = 25.0      # sockets on a node with no Ethernet NIC listed and no inter-cluster link
+SOCKET_LATENCY_US = 30.0        # TCP latency of one socket step inside a cluster
+LOCAL_LATENCY_US = 1.0
+GRAD_BYTES = 4                  # Megatron-LM keeps and reduces bf16 models' gradients in fp32
+WEIGHT_BYTES = 2
+OPTIMIZER_STATE_BYTES = 12      # fp32 master weights + Adam m and v
+OPTIMIZER_BYTES_MOVED = 32      # per parameter in one Adam step (read grad/master/m/v, write back, bf16 copy)
+HBM_BYTES_PER_S = 1.5e12        # memory bandwidth assumed for the optimizer step
+FRAMEWORK_OVERHEAD_GIB = 2.0    # CUDA/ROCm context, communicator buffers, allocator slack
+LOGITS_BYTES = 10               # per logit on the last stage: bf16 logits, fp32 softmax and its gradient
+GIB = 1024 ** 3
+
+
+# ---- link tiers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One kind of hop: ``kind`` is a profile tier name, ``names`` profile keys tried before it."""
+    kind: str
+    gbps: float
+    latency_us: float
+    names: tuple[str, ...] = ()
+
+    def step_s(self, nbytes: float, share: int = 1, profile: Optional[Profile] = None) -> float:
+        """One transfer of ``nbytes`` while ``share`` streams use the same node NIC."""
+        if nbytes <= 0:
+            return 0.0
+        if profile is not None:
+            keys = list(self.names) + [self.kind] + (["ethernet"] if self.kind == "socket" else [])
+            measured = profile.transfer_s(keys, nbytes * share)
+            if measured is not None:
+                return measured
+        return self.latency_us * 1e-6 + nbytes * share * 8 / (self.gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of a hierarchical collective: ``members`` ring participants over ``tier``."""
+    tier: Tier
+    members: int
+    share: int
+
+
+@dataclass(frozen=True)
+class CollectivePath:
+    levels: tuple[Level, ...]
+    host_staged: bool = False
+
+    def allreduce_s(self, nbytes: float, profile: Optional[Profile] = None, fraction: float = 1.0) -> float:
+        """Hierarchical ring all-reduce (``fraction`` 0.5: a reduce-scatter or an all-gather alone)."""
+        total, chunk = 0.0, float(nbytes)
+        for lv in self.levels:
+            if lv.members > 1:
+                total += 2 * (lv.members - 1) * fraction * lv.tier.step_s(chunk / lv.members, lv.share, profile)
+                chunk /= lv.members
+        if self.host_staged and nbytes > 0:
+            total += 2 * nbytes * fraction * 8 / (HOST_COPY_GBPS * 1e9)
+        return total
+
+
+def socket_tier(cluster: Cluster, node: Node) -> Tier:
+    """Ethernet as sockets see it: the node's Ethernet NIC, else the slowest inter-cluster link."""
+    eth = [nic.gbps for nic in node.nics if nic.type == "ethernet"]
+    if eth:
+        return Tier("socket", max(eth), SOCKET_LATENCY_US)
+    if node.fabric.type == "ethernet":
+        return Tier("socket", node.fabric.gbps, max(node.fabric.latency_us, SOCKET_LATENCY_US))
+    links = [link.gbps for link in cluster.links.values()]
+    return Tier("socket", min(links) if links else DEFAULT_SOCKET_GBPS, SOCKET_LATENCY_US)
+
+
+def hop_tier(cluster: Cluster, a: Node, b: Node, transport: str, link: Optional[Link] = None) -> Tier:
+    """The tier one message between nodes ``a`` and ``b`` crosses for a group of ``transport``."""
+    if a.index == b.index:
+        return Tier("local", min(a.accelerator.intra_node_gbps, b.accelerator.intra_node_gbps), LOCAL_LATENCY_US)
+    sockets = transport in ("socket", "host-staged")
+    link = link or cluster.link(a, b)
+    names: tuple[str, ...] = ()
+    if a.cluster != b.cluster:
+        names = (f"{a.cluster}/{b.cluster}", f"{b.cluster}/{a.cluster}")
+    if sockets and link.kind in RDMA:
+        sa, sb = socket_tier(cluster, a), socket_tier(cluster, b)
+        return Tier("socket", min(sa.gbps, sb.gbps), max(sa.latency_us, sb.latency_us), names)
+    kind = "socket" if sockets else link.kind
+    return Tier(kind, link.gbps, link.latency_us, names)
+
+
+class Network:
+    """Cached look-ups over a cluster for one transport function (a cluster's own ``link`` scans its nodes,
+    too slow for 16k ranks).
+
+    ``transport_fn`` is assumed to depend only on which (cluster, vendor) pairs a group touches and whether
+    it spans more than one node -- true of ``placement.transport`` and ``placement.baseline_transport`` --
+    so one call per such shape is enough.
+    """
+
+    def __init__(self, cluster: Cluster, transport_fn: TransportFn = placement_transport):
+        self.cluster, self.fn = cluster, transport_fn
+        self.fabric: dict[str, Link] = {}
+        for n in cluster.nodes:
+            self.fabric.setdefault(n.cluster, Link(n.fabric.type, n.fabric.gbps, n.fabric.latency_us))
+        self.node_key = [(n.cluster, n.vendor) for n in cluster.nodes]
+        self._transport: dict = {}
+        self._hop: dict = {}
+
+    def link(self, a: Node, b: Node) -> Link:
+        if a.index == b.index:
+            return Link("local", a.accelerator.intra_node_gbps, LOCAL_LATENCY_US)
+        if a.cluster == b.cluster:
+            return self.fabric[a.cluster]
+        return self.cluster.links[frozenset((a.cluster, b.cluster))]
+
+    def transport(self, node_ids) -> str:
+        reps: dict = {}
+        first = second = None
+        for n in node_ids:
+            reps.setdefault(self.node_key[n], n)
+            if first is None:
+                first = n
+            elif second is None and n != first:
+                second = n
+        key = (first if second is None else -1, frozenset(reps))
+        t = self._transport.get(key)
+        if t is None:
+            picked = set(reps.values()) | ({second} if second is not None else set())
+            first_rank = self.cluster.node_first_rank
+            t = self.fn(self.cluster, sorted(first_rank[n] for n in picked))
+            self._transport[key] = t
+        return t
+
+    def hop(self, a: int, b: int, transport: str) -> Tier:
+        key = (a, b, transport)
+        tier = self._hop.get(key)
+        if tier is None:
+            na, nb = self.cluster.nodes[a], self.cluster.nodes[b]
+            tier = hop_tier(self.cluster, na, nb, transport, self.link(na, nb))
+            self._hop[key] = tier
+        return tier
+
+
+def _slowest(tiers: Sequence[Tier]) -> Tier:
+    return min(tiers, key=lambda t: (t.gbps, -t.latency_us, t.kind, t.names))
+
+
+# ---- placement analysis ---------------------------------------------------------------------------
+
+
+@dataclass
+class StageInfo:
+    accelerators: tuple[Accelerator, ...]          # distinct device types in the stage
+    capacity_gib: float                            # smallest device memory in the stage
+    tp_tier: Tier                                  # intra-node link of the TP group
+    dp_paths: tuple[CollectivePath, ...]           # distinct DP (dp-cp) group shapes of the stage
+    hop_next: tuple[tuple[Tier, int, bool], ...] = ()   # (tier, share, host_staged) to stage s+1
+
+
+@dataclass
+class Analysis:
+    """What a placement means for communication; independent of micro-batch size and layer split."""
+    placement: Placement
+    stages: list[StageInfo]
+    embedding_paths: tuple[CollectivePath, ...] = ()
+    transports: dict[str, set[str]] = field(default_factory=dict)   # kind -> transports seen
+
+
+def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = placement_transport,
+            network: Optional[Network] = None) -> Analysis:
+    """Walk every DP, pipeline and embedding group of a placement once (O(world size))."""
+    net = network if network is not None and network.fn is transport_fn else Network(cluster, transport_fn)
+    dims = placement.dims
+    rank_node = cluster.rank_node
+    node_of_logical = [rank_node[r] for r in placement.rank_of_logical]
+    nodes = cluster.nodes
+    path_cache: dict[frozenset, CollectivePath] = {}
+
+    def dp_path(members_nodes: list[int]) -> tuple[CollectivePath, str]:
+        node_set = frozenset(members_nodes)
+        cached = path_cache.get(node_set)
+        if cached is not None:
+            return cached
+        t = net.transport(node_set)
+        per_node: dict[int, int] = {}
+        for n in members_nodes:
+            per_node[n] = per_node.get(n, 0) + 1
+        by_cluster: dict[str, list[int]] = {}
+        for n in sorted(per_node):
+            by_cluster.setdefault(nodes[n].cluster, []).append(n)
+        share = max(nodes[n].num_accelerators for n in per_node)
+        levels = []
+        k = max(per_node.values())
+        if k > 1:
+            levels.append(Level(_slowest([net.hop(n, n, t) for n in per_node]), k, 1))
+        n_nodes = max(len(v) for v in by_cluster.values())
+        if n_nodes > 1:
+            tiers = [net.hop(v[0], v[1], t) for v in by_cluster.values() if len(v) > 1]
+            levels.append(Level(_slowest(tiers), n_nodes, share))
+        if len(by_cluster) > 1:
+            reps = [v[0] for v in by_cluster.values()]
+            tiers = [net.hop(a, b, t) for i, a in enumerate(reps) for b in reps[i + 1:]]
+            levels.append(Level(_slowest(tiers), len(by_cluster), share))
+        out = (CollectivePath(tuple(levels), t == "host-staged"), t)
+        path_cache[node_set] = out
+        return out
+
+    S = dims.stage_size
+    tc = dims.tp * dims.cp
+    transports: dict[str, set[str]] = {"dp": set(), "pp": set(), "embedding": set()}
+    # Pipeline groups: one per position inside a stage; their transport decides every hop's network.
+    columns: dict[tuple, str] = {}
+    pp_transport = []
+    for i in range(S):
+        col = tuple(node_of_logical[i::S])
+        t = columns.get(col)
+        if t is None:
+            t = columns[col] = net.transport(col)
+        pp_transport.append(t)
+    transports["pp"] = set(pp_transport)
+    stages: list[StageInfo] = []
+    for s in range(dims.pp):
+        base = s * S
+        stage_nodes = sorted(set(node_of_logical[base:base + S]))
+        accs = tuple(sorted({nodes[n].accelerator for n in stage_nodes}, key=lambda a: a.name))
+        capacity = min(nodes[n].accelerator.memory_gib for n in stage_nodes)
+        tp_tier = Tier("local", min(nodes[n].accelerator.intra_node_gbps for n in stage_nodes), LOCAL_LATENCY_US)
+        paths: list[CollectivePath] = []
+        for j in range(tc):
+            path, t = dp_path(node_of_logical[base + j:base + S:tc])
+            transports["dp"].add(t)
+            if path not in paths:
+                paths.append(path)
+        hops: list[tuple[Tier, int, bool]] = []
+        if s + 1 < dims.pp:
+            seen: set = set()
+            for i in range(S):
+                a, b, t = node_of_logical[base + i], node_of_logical[base + S + i], pp_transport[i]
+                if (a, b, t) in seen:
+                    continue
+                seen.add((a, b, t))
+                share = 1 if a == b else nodes[a].num_accelerators
+                hop = (net.hop(a, b, t), share, t == "host-staged")
+                if hop not in hops:
+                    hops.append(hop)
+        stages.append(StageInfo(accs, capacity, tp_tier, tuple(paths), tuple(hops)))
+    emb_paths: list[CollectivePath] = []
+    if dims.pp > 1:
+        last = (dims.pp - 1) * S
+        for pair in sorted(set(zip(node_of_logical[:S], node_of_logical[last:last + S]))):
+            path, t = dp_path(list(pair))
+            transports["embedding"].add(t)
+            if path not in emb_paths:
+                emb_paths.append(path)
+    return Analysis(placement, stages, tuple(emb_paths), transports)
+
+
+# ---- per-stage times and memory -------------------------------------------------------------------
+
+
+@dataclass
+class StageModel:
+    """Linear pieces of one stage for a micro-batch size: times per micro-batch and bytes per rank."""
+    layer_fwd_s: float
+    layer_bwd_s: float
+    fixed_fwd_s: float
+    fixed_bwd_s: float
+    send_s: float                   # one activation (or gradient) send to the next stage
+    params_per_layer: float         # per rank
+    fixed_params: float             # embedding / output layer on this rank
+    act_bytes_per_layer: float      # one micro-batch's saved activations of one layer
+    fixed_mem_bytes: float          # first/last stage extras for the in-flight micro-batches
+    in_flight: int
+    capacity_gib: float
+    paths: tuple[CollectivePath, ...]
+
+
+def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, cp: int, tp_tier: Tier,
+               profile: Optional[Profile]) -> tuple[float, float]:
+    if profile is not None:
+        measured = profile.compute_s(acc.name, kind, mb, tp)
+        if measured is not None:
+            return measured
+    if kind == "layer":
+        flops = model.layer_flops_fwd(mb) / (tp * cp)
+    elif kind == "output":
+        flops = model.logits_flops_fwd(mb) / (tp * cp)
+    else:   # embedding lookup: memory-bound and small; counted as a few FLOPs per element
+        flops = 2.0 * mb * model.seq_length * model.hidden_size / (tp * cp)
+    fwd = flops / acc.sustained_flops
+    bwd = 2 * fwd
+    if kind == "layer" and tp > 1:
+        act = mb * model.seq_length * model.hidden_size * model.dtype_bytes / cp
+        ar = 2 * (tp - 1) * tp_tier.step_s(act / tp, 1, profile)   # one all-reduce equivalent
+        fwd += 2 * ar
+        bwd += 2 * ar
+    return fwd, bwd
+
+
+def activation_bytes_per_layer(model: ModelSpec, mb: int, tp: int, cp: int) -> float:
+    """Saved activations of one layer and micro-batch (Korthikanti et al. 2022, flash attention, SP)."""
+    h = model.hidden_size
+    ffn_mult = model.ffn * (1.5 if model.activation == "swiglu" else 1.0) / (4 * h)
+    return mb * model.seq_length * h * (15 + 19 * ffn_mult) / (tp * cp)
+
+
+def stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batches: int,
+                 profile: Optional[Profile] = None) -> list[StageModel]:
+    dims = analysis.placement.dims
+    tp, cp, pp = dims.tp, dims.cp, dims.pp
+    act_msg = mb * model.seq_length * model.hidden_size * model.dtype_bytes / (tp * cp)
+    emb_params = model.embedding_params / tp
+    out = []
+    for s, info in enumerate(analysis.stages):
+        layer = max((_compute_s(a, "layer", model, mb, tp, cp, info.tp_tier, profile) for a in info.accelerators),
+                    key=lambda fb: fb[0] + fb[1])
+        ff = fb_ = 0.0
+        fixed_params = 0.0
+        fixed_mem = 0.0
+        in_flight = min(pp - s, num_micro_batches)
+        if s == 0:
+            e = max((_compute_s(a, "embedding", model, mb, tp, cp, info.tp_tier, profile)
+                     for a in info.accelerators), key=lambda fb: fb[0] + fb[1])
+            ff, fb_ = ff + e[0], fb_ + e[1]
+            fixed_params += emb_params
+            fixed_mem += in_flight * act_msg
+        if s == pp - 1:
+            o = max((_compute_s(a, "output", model, mb, tp, cp, info.tp_tier, profile)
+                     for a in info.accelerators), key=lambda fb: fb[0] + fb[1])
+            ff, fb_ = ff + o[0], fb_ + o[1]
+            if pp > 1 or not model.tie_embeddings:
+                fixed_params += emb_params
+            fixed_mem += mb * model.seq_length * model.vocab_size * LOGITS_BYTES / (tp * cp)
+        send = 0.0
+        for tier, share, staged in info.hop_next:
+            t = tier.step_s(act_msg, share, profile)
+            if staged:
+                t += 2 * act_msg * 8 / (HOST_COPY_GBPS * 1e9)
+            send = max(send, t)
+        out.append(StageModel(layer[0], layer[1], ff, fb_, send, model.params_per_layer / tp, fixed_params,
+                              activation_bytes_per_layer(model, mb, tp, cp), fixed_mem, in_flight,
+                              info.capacity_gib, info.dp_paths))
+    return out
+
+
+def memory_bytes(st: StageModel, n_layers: int, dp: int, distributed_optimizer: bool) -> float:
+    params = st.fixed_params + n_layers * st.params_per_layer
+    opt = OPTIMIZER_STATE_BYTES / dp if distributed_optimizer else OPTIMIZER_STATE_BYTES
+    states = params * (WEIGHT_BYTES + GRAD_BYTES + opt)
+    acts = st.in_flight * n_layers * st.act_bytes_per_layer + st.fixed_mem_bytes
+    return states + acts + FRAMEWORK_OVERHEAD_GIB * GIB
+
+
+def max_layers_fitting(st: StageModel, num_layers: int, dp: int, distributed_optimizer: bool) -> int:
+    """Most layers the stage's memory holds (-1: not even its fixed part fits)."""
+    cap = st.capacity_gib * GIB
+    base = memory_bytes(st, 0, dp, distributed_optimizer)
+    if base > cap:
+        return -1
+    per = memory_bytes(st, 1, dp, distributed_optimizer) - base
+    n = num_layers if per <= 0 else min(num_layers, int((cap - base) // per))
+    while n > 0 and memory_bytes(st, n, dp, distributed_optimizer) > cap:   # guard rounding
+        n -= 1
+    return n
+
+
+def dp_reduce_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: bool,
+                profile: Optional[Profile]) -> float:
+    """Gradient reduction of the stage (plus the parameter all-gather of the distributed optimizer)."""
+    if dp <= 1:
+        return 0.0
+    params = st.fixed_params + n_layers * st.params_per_layer
+    worst = 0.0
+    for path in st.paths:
+        if distributed_optimizer:
+            t = path.allreduce_s(params * GRAD_BYTES, profile, 0.5) + path.allreduce_s(params * WEIGHT_BYTES, profile, 0.5)
+        else:
+            t = path.allreduce_s(params * GRAD_BYTES, profile)
+        worst = max(worst, t)
+    return worst
+
+
+def stage_costs(sts: list[StageModel], num_layers: int, num_micro_batches: int, dp: int, overlap: bool,
+                distributed_optimizer: bool, profile: Optional[Profile]) -> list[list[float]]:
+    """Cost tables for the exact partition: one stage's busy time in an iteration with n layers."""
+    m = num_micro_batches
+    tables = []
+    for s, st in enumerate(sts):
+        recv_side = sts[s - 1].send_s if s > 0 else 0.0      # this stage sends gradients back over it
+        row = []
+        if profile is None:     # the analytic reduction is affine in the layer count: two points suffice
+            red0 = dp_reduce_s(st, 0, dp, distributed_optimizer, None)
+            red_step = dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0
+        for n in range(num_layers + 1):
+            fwd = st.fixed_fwd_s + n * st.layer_fwd_s
+            bwd = st.fixed_bwd_s + n * st.layer_bwd_s
+            if profile is None:
+                red = red0 + n * red_step
+            else:
+                red = dp_reduce_s(st, n, dp, distributed_optimizer, profile)
+            exposed = max(0.0, red - bwd) if overlap else red
+            row.append(m * (fwd + bwd + st.send_s + recv_side) + exposed)
+        tables.append(row)
+    return tables
+
+
+# ---- 1F1B simulation ------------------------------------------------------------------------------
+
+
+def one_f_one_b_order(pp: int, stage: int, m: int) -> list[tuple[str, int]]:
+    """Megatron's non-interleaved schedule for one stage: warm-up forwards, 1F1B pairs, cool-down."""
+    warmup = min(pp - stage - 1, m)
+    ops = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        ops += [("F", warmup + i), ("B", i)]
+    ops += [("B", i) for i in range(m - warmup, m)]
+    return ops
+
+
+def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float], m: int) -> list[float]:
+    """Finish time of every stage's last backward.
+
+    ``send[s]`` is the time to move one activation (forward) or gradient (backward) between stages s and
+    s+1; the sender is busy for it (Megatron's p2p calls block) and the receiver may start when it ends.
+    """
+    pp = len(fwd)
+    orders = [one_f_one_b_order(pp, s, m) for s in range(pp)]
+    end_f = [[-1.0] * m for _ in range(pp)]
+    end_b = [[-1.0] * m for _ in range(pp)]
+    arrive_f = [[-1.0] * m for _ in range(pp)]     # activation of micro-batch i arrives at stage s
+    arrive_b = [[-1.0] * m for _ in range(pp)]     # gradient of micro-batch i arrives at stage s
+    free = [0.0] * pp
+    ptr = [0] * pp
+    pending = list(range(pp))
+    while pending:
+        s = pending.pop()
+        while ptr[s] < len(orders[s]):
+            kind, i = orders[s][ptr[s]]
+            if kind == "F":
+                ready = 0.0 if s == 0 else arrive_f[s][i]
+                if ready < 0:
+                    break
+                end = max(free[s], ready) + fwd[s]
+                end_f[s][i] = end
+                free[s] = end
+                if s + 1 < pp:
+                    free[s] += send[s]
+                    arrive_f[s + 1][i] = free[s]
+                    pending.append(s + 1)
+            else:
+                ready = end_f[s][i] if s == pp - 1 else arrive_b[s][i]
+                if ready < 0:
+                    break
+                end = max(free[s], ready) + bwd[s]
+                end_b[s][i] = end
+                free[s] = end
+                if s > 0:
+                    free[s] += send[s - 1]
+                    arrive_b[s - 1][i] = free[s]
+                    pending.append(s - 1)
+            ptr[s] += 1
+    if any(ptr[s] < len(orders[s]) for s in range(pp)):
+        raise RuntimeError("1F1B simulation deadlocked (a bug)")
+    return [max(end_b[s][m - 1], free[s]) for s in range(pp)]
+
+
+# ---- prediction -----------------------------------------------------------------------------------
+
+
+def evaluate(model: ModelSpec, analysis: Analysis, layers_per_stage: Sequence[int], micro_batch_size: int, *,
+             overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
+             profile: Optional[Profile] = None, sts: Optional[list[StageModel]] = None,
+             description: str = "") -> Prediction:
+    dims = analysis.placement.dims
+    m = model.global_batch_size // (dims.dp * micro_batch_size)
+    if sts is None:
+        sts = stage_models(model, analysis, micro_batch_size, m, profile)
+    fwd = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers_per_stage)]
+    bwd = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers_per_stage)]
+    send = [st.send_s for st in sts]
+    finish = simulate_1f1b(fwd, bwd, send, m)
+    pipeline = max(finish)
+    ends = []
+    opt = 0.0
+    for s, (st, n) in enumerate(zip(sts, layers_per_stage)):
+        red = dp_reduce_s(st, n, dims.dp, distributed_optimizer, profile)
+        exposed = max(0.0, red - bwd[s]) if overlap_grad_reduce else red
+        ends.append(finish[s] + exposed)
+        params = st.fixed_params + n * st.params_per_layer
+        if distributed_optimizer:
+            params /= dims.dp
+        opt = max(opt, params * OPTIMIZER_BYTES_MOVED / HBM_BYTES_PER_S)
+    emb = 0.0
+    if dims.pp > 1 and model.tie_embeddings and analysis.embedding_paths:
+        emb_bytes = model.embedding_params / dims.tp * GRAD_BYTES
+        emb = max(p.allreduce_s(emb_bytes, profile) for p in analysis.embedding_paths)
+    iteration = max(ends) + emb + opt
+    tokens = model.global_batch_size * model.seq_length
+    flops = 3.0 * model.global_batch_size * (model.num_layers * model.layer_flops_fwd(1) + model.logits_flops_fwd(1))
+    busiest = max(m * (f + b) for f, b in zip(fwd, bwd))
+    memory = [memory_bytes(st, n, dims.dp, distributed_optimizer) / GIB for st, n in zip(sts, layers_per_stage)]
+    capacity = [st.capacity_gib for st in sts]
+    pred = Prediction(
+        iteration_s=iteration, tokens_per_s=tokens / iteration,
+        tflops_per_device=flops / iteration / dims.world_size / 1e12,
+        pipeline_s=pipeline, dp_exposed_s=max(ends) - pipeline + emb, optimizer_s=opt,
+        bubble_fraction=max(0.0, 1.0 - busiest / pipeline) if pipeline > 0 else 0.0,
+        stage_compute_s=[f + b for f, b in zip(fwd, bwd)], memory_gib_per_stage=memory,
+        capacity_gib_per_stage=capacity, description=description)
+    problem = memory_problem(pred)
+    if problem:
+        pred.description = (pred.description + "; " if pred.description else "") + problem
+    return pred
+
+
+def memory_problem(pred: Prediction) -> Optional[str]:
+    """Why a prediction's plan does not fit (None when it does)."""
+    over = [(s, m, c) for s, (m, c) in enumerate(zip(pred.memory_gib_per_stage, pred.capacity_gib_per_stage)) if m > c]
+    if not over:
+        return None
+    s, m, c = max(over, key=lambda x: x[1] - x[2])
+    return (f"does not fit: stage {s} needs {m:.1f} GiB per device, its devices have {c:.1f} GiB"
+            + (f" ({len(over)} stages over)" if len(over) > 1 else ""))
+
+
+def predict(cluster: Cluster, model: ModelSpec, placement: Placement, layers_per_stage: Sequence[int],
+            micro_batch_size: int, *, transport_fn: TransportFn = placement_transport,
+            overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
+            profile: Optional[Profile] = None, description: str = "") -> Prediction:
+    """Predict one plan. A plan whose memory does not fit gets ``fits == False`` and the reason in its
+    description (the planner rejects it)."""
+    dims = placement.dims
+    if len(layers_per_stage) != dims.pp or sum(layers_per_stage) != model.num_layers:
+        raise ValueError(f"layers_per_stage {list(layers_per_stage)} must have {dims.pp} entries summing to "
+                         f"{model.num_layers}")
+    if model.global_batch_size % (dims.dp * micro_batch_size):
+        raise ValueError(f"global batch {model.global_batch_size} is not a multiple of dp*micro_batch "
+                         f"{dims.dp}*{micro_batch_size}")
+    analysis = analyze(cluster, placement, transport_fn)
+    return evaluate(model, analysis, layers_per_stage, micro_batch_size, overlap_grad_reduce=overlap_grad_reduce,
+                    distributed_optimizer=distributed_optimizer, profile=profile, description=description)
