@@ -57,10 +57,11 @@ class EmuNode:
     first_rank: int
     eth: Interface
     fab: Optional[Interface]
+    extra: tuple[Interface, ...] = ()     # extra networks joining every node (benchmark references)
 
     @property
     def interfaces(self) -> tuple[Interface, ...]:
-        return (self.eth,) if self.fab is None else (self.eth, self.fab)
+        return ((self.eth,) if self.fab is None else (self.eth, self.fab)) + self.extra
 
     def gloo_ifnames(self) -> str:
         """HET_PLUGIN_GLOO_IFNAMES for this node: which interface each plan transport uses."""
@@ -106,6 +107,7 @@ class Layout:
                                                               for c in n.eth.classes)]
             if n.fab is not None:
                 parts.append(f"{FAB_IF} {n.fab.address} {n.fabric} {n.fab.kbit / 1000:g} Mbit/s (own cluster only)")
+            parts += [f"{x.name} {x.address} {x.kbit / 1000:g} Mbit/s (every node)" for x in n.extra]
             lines.append(f"  {n.name} [{n.cluster}] ranks {n.first_rank}..{n.first_rank + n.num_ranks - 1}: "
                          + "; ".join(parts))
         lines += [f"  note: {t}" for t in self.notes]
@@ -128,8 +130,17 @@ def ethernet_gbps(cluster: Cluster, node: Node) -> float:
     return max(links) if links else node.fabric.gbps
 
 
-def make_layout(cluster: Cluster, run_id: str, scale: float) -> Layout:
-    """The emulated network for ``cluster``; ``scale`` = real bits per emulated bit (1000: Gbit/s -> Mbit/s)."""
+@dataclass(frozen=True)
+class ExtraNetwork:
+    """A network joining *every* node at ``gbps`` (real units), e.g. an all-RDMA reference for benchmarks."""
+    ifname: str
+    gbps: float
+
+
+def make_layout(cluster: Cluster, run_id: str, scale: float, extra: tuple[ExtraNetwork, ...] = ()) -> Layout:
+    """The emulated network for ``cluster``; ``scale`` = real bits per emulated bit (1000: Gbit/s -> Mbit/s).
+
+    ``extra`` networks get their own bridge and the addresses 198.19.<250+i>.<node+1>/24."""
     if not RUN_ID_RE.match(run_id):
         raise ValueError(f"run id {run_id!r} must be 6 hex digits")
     if not scale > 0:
@@ -147,6 +158,11 @@ def make_layout(cluster: Cluster, run_id: str, scale: float) -> Layout:
         if any(n.fabric.type in RDMA for n in cluster.nodes if n.cluster == c):
             fab_bridge[c] = f"{LINK_PREFIX}{run_id}F{k}"
             bridges.append(fab_bridge[c])
+    if len(extra) > 4 or len({x.ifname for x in extra} | {ETH_IF, FAB_IF, "lo"}) != len(extra) + 3:
+        raise ConfigError(f"extra networks {[x.ifname for x in extra]}: at most 4, with names other than "
+                          f"{ETH_IF}, {FAB_IF}, lo and each other", field="extra", fix="rename or drop some")
+    for i, x in enumerate(extra):
+        bridges.append(f"{LINK_PREFIX}{run_id}X{i}")
     seen = {c: 0 for c in clusters}
     nodes = []
     notes = ["latency is not emulated (this kernel has no netem): only bandwidth is shaped; "
@@ -173,6 +189,11 @@ def make_layout(cluster: Cluster, run_id: str, scale: float) -> Layout:
             fk = kbit_of(node.fabric.gbps, scale)
             fab = Interface(FAB_IF, f"{LINK_PREFIX}{run_id}f{node.index}", fab_bridge[node.cluster],
                             f"198.19.{k}.{j + 1}", 24, fk, (ShapedClass(None, fk, node.fabric.type),))
+        more = []
+        for i, x in enumerate(extra):
+            xk = kbit_of(x.gbps, scale)
+            more.append(Interface(x.ifname, f"{LINK_PREFIX}{run_id}x{i}n{node.index}", f"{LINK_PREFIX}{run_id}X{i}",
+                                  f"198.19.{250 + i}.{node.index + 1}", 24, xk, (ShapedClass(None, xk, x.ifname),)))
         nodes.append(EmuNode(node.index, node.name, node.cluster, node.fabric.type, f"{NS_PREFIX}{run_id}-n{node.index}",
-                             node.num_accelerators, cluster.node_first_rank[node.index], eth, fab))
+                             node.num_accelerators, cluster.node_first_rank[node.index], eth, fab, tuple(more)))
     return Layout(run_id, float(scale), tuple(nodes), tuple(bridges), tuple(dict.fromkeys(notes)))

@@ -13,7 +13,7 @@ import time
 from typing import IO, Callable, Optional, Sequence
 
 from ..cluster import Cluster
-from .layout import Interface, Layout, make_layout
+from .layout import ExtraNetwork, Interface, Layout, make_layout
 from .system import (CommandFailed, RunRecord, check_preconditions, clean_leftovers, kill_pids, namespace_pids,
                      process_start_time, remove_run, sh)
 
@@ -30,9 +30,10 @@ class Emulation:
     """
 
     def __init__(self, cluster: Cluster, *, scale: float = 1000.0, run_id: Optional[str] = None,
+                 extra_networks: Sequence[ExtraNetwork] = (),
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)):
         self.cluster = cluster
-        self.layout: Layout = make_layout(cluster, run_id or secrets.token_hex(3), scale)
+        self.layout: Layout = make_layout(cluster, run_id or secrets.token_hex(3), scale, tuple(extra_networks))
         self.log = log
         self.procs: list[subprocess.Popen] = []
         self._record = RunRecord(self.layout.run_id, os.getpid(), process_start_time(os.getpid()))
@@ -114,6 +115,25 @@ class Emulation:
             "rate", f"{itf.kbit}kbit", "ceil", f"{itf.kbit}kbit", "quantum", QUANTUM])
 
     # ---- running ranks -----------------------------------------------------------------------------
+    def set_rate(self, ifname: str, mbit: float, label: Optional[str] = None) -> None:
+        """Change a shaped rate while running, in emulated Mbit/s (``label``: one egress class, e.g. "to
+        roce"; None: the interface's NIC rate and every class). Lets a benchmark sweep bandwidths without
+        restarting its ranks."""
+        kbit = f"{max(8, int(round(mbit * 1000)))}kbit"
+        for node in self.layout.nodes:
+            for itf in node.interfaces:
+                if itf.name != ifname:
+                    continue
+                tc = ["tc", "-n", node.namespace, "class", "change", "dev", itf.name]
+                if label is None:
+                    sh(tc + ["parent", "1:", "classid", "1:1", "htb", "rate", kbit, "ceil", kbit, "quantum", QUANTUM])
+                    sh(["tc", "class", "change", "dev", itf.peer, "parent", "1:", "classid", "1:10", "htb",
+                        "rate", kbit, "ceil", kbit, "quantum", QUANTUM])
+                for i, c in enumerate(itf.classes):
+                    if label is None or c.label == label:
+                        sh(tc + ["parent", "1:1", "classid", f"1:{10 + i}", "htb", "rate", kbit, "ceil", kbit,
+                                 "quantum", QUANTUM])
+
     def rank_env(self, rank: int, master_port: int = DEFAULT_PORT) -> dict[str, str]:
         """torchrun's variables plus the interface choices for gloo."""
         node = self.layout.node_of_rank(rank)

@@ -140,9 +140,9 @@ def root_links(prefix: str = LINK_PREFIX) -> list[str]:
 
 
 def _is_emulator_link(name: str) -> bool:
-    """hp<6 hex><E|F<k>|e<i>|f<i>>: only names the emulator makes."""
+    """hp<6 hex><E|F<k>|X<i>|e<node>|f<node>|x<i>n<node>>: only names the emulator makes."""
     rest = name[len(LINK_PREFIX):]
-    return len(rest) >= 7 and all(c in "0123456789abcdef" for c in rest[:6]) and rest[6] in "EFef"
+    return len(rest) >= 7 and all(c in "0123456789abcdef" for c in rest[:6]) and rest[6] in "EFXefx"
 
 
 def run_of_name(name: str) -> Optional[str]:

@@ -1,0 +1,225 @@
+"""End-to-end benchmark: real Megatron-Core training of a small GPT on an emulated Holmes-shaped cluster.
+
+    sudo .venv/bin/python benchmarks/bench_e2e.py            # full run (~12 min on an idle 2-core machine)
+    sudo .venv/bin/python benchmarks/bench_e2e.py --quick    # smoke run (one ratio, one round)
+
+Two clusters (IB, RoCE; two nodes each, one rank per node), each with its own fast fabric, joined only by
+Ethernet. Six configurations run side by side in one launch, several rounds interleaved, per fast:slow
+ratio; each gets the predictor's estimate from a profile measured here. Writes the table to
+docs/benchmark-e2e.md (between the RESULTS markers), the chart to docs/img/e2e.png, and the raw numbers,
+profiles and plans to benchmarks/results/. Needs root (network namespaces); see docs/emulator.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+from e2e_plans import CONFIGS, FAST_LINKS, LINKS, setup_ratio  # noqa: E402
+from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
+from het_plugin.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
+
+GOALS = {"4/3": 0.60, "4/1": 1.15, "4/2": 0.55}
+PAIRS = {"4/3": ("4-het_plugin", "3-mixed-today"), "4/1": ("4-het_plugin", "1-all-fast"),
+         "4/2": ("4-het_plugin", "2-all-eth"), "4p/3": ("4p-placement", "3-mixed-today"),
+         "4t/3": ("4t-place+transport", "3-mixed-today")}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Parent:
+    """Answers the rank-0 handshake: rates, plans, configurations; collects results."""
+
+    def __init__(self, emu: Emulation, args, shape: TinyShape, results_dir: Path):
+        self.emu, self.args, self.shape, self.results_dir = emu, args, shape, results_dir
+        self.ratios = list(args.ratios)
+        self.compute = None
+        self.scale = None
+        self.eth_links = None
+        self.current = None
+        self.setups = {}
+        self.measured = {}
+        self.losses = {}
+
+    def handle(self, name: str, payload):
+        if name == "compute":
+            self.compute = payload
+            stage_mb = (self.shape.num_layers // 2) * sum(payload["layer"]) + \
+                max(sum(payload["embedding"]), sum(payload["output"]))
+            self.scale = derive_scale(self.shape, stage_mb)
+            if self.args.eth_mbit:
+                self.scale["eth_mbit"] = self.args.eth_mbit
+                self.scale["scale"] = ETH_GBPS * 1e3 / self.args.eth_mbit
+            log(f"compute per layer fwd+bwd {sum(payload['layer']) * 1e3:.1f} ms; Ethernet -> "
+                f"{self.scale['eth_mbit']:.1f} Mbit/s (scale 1/{self.scale['scale']:.0f})")
+            self.emu.set_rate("eth0", self.scale["eth_mbit"])
+            return {}
+        if name == "next":
+            if not self.ratios:
+                return {"done": True}
+            self.current = self.ratios.pop(0)
+            fast = self.current * self.scale["eth_mbit"]
+            self.emu.set_rate("fab0", fast)
+            self.emu.set_rate("ref0", fast)
+            log(f"ratio {self.current:g}:1: fabric {fast:.0f} Mbit/s, Ethernet {self.scale['eth_mbit']:.0f} Mbit/s")
+            measure = FAST_LINKS + ([] if self.eth_links else ["eth", "inter"])
+            return {"measure": measure}
+        if name == "links":
+            if "eth" in payload:
+                self.eth_links = {k: payload[k] for k in ("eth", "inter")}
+            links = dict(payload, **self.eth_links)
+            log("links (Gbit/s at largest size): " + ", ".join(f"{k} {v[-1][1] * 1e3:.0f} Mbit/s"
+                                                              for k, v in links.items()))
+            st = setup_ratio(self.current, self.shape, self.compute, links, self.results_dir)
+            st.links = links
+            self.setups[self.current] = st
+            log(f"plan: layers {st.plan_summary['layers_per_stage']}, ranks {st.plan_summary['rank_of_logical']}, "
+                f"transports {st.plan_summary['transports']}")
+            configs = [c for c in st.configs if c["name"] in self.args.configs]
+            return {"configs": configs}
+        if name == "results":
+            self.measured[self.current] = payload["step_times"]
+            self.losses[self.current] = payload["losses"]
+            self.report_ratio(self.current)
+            return {}
+        raise RuntimeError(f"unknown request {name}")
+
+    def report_ratio(self, ratio: float) -> None:
+        rows = summarize(ratio, self.measured[ratio], self.setups[ratio], self.args.warmup)
+        for r in rows["configs"]:
+            log(f"  {r['name']:<20} {r['median_s'] * 1e3:8.1f} ms  predicted {r['predicted_s'] * 1e3:8.1f} ms "
+                f"({r['error'] * 100:+.0f}%)")
+        log("  " + "  ".join(f"{k} {v:.2f}" for k, v in rows["ratios"].items()))
+
+
+def summarize(ratio: float, measured: dict, setup, warmup: int) -> dict:
+    """Median step time per config (all rounds, after warm-up); ratios per round, then their median."""
+    per_round = {name: [statistics.median(r[warmup:]) for r in rounds] for name, rounds in measured.items()}
+    configs = []
+    for name, rounds in measured.items():
+        steps = [t for r in rounds for t in r[warmup:]]
+        med = statistics.median(steps)
+        pred = setup.predictions[name]
+        configs.append({"name": name, "median_s": med, "rounds_s": per_round[name], "predicted_s": pred,
+                        "error": (pred - med) / med, "compute_share": setup.compute_share[name]})
+    ratios = {}
+    for key, (a, b) in PAIRS.items():
+        if a in per_round and b in per_round:
+            ratios[key] = statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
+    return {"ratio": ratio, "configs": configs, "ratios": ratios}
+
+
+def run(args) -> dict:
+    shape = TinyShape()
+    results_dir = Path(args.results)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    handshake = Path(tempfile.mkdtemp(prefix="het_e2e_"))
+    job = {"handshake": str(handshake), "shape": shape.to_dict(), "compute_reps": args.compute_reps,
+           "links": LINKS, "link_sizes": [65536, 1 << 20, 4 << 20], "link_reps": 3,
+           "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps}
+    job_path = handshake / "job.json"
+    job_path.write_text(json.dumps(job))
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONWARNINGS": "ignore"}
+    cluster = mixed_cluster(args.ratios[0])
+    t0 = time.monotonic()
+    with Emulation(cluster, scale=1000.0, extra_networks=[ExtraNetwork("ref0", ETH_GBPS)], log=log) as emu:
+        log(emu.layout.describe())
+        parent = Parent(emu, args, shape, results_dir)
+        logs = [open(handshake / f"rank{r}.log", "w") for r in range(emu.layout.world_size)]
+        procs = [emu.popen_in(emu.layout.node_of_rank(r).index, [sys.executable, str(HERE / "e2e_worker.py"),
+                                                                   str(job_path)],
+                              env=dict(env, **emu.rank_env(r)), stdout=logs[r], stderr=subprocess.STDOUT)
+                 for r in range(emu.layout.world_size)]
+        done = set()
+        deadline = time.monotonic() + args.timeout
+        try:
+            while True:
+                reqs = sorted(p for p in handshake.glob("*.req.json") if p.name not in done)
+                for req in reqs:
+                    name = req.name.split("-", 1)[1].rsplit(".req.json", 1)[0]
+                    answer = parent.handle(name, json.loads(req.read_text()))
+                    tmp = handshake / (req.name.replace(".req.json", ".resp.tmp"))
+                    tmp.write_text(json.dumps(answer))
+                    tmp.rename(handshake / req.name.replace(".req.json", ".resp.json"))
+                    done.add(req.name)
+                codes = [p.poll() for p in procs]
+                if all(c is not None for c in codes):
+                    break
+                if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+                    emu.wait(procs, timeout=5)
+                    break
+                time.sleep(0.05)
+        finally:
+            for f in logs:
+                f.close()
+        codes = [p.poll() for p in procs]
+    if codes != [0] * len(codes):
+        for r in range(len(codes)):
+            text = (handshake / f"rank{r}.log").read_text()
+            print(f"--- rank {r} rc={codes[r]}\n{text[-4000:]}", file=sys.stderr)
+        raise SystemExit(f"bench_e2e: ranks failed: {codes}")
+    shutil.rmtree(handshake, ignore_errors=True)
+    out = {"shape": shape.to_dict(), "real_job": REAL_JOB, "scale": parent.scale, "compute": parent.compute,
+           "wall_s": time.monotonic() - t0, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
+           "configs": {k: v for k, v in CONFIGS.items() if k in args.configs}, "goals": GOALS,
+           "latency": "not emulated (no netem in this kernel); bandwidth only",
+           "ratios": []}
+    for ratio in args.ratios:
+        st = parent.setups[ratio]
+        row = summarize(ratio, parent.measured[ratio], st, args.warmup)
+        row["plan"] = st.plan_summary
+        row["links_gbps"] = st.links
+        row["losses"] = parent.losses[ratio]
+        out["ratios"].append(row)
+    (results_dir / "e2e.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: ratio 10:1, one round, short steps")
+    p.add_argument("--ratios", type=float, nargs="+", default=[2, 5, 10, 20])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="measured steps per configuration and round")
+    p.add_argument("--compute-reps", type=int, default=5)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--eth-mbit", type=float, help="override the derived emulated Ethernet rate (Mbit/s)")
+    p.add_argument("--results", help="raw results folder (default benchmarks/results, quick: a temp folder)")
+    p.add_argument("--docs", help="docs folder for the table and chart (default docs/, quick: the results folder)")
+    p.add_argument("--timeout", type=float, default=1500)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.ratios, args.rounds, args.warmup, args.steps, args.compute_reps = [10], 1, 1, 2, 3
+    quick_dir = Path(tempfile.gettempdir()) / "het_e2e_quick"
+    args.results = args.results or str(quick_dir if args.quick else HERE / "results")
+    args.docs = args.docs or (str(quick_dir) if args.quick else str(REPO / "docs"))
+    try:
+        out = run(args)
+    except EmulatorUnavailable as exc:
+        print(f"bench_e2e: {exc}", file=sys.stderr)
+        return 3
+    from e2e_report import write_chart, write_markdown
+    chart = write_chart(out, Path(args.docs) / "img" / "e2e.png")
+    md = write_markdown(out, Path(args.docs) / "benchmark-e2e.md", chart)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Per fast:slow ratio: the calibrated profile, the six configurations the benchmark runs, and the
+predictor's estimate for each (het_plugin.cost.predict with the profile measured through the emulator)."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from het_plugin.cost import predict
+from het_plugin.placement import Placement, baseline_transport, default_placement, transport
+from het_plugin.planner import assemble_plan, make_plan, uniform_layers
+from het_plugin.profile import Profile
+from het_plugin.topology import ParallelDims
+
+from e2e_setup import DP, PP, TinyShape, fast_cluster, mixed_cluster, slow_cluster
+
+DEVICE = "A100-80"
+# (name in the worker's job, ranks, interface): ranks follow NODE_ORDER ib-0, roce-0, ib-1, roce-1
+LINKS = [("ib", [0, 2], "fab0"), ("roce", [1, 3], "fab0"), ("ref", [0, 1], "ref0"),
+         ("eth", [0, 2], "eth0"), ("inter", [0, 1], "eth0")]
+FAST_LINKS = ["ib", "roce", "ref"]
+
+CONFIGS = {   # name -> what it is
+    "1-all-fast": "every node on one fast fabric (homogeneous RDMA reference), Megatron's own groups",
+    "2-all-eth": "every group over Ethernet (all-Ethernet reference), Megatron's own groups",
+    "3-mixed-today": "mixed cluster as run today: launch-order placement, uniform layers, every group on Ethernet",
+    "4p-placement": "het_plugin's placement alone: uniform layers, every group on Ethernet",
+    "4t-place+transport": "het_plugin's placement and per-group transport, uniform layers",
+    "4-het_plugin": "het_plugin's plan: placement, layer split, per-group transport",
+}
+
+
+@dataclass
+class RatioSetup:
+    ratio: float
+    profile_path: Path
+    configs: list[dict]                      # sent to the ranks
+    predictions: dict[str, float]            # config -> predicted step seconds
+    compute_share: dict[str, float]          # config -> busiest stage's compute / predicted step
+    plan_summary: dict = field(default_factory=dict)
+
+
+def build_profile(compute: dict, links: dict, fabric_key: str) -> Profile:
+    prof = Profile(description="measured on this machine through the emulator (bench_e2e)")
+    mb = compute["micro_batch_size"]
+    for kind in ("layer", "embedding", "output"):
+        f, b = compute[kind]
+        prof.add_compute(DEVICE, kind, mb, 1, max(f, 0.0), max(b, 0.0))
+    if fabric_key == "ref":
+        prof.add_link("ib", links["ref"])
+    else:
+        prof.add_link("ib", links["ib"])
+        prof.add_link("roce", links["roce"])
+        prof.add_link("ib/roce", links["inter"])
+    prof.add_link("socket", links["eth"])
+    prof.add_link("ethernet", links["eth"])
+    return prof
+
+
+def _plan(cluster, spec, profile: Optional[Profile]):
+    kwargs = dict(tp=1, pp=PP, dp=DP, micro_batch_size=spec.micro_batch_size)
+    if "profile" in inspect.signature(make_plan).parameters:
+        kwargs["profile"] = profile
+    return make_plan(cluster, spec, **kwargs)
+
+
+def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_dir: Path) -> RatioSetup:
+    spec = shape.spec()
+    mixed = mixed_cluster(ratio)
+    prof = build_profile(compute, links, "fabric")
+    prof_ref = build_profile(compute, links, "ref")
+    tag = f"{ratio:g}to1"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profile_path = out_dir / f"profile-{tag}.yaml"
+    prof.save(profile_path)
+    prof_ref.save(out_dir / f"profile-{tag}-reference.yaml")
+
+    dims = ParallelDims(tp=1, cp=1, pp=PP, dp=DP)
+    mb = spec.micro_batch_size
+    plan = _plan(mixed, spec, prof)
+    plan_path = out_dir / f"plan-{tag}.json"
+    plan.save(plan_path)
+    placed = Placement(dims, tuple(plan.rank_of_logical), tuple(mixed.domains))
+    uniform = uniform_layers(spec.num_layers, PP)
+
+    only_place = assemble_plan(mixed, spec, placed, uniform, mb, overlap_grad_reduce=True)
+    for groups in only_place.groups.values():
+        for g in groups:
+            g.transport = "socket" if g.transport in ("ib", "roce") else g.transport
+    only_place_path = out_dir / f"plan-{tag}-placement-only.json"
+    only_place.save(only_place_path)
+    place_transport = assemble_plan(mixed, spec, placed, uniform, mb, overlap_grad_reduce=True)
+    place_transport_path = out_dir / f"plan-{tag}-placement-transport.json"
+    place_transport.save(place_transport_path)
+
+    base = dict(pp=PP, overlap=True, micro_batch_size=mb, layers=None, plan=None, ifname="eth0", ifnames=None)
+    eth_only = "ib=eth0,roce=eth0,socket=eth0,host-staged=eth0,local=lo"
+    configs = [
+        dict(base, name="1-all-fast", ifname="ref0"),
+        dict(base, name="2-all-eth", ifnames=eth_only),
+        dict(base, name="3-mixed-today", ifnames=eth_only),
+        dict(base, name="4p-placement", plan=str(only_place_path), ifnames=eth_only),
+        dict(base, name="4t-place+transport", plan=str(place_transport_path)),
+        dict(base, name="4-het_plugin", plan=str(plan_path), overlap=plan.overlap_grad_reduce,
+             micro_batch_size=plan.micro_batch_size),
+    ]
+    fast = fast_cluster(ratio)
+    slow = slow_cluster()
+    preds = {
+        "1-all-fast": predict(fast, spec, default_placement(fast, dims), uniform, mb, profile=prof_ref),
+        "2-all-eth": predict(slow, spec, default_placement(slow, dims), uniform, mb, profile=prof),
+        "3-mixed-today": predict(mixed, spec, default_placement(mixed, dims), uniform, mb,
+                                 transport_fn=baseline_transport, profile=prof),
+        "4p-placement": predict(mixed, spec, placed, uniform, mb, transport_fn=baseline_transport, profile=prof),
+        "4t-place+transport": predict(mixed, spec, placed, uniform, mb, transport_fn=transport, profile=prof),
+        "4-het_plugin": predict(mixed, spec, placed, plan.layers_per_stage, plan.micro_batch_size,
+                                transport_fn=transport, overlap_grad_reduce=plan.overlap_grad_reduce,
+                                profile=prof),
+    }
+    m = {k: spec.global_batch_size // (DP * (plan.micro_batch_size if k == "4-het_plugin" else mb)) for k in preds}
+    share = {k: m[k] * max(p.stage_compute_s) / p.iteration_s for k, p in preds.items()}
+    summary = {"layers_per_stage": plan.layers_per_stage, "rank_of_logical": plan.rank_of_logical,
+               "micro_batch_size": plan.micro_batch_size, "num_micro_batches": plan.num_micro_batches,
+               "overlap_grad_reduce": plan.overlap_grad_reduce,
+               "transports": {k: sorted({g.transport for g in v}) for k, v in plan.groups.items() if v},
+               "hash": plan.hash}
+    return RatioSetup(ratio, profile_path, configs, {k: p.iteration_s for k, p in preds.items()}, share, summary)

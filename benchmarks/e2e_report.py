@@ -1,0 +1,111 @@
+"""The end-to-end benchmark's outputs: a Markdown results section and a PNG chart."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+START, END = "<!-- RESULTS START (written by benchmarks/bench_e2e.py) -->", "<!-- RESULTS END -->"
+ORDER = ["1-all-fast", "2-all-eth", "3-mixed-today", "4p-placement", "4t-place+transport", "4-het_plugin"]
+
+
+def _rows(out: dict) -> list[dict]:
+    return sorted(out["ratios"], key=lambda r: r["ratio"])
+
+
+def results_markdown(out: dict, chart: Path | None) -> str:
+    s = out["scale"]
+    lines = [START, "",
+             f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {out['wall_s'] / 60:.1f} min wall; "
+             f"{out['rounds']} round(s) x {out['steps']} measured steps after {out['warmup']} warm-up, "
+             "configurations interleaved within each round. Latency is not emulated (no netem): bandwidth only.",
+             "",
+             f"**Scale**: real 25 GbE -> emulated {s['eth_mbit']:.1f} Mbit/s, i.e. 1/{s['scale']:.0f}. "
+             f"Measured compute: {sum(out['compute']['layer']) * 1e3:.1f} ms per layer fwd+bwd "
+             f"(micro-batch {out['compute']['micro_batch_size']}, all ranks computing at once).",
+             "",
+             "| proportion | real job | this benchmark |", "|---|---|---|",
+             f"| gradient all-reduce on Ethernet / compute (dp_eth) | {s['real']['dp_eth']:.2f} | {s['tiny']['dp_eth']:.2f} |",
+             f"| pipeline traffic on Ethernet / compute (pp_eth) | {s['real']['pp_eth']:.3f} | {s['tiny']['pp_eth']:.3f} |",
+             f"| activation : gradient bytes (act_grad) | {s['real']['act_grad']:.3f} | {s['tiny']['act_grad']:.3f} |",
+             ""]
+    lines += ["| fast:slow | 4/3 (goal <= 0.60) | 4/1 (goal <= 1.15) | 4/2 (goal <= 0.55) | 4p/3 | 4t/3 |",
+              "|---|---|---|---|---|---|"]
+    for row in _rows(out):
+        r = row["ratios"]
+        cell = lambda k: f"{r[k]:.2f}" if k in r else "-"   # noqa: E731
+        lines.append(f"| {row['ratio']:g}:1 | {cell('4/3')} | {cell('4/1')} | {cell('4/2')} | {cell('4p/3')} "
+                     f"| {cell('4t/3')} |")
+    lines.append("")
+    for row in _rows(out):
+        plan = row["plan"]
+        lines += [f"**{row['ratio']:g}:1** (links measured, largest message: " + ", ".join(
+            f"{k} {v[-1][1] * 1e3:.0f} Mbit/s" for k, v in row["links_gbps"].items()) + "); "
+            f"plan: ranks {plan['rank_of_logical']}, layers {plan['layers_per_stage']}, "
+            f"micro-batch {plan['micro_batch_size']} x {plan['num_micro_batches']}, "
+            f"overlap {plan['overlap_grad_reduce']}, pp transport {plan['transports'].get('pp')}, "
+            f"dp transport {plan['transports'].get('dp')}", "",
+            "| configuration | measured step (median) | per round | predicted | error | compute share |",
+            "|---|---|---|---|---|---|"]
+        by = {c["name"]: c for c in row["configs"]}
+        for name in [n for n in ORDER if n in by]:
+            c = by[name]
+            lines.append(f"| {name} | {c['median_s'] * 1e3:.0f} ms | "
+                         + " / ".join(f"{x * 1e3:.0f}" for x in c["rounds_s"])
+                         + f" | {c['predicted_s'] * 1e3:.0f} ms | {c['error'] * 100:+.0f}% | "
+                         f"{c['compute_share'] * 100:.0f}% |")
+        lines.append("")
+    if chart is not None:
+        lines += [f"![step times and ratios](img/{chart.name})", ""]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def write_markdown(out: dict, path: Path, chart: Path | None) -> str:
+    section = results_markdown(out, chart)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text() if path.exists() else ""
+    if START in text and END in text:
+        text = text[:text.index(START)] + section + text[text.index(END) + len(END):]
+    else:
+        text = (text + "\n\n" if text else "# End-to-end benchmark results\n\n") + section + "\n"
+    path.write_text(text)
+    return section
+
+
+def write_chart(out: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = _rows(out)
+    xs = [r["ratio"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in ORDER:
+        meas = [next((c["median_s"] for c in r["configs"] if c["name"] == name), None) for r in rows]
+        if all(m is None for m in meas):
+            continue
+        pred = [next((c["predicted_s"] for c in r["configs"] if c["name"] == name), None) for r in rows]
+        line, = a.plot(xs, [m * 1e3 for m in meas], marker="o", label=name)
+        a.plot(xs, [p * 1e3 for p in pred], linestyle=":", color=line.get_color())
+    a.set_xscale("log")
+    a.set_xticks(xs, [f"{x:g}:1" for x in xs])
+    a.set_xlabel("fabric : Ethernet bandwidth")
+    a.set_ylabel("step time (ms); dotted: predicted")
+    a.set_title("median step time")
+    a.legend(fontsize=7)
+    for key, goal in (("4/3", 0.60), ("4/1", 1.15), ("4/2", 0.55)):
+        vals = [r["ratios"].get(key) for r in rows]
+        line, = b.plot(xs, vals, marker="o", label=f"{key} (goal at 10:1 <= {goal})")
+        b.axhline(goal, color=line.get_color(), linestyle=":", linewidth=0.8)
+    b.set_xscale("log")
+    b.set_xticks(xs, [f"{x:g}:1" for x in xs])
+    b.set_xlabel("fabric : Ethernet bandwidth")
+    b.set_title("step-time ratios (lower is better for het_plugin)")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

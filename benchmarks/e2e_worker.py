@@ -1,0 +1,253 @@
+"""Rank script of the end-to-end benchmark (run by bench_e2e.py inside the emulated network).
+
+One launch does everything, talking to the parent through files (``Handshake``): measure per-layer compute
+(all ranks at once, as in training), then per fast:slow ratio: the parent reshapes the fabric, the ranks
+measure each link with gloo, the parent plans, and the ranks train every configuration for a few rounds,
+interleaved. Rank 0 posts results; every rank follows rank 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from integration_tests.support.launch import report  # noqa: E402
+
+
+class Handshake:
+    """Rank 0 writes ``<n>-<name>.req.json`` and waits for ``.resp.json``; the answer is broadcast."""
+
+    def __init__(self, folder: str):
+        self.folder = Path(folder)
+        self.n = 0
+
+    def ask(self, name: str, payload) -> object:
+        self.n += 1
+        box = [None]
+        if dist.get_rank() == 0:
+            req = self.folder / f"{self.n:03d}-{name}.req.json"
+            tmp = req.with_suffix(".tmp")
+            tmp.write_text(json.dumps(payload))
+            tmp.rename(req)
+            resp = self.folder / f"{self.n:03d}-{name}.resp.json"
+            while not resp.exists():
+                time.sleep(0.05)
+            box[0] = json.loads(resp.read_text())
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+# ---- compute profile -----------------------------------------------------------------------------
+
+def measure_compute(shape: dict, reps: int) -> dict:
+    """Forward/backward seconds of one micro-batch through 2 and 6 layers (and the embedding alone) on every
+    rank at once; per-layer and fixed (embedding + output + loss) times follow from the difference."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    from integration_tests.support.megatron_cpu import enable_cpu_shims
+    enable_cpu_shims()
+    created = track_groups()
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1)
+    mb, s = shape["micro_batch_size"], shape["seq_length"]
+    tokens = torch.randint(0, shape["vocab_size"], (mb, s))
+    pos = torch.arange(s).unsqueeze(0).expand(mb, -1)
+    mask = torch.triu(torch.ones(s, s), diagonal=1).bool()[None, None]
+    out = {}
+    for layers in (2, 6):
+        cfg = TransformerConfig(num_layers=layers, hidden_size=shape["hidden_size"],
+                                num_attention_heads=shape["num_attention_heads"],
+                                ffn_hidden_size=shape["ffn_hidden_size"], hidden_dropout=0.0, attention_dropout=0.0,
+                                use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32)
+        model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=shape["vocab_size"], max_sequence_length=s,
+                         share_embeddings_and_output_weights=True)
+        fwd, bwd, emb_f, emb_b = [], [], [], []
+        for i in range(reps + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = model(tokens, pos, mask, labels=tokens).float().mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            e = model.embedding(input_ids=tokens, position_ids=pos)
+            t3 = time.perf_counter()
+            e.float().sum().backward()
+            t4 = time.perf_counter()
+            model.zero_grad()
+            if i >= 2:
+                fwd.append(t1 - t0), bwd.append(t2 - t1), emb_f.append(t3 - t2), emb_b.append(t4 - t3)
+        out[layers] = (statistics.median(fwd), statistics.median(bwd), statistics.median(emb_f),
+                       statistics.median(emb_b))
+    ps.destroy_model_parallel()
+    destroy_groups(created)
+    (f2, b2, ef, eb), (f6, b6, _, _) = out[2], out[6]
+    layer_f, layer_b = (f6 - f2) / 4, (b6 - b2) / 4
+    fixed_f, fixed_b = f2 - 2 * layer_f, b2 - 2 * layer_b
+    return {"layer": [layer_f, layer_b], "embedding": [ef, eb],
+            "output": [max(0.0, fixed_f - ef), max(0.0, fixed_b - eb)], "micro_batch_size": mb}
+
+
+def gathered_median(values: dict) -> dict:
+    """Median over ranks of every measured number (the ranks ran concurrently)."""
+    allv = [None] * dist.get_world_size()
+    dist.all_gather_object(allv, values)
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, list):
+            out[k] = [statistics.median(a[k][i] for a in allv) for i in range(len(v))]
+        else:
+            out[k] = v
+    return out
+
+
+# ---- group bookkeeping: a process runs many configurations, so their gloo groups are destroyed -------
+
+def track_groups() -> list:
+    created = []
+    orig = dist.new_group
+
+    def new_group(*a, **k):
+        g = orig(*a, **k)
+        created.append(g)
+        return g
+    dist.new_group = new_group
+    created.append(orig)       # restored by destroy_groups
+    return created
+
+
+def destroy_groups(created: list) -> None:
+    orig = created.pop(0)
+    dist.new_group = orig
+    for g in created:
+        if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+            try:
+                dist.destroy_process_group(g)
+            except Exception:
+                pass
+
+
+# ---- link profile --------------------------------------------------------------------------------
+
+def new_pair_group(ranks: list[int], ifname: str):
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    try:
+        return dist.new_group(ranks)
+    finally:
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+
+
+def measure_pair(group, a: int, b: int, sizes: list[int], reps: int) -> list[list[float]]:
+    """Gbit/s from ``a`` to ``b`` per message size: a send, then a 4-byte ack (its time subtracted)."""
+    me = dist.get_rank()
+    points = []
+    ack = torch.zeros(1)
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes // 4)
+        times = []
+        for _ in range(reps + 1):
+            if me in (a, b):
+                t0 = time.perf_counter()
+                if me == a:
+                    dist.send(buf, b, group=group)
+                    dist.recv(ack, b, group=group)
+                else:
+                    dist.recv(buf, a, group=group)
+                    dist.send(ack, a, group=group)
+                times.append(time.perf_counter() - t0)
+        if me in (a, b):
+            t_ack = 0.0
+            if me == a:
+                small = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    dist.send(ack, b, group=group)
+                    dist.recv(ack, b, group=group)
+                    small.append(time.perf_counter() - t0)
+                t_ack = statistics.median(small) / 2
+            else:
+                for _ in range(3):
+                    dist.recv(ack, a, group=group)
+                    dist.send(ack, a, group=group)
+            t = max(1e-6, statistics.median(times[1:]) - t_ack)
+            points.append([nbytes, nbytes * 8 / t / 1e9])
+        dist.barrier()
+    box = [points]
+    dist.broadcast_object_list(box, src=a)      # the sender's numbers (it subtracted the ack)
+    return box[0]
+
+
+# ---- training configurations ----------------------------------------------------------------------
+
+def run_config(shape: dict, cfg: dict, steps: int) -> list[float]:
+    """Train ``steps`` steps of one configuration; per-step time = the slowest rank's."""
+    from integration_tests.support import megatron_tiny
+    from megatron.core import parallel_state as ps
+
+    os.environ["GLOO_SOCKET_IFNAME"] = cfg["ifname"]
+    os.environ["HET_PLUGIN_GLOO_IFNAMES"] = cfg.get("ifnames") or os.environ["HET_PLUGIN_GLOO_IFNAMES_DEFAULT"]
+    created = track_groups()
+    try:
+        tiny = megatron_tiny.TinyGPT(**dict(shape, micro_batch_size=cfg.get("micro_batch_size",
+                                                                              shape["micro_batch_size"])))
+        if cfg["plan"]:
+            res = megatron_tiny.train(tiny, tp=1, pp=cfg["pp"], steps=steps, plan=cfg["plan"], use_plugin=True,
+                                      overlap_grad_reduce=cfg["overlap"])
+        else:
+            res = megatron_tiny.train(tiny, tp=1, pp=cfg["pp"], steps=steps, use_plugin=False,
+                                      layers_per_stage=cfg.get("layers"), overlap_grad_reduce=cfg["overlap"])
+    finally:
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+        ps.destroy_model_parallel()
+        destroy_groups(created)
+    times = [None] * dist.get_world_size()
+    dist.all_gather_object(times, res.step_times)
+    return [max(t[i] for t in times) for i in range(steps)], res.losses
+
+
+def main() -> int:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    os.environ["HET_PLUGIN_GLOO_IFNAMES_DEFAULT"] = os.environ.get("HET_PLUGIN_GLOO_IFNAMES", "")
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    hs = Handshake(job["handshake"])
+    shape = job["shape"]
+    comp = gathered_median(measure_compute(shape, job["compute_reps"]))
+    hs.ask("compute", comp)
+    pairs = {name: (new_pair_group(ranks, ifname), ranks) for name, ranks, ifname in job["links"]}
+    while True:
+        step = hs.ask("next", {})
+        if step.get("done"):
+            break
+        links = {}
+        for name in step["measure"]:
+            group, (a, b) = pairs[name]
+            links[name] = measure_pair(group, a, b, job["link_sizes"], job["link_reps"])
+        configs = hs.ask("links", links)["configs"]
+        results = {c["name"]: [] for c in configs}
+        losses = {}
+        for rnd in range(job["rounds"]):
+            order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
+            for cfg in order:
+                times, loss = run_config(shape, cfg, job["warmup"] + job["steps"])
+                results[cfg["name"]].append(times)
+                losses[cfg["name"]] = loss
+        hs.ask("results", {"step_times": results, "losses": losses})
+    dist.barrier()
+    dist.destroy_process_group()
+    report({"rank": dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"]), "ok": True})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
