@@ -93,12 +93,16 @@ def gather_discovery(store=None, rank: Optional[int] = None, world_size: Optiona
                      local_rank: Optional[int] = None, sysfs_root=None, node_name: Optional[str] = None,
                      links: LinksArg = None, unknown_ethernet_gbps: Optional[float] = None,
                      timeout_s: float = 300.0, env: Mapping[str, str] | None = None,
-                     torch_module=None) -> Discovery:
-    """Discover this node, gather all ranks' views, and return the cluster every rank agrees on."""
+                     torch_module=None, key: Optional[str] = None) -> Discovery:
+    """Discover this node, gather all ranks' views, and return the cluster every rank agrees on.
+
+    ``key`` names this gather in the store; by default the n-th call in this process, which matches
+    across ranks as long as every rank calls discovery the same number of times.
+    """
     env = os.environ if env is None else env
     rank, world_size, local_rank = _resolve_ranks(rank, world_size, local_rank, env)
     store = _resolve_store(store, world_size)
-    prefix = f"het_plugin/discover/{next(_calls)}"
+    prefix = f"het_plugin/discover/{key if key is not None else next(_calls)}"
     own: Optional[RankView] = None
     try:
         node = discover_node(sysfs_root, name=node_name, env=env, torch_module=torch_module,

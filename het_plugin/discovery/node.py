@@ -95,14 +95,14 @@ class NodeView:
         for n in self.ethernet:
             lines.append(f"  {n.name}: {_g(n.gbps) if n.gbps is not None else 'speed unknown'}, {n.operstate}")
         a = self.accelerator
-        count = self.accelerator_count if self.accelerator_count is not None else "count unknown"
+        count = f"x{self.accelerator_count}" if self.accelerator_count is not None else "count unknown"
         if a is None:
             lines.append(f"accelerator: none detected  (on a node with devices torch cannot see: "
                          f"{accel.OVERRIDE_FIX})")
         else:
             what = a.name if a.in_catalog else f"{a.name} (not in the catalog)"
             via = f"from {accel.ENV_ACCELERATOR}" if a.source == "env" else f"torch: {a.device_name!r}"
-            lines.append(f"accelerator: {what}, vendor {a.vendor}, x{count}  ({via})")
+            lines.append(f"accelerator: {what}, vendor {a.vendor}, {count}  ({via})")
         for title, items in (("ignored", self.ignored), ("notes", self.notes)):
             if items:
                 lines.append(f"{title}:")
