@@ -30,12 +30,17 @@ def main() -> int:
     from integration_tests.support.megatron_tiny import TinyGPT, init_distributed, my_groups, shutdown, train
     cfg = TinyGPT(num_layers=a.layers)
     if a.groups_only:
+        # het_plugin's groups, then (after tearing them down) Megatron-Core's own for the same degrees.
         init_distributed()
         from het_plugin.megatron import current_plan, initialize_model_parallel
         plan = initialize_model_parallel(a.tp, a.pp, cluster=a.cluster, plan=a.plan, model=cfg.model_spec(),
                                          micro_batch_size=cfg.micro_batch_size)
+        from megatron.core import parallel_state as ps
         applied = current_plan()
-        report({"rank": applied.rank, "plan": plan.to_dict(), "groups": my_groups(),
+        planned = my_groups()
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(plan.tp, plan.pp)
+        report({"rank": applied.rank, "plan": plan.to_dict(), "groups": planned, "megatron_groups": my_groups(),
                 "created": applied.groups})
     else:
         result = train(cfg, tp=a.tp or 1, pp=a.pp or 1, steps=a.steps, cluster=a.cluster, plan=a.plan,

@@ -1,0 +1,111 @@
+"""Megatron-Core through het_plugin.megatron on CPU/gloo: groups, training, no-op, disagreement.
+
+Each test launches real ranks (integration_tests/ranks/megatron_train.py) with a hard timeout.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from het_plugin.cluster import load_cluster
+from het_plugin.plan import Plan
+from het_plugin.topology import ParallelDims
+from integration_tests.support.launch import run_ranks
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "ranks" / "megatron_train.py"
+DATA = HERE / "data"
+HETERO_8 = DATA / "megatron-ib-roce-8.yaml"
+HOMOGENEOUS_4 = DATA / "megatron-homogeneous-4.yaml"
+IB_ROCE_4 = DATA / "megatron-ib-roce-4.yaml"
+IB_ROCE_4_OTHER = DATA / "megatron-ib-roce-4-other.yaml"
+STEPS = 4
+
+
+def _groups_of(plan: Plan, rank: int) -> dict[str, list[int]]:
+    return {kind: plan.group_of(kind, rank).ranks for kind in ("tp", "pp", "dp", "dp-cp", "cp", "tp-pp", "embedding")}
+
+
+@pytest.fixture(scope="module")
+def hetero_run():
+    """8 ranks on 2 IB + 2 RoCE nodes (launched interleaved), tp=2 pp=2 dp=2, 5 layers."""
+    return run_ranks(SCRIPT, 8, ["--tp", "2", "--pp", "2", "--cluster", str(HETERO_8), "--steps", str(STEPS)],
+                     ranks_per_node=2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def baseline_run():
+    """The same model and data without het_plugin: Megatron-Core's own groups, tp=2, no pipeline."""
+    return run_ranks(SCRIPT, 2, ["--tp", "2", "--pp", "1", "--baseline", "--steps", str(STEPS)], timeout=180)
+
+
+def test_hetero_groups_follow_the_plan(hetero_run):
+    results = [o.result for o in hetero_run]
+    plan_hashes = {r["plan_hash"] for r in results}
+    assert len(plan_hashes) == 1
+    # The plan every rank agreed on, recomputed here from the same inputs.
+    from het_plugin.megatron.core import resolve_plan
+    from integration_tests.support.megatron_tiny import TinyGPT
+    cfg = TinyGPT(num_layers=5)
+    plan = resolve_plan(HETERO_8, model=cfg.model_spec(), world_size=8, tp=2, pp=2,
+                        micro_batch_size=cfg.micro_batch_size)
+    assert plan.hash in plan_hashes
+    assert not plan.is_identity, "the test cluster must make het_plugin permute ranks"
+    for r in results:
+        assert r["groups"] == _groups_of(plan, r["rank"]), f"rank {r['rank']}"
+    # A pipeline group that runs from a higher rank to a lower one kept its order (sort_ranks=False).
+    assert any(r["groups"]["pp"] != sorted(r["groups"]["pp"]) for r in results)
+    # Stage s holds the plan's layers for s, and each stage sits on one cluster (TP and DP stay on a fabric).
+    cluster = load_cluster(HETERO_8)
+    starts = [sum(plan.layers_per_stage[:s]) for s in range(plan.pp)]
+    for r in results:
+        s = r["stage"]
+        assert r["layer_numbers"] == list(range(starts[s] + 1, starts[s] + plan.layers_per_stage[s] + 1))
+        assert s == plan.stage_of(r["rank"])
+        assert {cluster.node_of(x).cluster for x in r["groups"]["dp"] + r["groups"]["tp"]} == \
+            {cluster.node_of(r["rank"]).cluster}
+    assert len(set(plan.layers_per_stage)) > 1, "5 layers on 2 stages: an uneven split"
+    assert all(r["overlap_grad_reduce"] == plan.overlap_grad_reduce for r in results)
+
+
+def test_hetero_training_matches_megatron_without_plugin(hetero_run, baseline_run):
+    ours = [o.result["losses"] for o in hetero_run]
+    reference = baseline_run[0].result["losses"]
+    assert all(len(l) == STEPS for l in ours)
+    assert all(l == ours[0] for l in ours), "every rank reports the same global loss"
+    for step, (a, b) in enumerate(zip(ours[0], reference)):
+        assert math.isclose(a, b, rel_tol=1e-5), f"step {step}: {a} vs {b}"
+    # The model learns: the batch of step 0 comes back at step 2 with a lower loss.
+    assert ours[0][2] < ours[0][0]
+    assert all(math.isfinite(x) for x in ours[0])
+
+
+def test_homogeneous_cluster_keeps_megatrons_own_groups():
+    outs = run_ranks(SCRIPT, 4, ["--tp", "2", "--pp", "2", "--cluster", str(HOMOGENEOUS_4), "--groups-only"],
+                     ranks_per_node=2, timeout=150)
+    dims = ParallelDims(tp=2, pp=2, dp=1)
+    for o in outs:
+        r = o.result
+        plan = Plan.from_dict(r["plan"])
+        assert plan.is_identity and plan.homogeneous
+        assert r["groups"] == r["megatron_groups"], f"rank {r['rank']}"
+        # And those are Megatron's numbering (tp fastest, then pp).
+        assert r["groups"]["tp"] in dims.groups("tp")
+        assert r["groups"]["pp"] in dims.groups("pp")
+        # Every group creation went through het_plugin's wrapper, with Megatron's lists untouched.
+        created = [c["ranks"] for c in r["created"] if c["ranks"] is not None]
+        assert r["groups"]["pp"] in created and r["groups"]["tp"] in created
+
+
+def test_ranks_with_different_cluster_files_all_stop_with_a_clear_error():
+    envs = [{"HET_TEST_CLUSTER": str(IB_ROCE_4)}] * 2 + [{"HET_TEST_CLUSTER": str(IB_ROCE_4_OTHER)}] * 2
+    outs = run_ranks(SCRIPT, 4, ["--tp", "1", "--pp", "2", "--groups-only"], rank_env=envs, ranks_per_node=1,
+                     timeout=150, check=False)
+    for o in outs:
+        assert o.returncode not in (0, None), f"rank {o.rank} did not stop"
+        assert "killed after" not in o.stderr, f"rank {o.rank} hung"
+        assert "PlanMismatchError" in o.stderr
+        assert "ranks 0-1" in o.stderr and "ranks 2-3" in o.stderr, o.stderr[-1500:]
+        assert o.result is None      # no groups were reported: it stopped before building them
