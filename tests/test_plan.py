@@ -1,0 +1,183 @@
+"""The Plan: deterministic content hash, JSON/YAML round trips, loading errors, helpers, and the
+homogeneous no-op through the planner."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from het_plugin.cluster import load_cluster  # noqa: E402
+from het_plugin.errors import ConfigError  # noqa: E402
+from het_plugin.model import ModelSpec, preset_model  # noqa: E402
+from het_plugin.plan import FORMAT_VERSION, Plan, Prediction, looks_like_plan  # noqa: E402
+from het_plugin.planner import assemble_plan, make_plan  # noqa: E402
+from het_plugin.topology import GROUP_KINDS  # noqa: E402
+
+from test_placement import placed  # noqa: E402  (tests/ is on sys.path under pytest)
+
+finite = st.floats(min_value=0, max_value=1e7, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def plans(draw):
+    cluster, dims, placement = draw(placed())
+    per_stage = draw(st.integers(1, 3))
+    layers = [per_stage + draw(st.integers(0, 2)) for _ in range(dims.pp)]
+    mb = draw(st.sampled_from([1, 2]))
+    model = ModelSpec(num_layers=sum(layers), hidden_size=64, num_attention_heads=4, vocab_size=1000,
+                      seq_length=128, global_batch_size=dims.dp * mb * draw(st.integers(1, 4)))
+    prediction = None
+    if draw(st.booleans()):
+        prediction = Prediction(draw(finite), draw(finite), draw(finite),
+                                memory_gib_per_stage=[draw(finite) for _ in range(dims.pp)],
+                                capacity_gib_per_stage=[80.0] * dims.pp, description="x")
+    return cluster, model, placement, layers, mb, prediction
+
+
+PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPS
+@given(plans())
+def test_same_input_same_hash(case):
+    cluster, model, placement, layers, mb, prediction = case
+    a = assemble_plan(cluster, model, placement, layers, mb, prediction=prediction)
+    b = assemble_plan(cluster, model, placement, list(layers), mb, prediction=prediction)
+    assert a.hash == b.hash and len(a.hash) == 16
+    assert a.canonical_json() == b.canonical_json()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])   # YAML is slow
+@given(case=plans())
+def test_plan_survives_dict_json_and_yaml(tmp_path_factory, case):
+    cluster, model, placement, layers, mb, prediction = case
+    plan = assemble_plan(cluster, model, placement, layers, mb, prediction=prediction)
+    assert Plan.from_dict(plan.to_dict()).hash == plan.hash
+    d = tmp_path_factory.mktemp("plans")
+    for name in ("plan.json", "plan.yaml"):
+        plan.save(d / name)
+        loaded = Plan.load(d / name)
+        assert loaded.hash == plan.hash, name
+        assert loaded.rank_of_logical == plan.rank_of_logical
+        assert loaded.groups == plan.groups
+        assert looks_like_plan(d / name)
+    assert json.loads((d / "plan.json").read_text())["hash"] == plan.hash
+    assert yaml.safe_load((d / "plan.yaml").read_text())["hash"] == plan.hash
+
+
+@PROPS
+@given(plans())
+def test_plan_helpers_agree_with_the_placement(case):
+    cluster, model, placement, layers, mb, prediction = case
+    plan = assemble_plan(cluster, model, placement, layers, mb)
+    inverse = plan.logical_of_physical
+    for logical, phys in enumerate(plan.rank_of_logical):
+        assert inverse[phys] == logical
+    dims = plan.dims
+    for phys in range(0, plan.world_size, max(1, plan.world_size // 16)):
+        assert plan.coord(phys) == dims.coord(inverse[phys])
+        assert plan.stage_of(phys) == dims.coord(inverse[phys])["pp"]
+        assert plan.vendor_of(phys) == cluster.node_of(phys).vendor
+        assert plan.node_of(phys).name == cluster.node_of(phys).name
+        for kind in GROUP_KINDS:
+            assert phys in plan.group_of(kind, phys).ranks
+    assert plan.is_identity == placement.is_identity
+
+
+def test_hash_changes_with_content(examples_dir):
+    cluster = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
+    model = preset_model("gpt-7.5b")
+    from het_plugin.placement import place
+    from het_plugin.topology import ParallelDims
+    p = place(cluster, ParallelDims(tp=8, pp=2, dp=4))
+    base = assemble_plan(cluster, model, p, [18, 18], 1)
+    assert assemble_plan(cluster, model, p, [20, 16], 1).hash != base.hash
+    assert assemble_plan(cluster, model, p, [18, 18], 2).hash != base.hash
+    other = place(cluster, ParallelDims(tp=8, pp=2, dp=4), list(reversed(cluster.domains)))
+    assert assemble_plan(cluster, model, other, [18, 18], 1).hash != base.hash
+
+
+@pytest.fixture
+def saved(tmp_path, examples_dir):
+    cluster = load_cluster(examples_dir / "clusters" / "two-clusters-25gbe.yaml")
+    plan = make_plan(cluster, preset_model("gpt-3.6b"))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    return plan, path
+
+
+def test_hand_edited_plan_is_refused(saved):
+    plan, path = saved
+    data = json.loads(path.read_text())
+    data["rank_of_logical"][0], data["rank_of_logical"][1] = data["rank_of_logical"][1], data["rank_of_logical"][0]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as info:
+        Plan.load(path)
+    assert info.value.field == "hash" and "het-plugin plan -o" in info.value.fix
+    del data["hash"]                      # without the hash the edit is accepted (documented escape hatch)
+    path.write_text(json.dumps(data))
+    assert Plan.load(path).rank_of_logical[:2] == plan.rank_of_logical[:2][::-1]
+
+
+def test_other_format_version_is_refused(saved):
+    _, path = saved
+    data = json.loads(path.read_text())
+    data["format_version"] = FORMAT_VERSION + 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as info:
+        Plan.load(path)
+    assert info.value.field == "format_version" and "re-create" in info.value.fix
+
+
+def test_unknown_keys_and_non_plans_are_refused(saved, examples_dir):
+    _, path = saved
+    data = json.loads(path.read_text())
+    data["extra"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="unknown plan keys \\['extra'\\]"):
+        Plan.load(path)
+    cluster_file = examples_dir / "clusters" / "holmes-ib-roce.yaml"
+    assert not looks_like_plan(cluster_file)
+    with pytest.raises(ConfigError, match="not a plan file"):
+        Plan.load(cluster_file)
+
+
+@pytest.mark.parametrize("name,model", [("holmes-ib-roce", "gpt-7.5b"), ("two-clusters-25gbe", "gpt-3.6b"),
+                                        ("homogeneous-ib", "llama2-7b")])
+def test_planner_is_deterministic(examples_dir, name, model):
+    cluster = load_cluster(examples_dir / "clusters" / f"{name}.yaml")
+    first = make_plan(cluster, preset_model(model))
+    again = make_plan(load_cluster(examples_dir / "clusters" / f"{name}.yaml"), preset_model(model))
+    assert first.hash == again.hash
+    assert first.cluster_digest == cluster.digest
+
+
+HOMOGENEOUS_DEGREES = [(1, 1, 64), (8, 1, 8), (8, 2, 4), (4, 4, 4), (2, 8, 4), (1, 8, 8), (8, 8, 1), (4, 2, 8)]
+
+
+@pytest.mark.parametrize("tp,pp,dp", HOMOGENEOUS_DEGREES)
+def test_homogeneous_plan_is_the_frameworks_default(examples_dir, tp, pp, dp):
+    """On a homogeneous cluster the planner must hand the frameworks exactly their own groups."""
+    ps = pytest.importorskip("megatron.core.parallel_state")
+    ds_topology = pytest.importorskip("deepspeed.runtime.pipe.topology")
+    cluster = load_cluster(examples_dir / "clusters" / "homogeneous-ib.yaml")
+    model = ModelSpec(name="small", num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=1000,
+                      seq_length=256, global_batch_size=128)
+    plan = make_plan(cluster, model, tp=tp, pp=pp, dp=dp)
+    assert (plan.tp, plan.pp, plan.dp, plan.cp) == (tp, pp, dp, 1)
+    assert plan.is_identity and plan.homogeneous
+    gen = ps.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for kind in GROUP_KINDS:
+        assert [g.ranks for g in plan.groups[kind]] == gen.get_ranks(kind), kind
+    assert [g.ranks for g in plan.groups["embedding"]] == [ps.default_embedding_ranks(g) for g in gen.get_ranks("pp")]
+    topo = ds_topology.PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    for kind, axis in (("pp", "pipe"), ("dp", "data"), ("tp", "model")):
+        assert [g.ranks for g in plan.groups[kind]] == topo.get_axis_comm_lists(axis), kind
+    # one fabric: every communicator that leaves a node uses it, none is forced onto sockets
+    assert {g.transport for k in GROUP_KINDS for g in plan.groups[k]} <= {"local", "ib"}
