@@ -515,6 +515,37 @@ def test_a_rank_that_never_reports_is_named_not_waited_for_forever(tmp_path):
     assert isinstance(found[0], DiscoveryError) and "ranks [1] never reported" in str(found[0])
 
 
+def test_a_restarted_job_does_not_read_the_previous_attempts_result(tmp_path):
+    import torch.distributed as dist
+    store = dist.HashStore()
+    stale = {"error": {"config": False, "problem": "left over from attempt 0"}}
+    store.set("het_plugin/discover/0/k/cluster", json.dumps(stale))
+    root = roce_node(tmp_path)
+    out: list = [None, None]
+
+    def run(r):
+        env = {"HET_PLUGIN_SYSFS_ROOT": str(root), "HET_PLUGIN_NODE_NAME": f"n{r}", "TORCHELASTIC_RESTART_COUNT": "1",
+               **A100}
+        try:
+            out[r] = gather_discovery(store, r, 2, env=env, key="k", timeout_s=20)
+        except Exception as exc:  # noqa: BLE001
+            out[r] = exc
+    threads = [threading.Thread(target=run, args=(r,)) for r in (1, 0)]   # rank 1 first: it would see the stale key
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [n.name for n in out[1].cluster.nodes] == ["n0", "n1"], out
+
+
+def test_ranks_per_node_differing_from_the_device_count_is_noted(tmp_path):
+    v = node(ib_node(tmp_path), "n", count=8)
+    notes: list[str] = []
+    data = build_cluster_data([RankView(0, 0, v), RankView(1, 1, v)], notes=notes)
+    assert data["clusters"][0]["nodes"][0]["accelerators_per_node"] == 2
+    assert "node n: 2 rank(s) on 8 accelerator(s)" in notes[0]
+
+
 def test_single_process_gathers_without_a_launcher(tmp_path):
     env = {"HET_PLUGIN_SYSFS_ROOT": str(roce_node(tmp_path)), "HET_PLUGIN_NODE_NAME": "solo", **A100}
     found = gather_discovery(env=env)

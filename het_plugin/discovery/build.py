@@ -174,6 +174,10 @@ def build_cluster_data(views: Sequence[Union[RankView, NodeView]], *, links: Lin
 
     clusters: dict[str, dict[str, Any]] = {}   # cluster name -> {type, gbps, nodes}
     for node in nodes:
+        seen = node.view.accelerator_count
+        if seen and seen != node.num_ranks:
+            notes.append(f"node {node.view.name}: {node.num_ranks} rank(s) on {seen} accelerator(s); the cluster "
+                         f"file counts the ranks")
         ftype, gbps = _node_fabric(node.view, assumed, notes)
         cname = node.view.fabric_name or (f"{ftype}-{gbps:g}g" if ftype != "ethernet" else "ethernet")
         c = clusters.setdefault(cname, {"type": ftype, "gbps": [], "nodes": []})

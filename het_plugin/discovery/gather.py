@@ -102,7 +102,9 @@ def gather_discovery(store=None, rank: Optional[int] = None, world_size: Optiona
     env = os.environ if env is None else env
     rank, world_size, local_rank = _resolve_ranks(rank, world_size, local_rank, env)
     store = _resolve_store(store, world_size)
-    prefix = f"het_plugin/discover/{key if key is not None else next(_calls)}"
+    # torchrun's agent store outlives a restart: keep a restarted job from reading the last attempt's keys.
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"het_plugin/discover/{attempt}/{key if key is not None else next(_calls)}"
     own: Optional[RankView] = None
     try:
         node = discover_node(sysfs_root, name=node_name, env=env, torch_module=torch_module,
