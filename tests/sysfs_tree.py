@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+# The kernel prints rate as "%d%s Gb/sec (%dX%s)" from deci-Gb/s (drivers/infiniband/core/sysfs.c).
 RATES = {"HDR": "200 Gb/sec (4X HDR)", "NDR": "400 Gb/sec (4X NDR)", "EDR": "100 Gb/sec (4X EDR)",
-         "FDR": "56 Gb/sec (4X FDR)", "SDR1X": "2.5 Gb/sec (1X SDR)", "FDR1X": "14.0 Gb/sec (1X FDR)"}
+         "FDR": "56 Gb/sec (4X FDR)", "XDR": "800 Gb/sec (4X XDR)", "SDR1X": "2.5 Gb/sec (1X SDR)",
+         "FDR1X": "14 Gb/sec (1X FDR)", "EDR1X": "25 Gb/sec (1X EDR)"}
 ACTIVE, DOWN, INIT = "4: ACTIVE", "1: DOWN", "2: INIT"
 
 
@@ -83,9 +85,9 @@ def write_tree(root: Path, hcas: Sequence[Hca] = (), netifs: Sequence[NetIf] = (
             _write(pdir / "state", port.state)
             _write(pdir / "phys_state", port.phys_state)
             (pdir / "gid_attrs" / "ndevs").mkdir(parents=True)
-            if port.netdev:
-                for gid in range(2):   # a RoCE port shows its netdev on several GID indices
-                    _write(pdir / "gid_attrs" / "ndevs" / str(gid), port.netdev)
+            for gid in range(4):   # a RoCE port shows its netdev on its used GID indices; unused ones,
+                used = port.netdev and gid < 2   # and every index of an IB port, answer EINVAL
+                _write(pdir / "gid_attrs" / "ndevs" / str(gid), port.netdev if used else "EINVAL")
         _link(root / "class" / "infiniband" / hca.name, dev_dir)
         for nif in hca.netdevs:
             _write_netif(root, nif, pci_dir)

@@ -74,7 +74,8 @@ def test_all_ports_down_leaves_an_ethernet_node(tmp_path):
 
 
 @pytest.mark.parametrize("text,gbps", [
-    ("200 Gb/sec (4X HDR)", 200.0), ("14.0 Gb/sec (1X FDR)", 14.0), ("2.5 Gb/sec (1X SDR)", 2.5),
+    ("200 Gb/sec (4X HDR)", 200.0), ("14 Gb/sec (1X FDR)", 14.0), ("2.5 Gb/sec (1X SDR)", 2.5),
+    ("800 Gb/sec (4X XDR)", 800.0), ("10 Gb/sec (4X SDR)", 10.0), ("14.0 Gb/sec (1X FDR)", 14.0),
     ("400 Gb/sec (4X NDR)", 400.0), ("53.125 Gb/sec (1X HDR)", 53.125), ("25 Gb/sec (1X EDR)", 25.0),
     ("0 Gb/sec (1X SDR)", None), ("Invalid argument", None), ("", None), (None, None), ("100 Mb/sec", None),
     ("Gb/sec 100", None),
@@ -84,12 +85,15 @@ def test_rate_parsing(text, gbps):
 
 
 def test_weird_ports_are_left_out_with_the_reason(tmp_path):
-    cards = [Hca("mlx5_0", [Port(rate="14.0 Gb/sec (1X FDR)"), Port(rate="garbage"), Port(rate=None)]),
+    cards = [Hca("mlx5_0", [Port(rate=RATES["FDR1X"]), Port(rate="garbage"), Port(rate=None),
+                            Port(rate="EINVAL"), Port(rate=RATES["SDR1X"])]),
              Hca("siw0", [Port(link_layer="Unknown")]), Hca("mlx5_2", [Port(state=None)])]
     v = discover_node(write_tree(tmp_path, cards, [NetIf("eth0")]), name="n", env=A100)
-    assert [(p.device, p.port, p.gbps) for p in v.rdma] == [("mlx5_0", 1, 14.0)]
+    assert [(p.device, p.port, p.gbps) for p in v.rdma] == [("mlx5_0", 1, 14.0), ("mlx5_0", 5, 2.5)]
+    assert v.fabric_gbps == 16.5
     assert v.ignored == ("mlx5_0 port 2: rate 'garbage' is not '<number> Gb/sec ...'",
                          "mlx5_0 port 3: rate None is not '<number> Gb/sec ...'",
+                         "mlx5_0 port 4: rate None is not '<number> Gb/sec ...'",
                          "mlx5_2 port 1: state unreadable",
                          "siw0 port 1: link_layer 'Unknown', neither InfiniBand nor Ethernet")
 
@@ -292,6 +296,13 @@ def test_discovered_holmes_shape_matches_the_hand_written_example(holmes_views, 
         assert (mine.fabric.type, mine.fabric.gbps) == (theirs.fabric.type, theirs.fabric.gbps)
         assert (mine.accelerator, mine.num_accelerators) == (theirs.accelerator, theirs.num_accelerators)
     assert got.cluster_link(*got.cluster_names).gbps == ref.cluster_link(*ref.cluster_names).gbps
+
+
+def test_a_dual_port_hca_is_named_per_port_as_nccl_ib_hca_takes_it(tmp_path):
+    root = write_tree(tmp_path, [Hca("mlx5_0", [Port(), Port()]), Hca("mlx5_1")], [NetIf("eth0")])
+    data = build_cluster_data([node(root, "n", count=2)])
+    assert data["clusters"][0]["fabric"]["gbps"] == 600.0
+    assert data["clusters"][0]["nodes"][0]["nics"][0]["devices"] == ["mlx5_0:1", "mlx5_0:2", "mlx5_1"]
 
 
 def test_nodes_on_one_fabric_are_one_homogeneous_cluster(tmp_path):
