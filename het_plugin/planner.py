@@ -341,21 +341,22 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
             planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, show)
         if not planned.best:
             raise _memory_error(cluster, model, planned)
-        base = planned
+        base_best = planned.best[0] if cluster.is_homogeneous else None
         if not cluster.is_homogeneous:
+            # What a user gets today, at its best: either optimizer setting, the best degrees for it.
             for base_dist_opt in (False, True):
-                base = _search_default(cluster, model, options, fixed_mb, pp is not None, base_dist_opt, overlap,
-                                       profile, baseline_transport)
-                if base.best:
-                    break
+                found = _search_default(cluster, model, options, fixed_mb, pp is not None, base_dist_opt, overlap,
+                                        profile, baseline_transport)
+                if found.best and (base_best is None or found.best[0].key < base_best.key):
+                    base_best = found.best[0]
     finally:
         show.close()
     best = planned.best[0]
     best.prediction.description = _describe(best, "planned" if not cluster.is_homogeneous else
                                             "framework default (homogeneous cluster: het_plugin changes nothing)")
     baseline = None
-    if base.best:
-        b = base.best[0]
+    if base_best is not None:
+        b = base_best
         baseline = b.prediction
         if b is not best:
             baseline.description = _describe(b, "baseline = framework default placement (identity), uniform "

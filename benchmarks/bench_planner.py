@@ -1,0 +1,135 @@
+"""Planner benchmark: planned vs framework-default predicted throughput, the HETHUB-like mix against its
+sub-clusters, and planner wall time at 768 and 16,384 accelerators. One run, side by side.
+
+    python benchmarks/bench_planner.py            (about a minute on 2 cores)
+    python benchmarks/bench_planner.py --quick    (skips the 16,384-accelerator timing)
+
+Every throughput here is the predictor's (het_plugin.cost), not a measurement; wall times are real but
+rough on a shared machine (CPU s, the process's own CPU time, is less sensitive to other load).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from het_plugin.cluster import cluster_from_dict, load_cluster
+from het_plugin.model import preset_model
+from het_plugin.planner import make_plan, plan_candidates
+
+CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+CASES = [("holmes-ib-roce", "gpt-7.5b"), ("holmes-ib-roce", "gpt-39b"),
+         ("two-clusters-25gbe", "gpt-7.5b"), ("two-clusters-25gbe", "gpt-39b"),
+         ("homogeneous-ib", "gpt-7.5b"), ("homogeneous-ib", "gpt-39b"),
+         ("hethub-mix", "llama-140b")]
+
+
+def degrees(p) -> str:
+    return f"tp{p.tp} pp{p.pp} dp{p.dp} mb{p.micro_batch_size}"
+
+
+def planned_vs_baseline() -> None:
+    print("## Planned vs framework-default (baseline) predicted throughput\n")
+    print("| cluster | model | plan | layers per stage | planned tok/s | baseline | baseline tok/s | ratio |")
+    print("|---|---|---|---|---:|---|---:|---:|")
+    for cname, mname in CASES:
+        plan = make_plan(load_cluster(CLUSTERS / f"{cname}.yaml"), preset_model(mname))
+        base = plan.baseline
+        bdeg = "-"
+        if base is not None:
+            bdeg = "same as plan" if plan.homogeneous else base.description.split("default: ")[-1].split(", domain")[0]
+            bdeg += " +distopt" if base.description.endswith("distributed optimizer") and not plan.homogeneous else ""
+        layers = plan.layers_per_stage if len(plan.layers_per_stage) <= 12 else \
+            f"{plan.layers_per_stage[:6]}..."
+        ratio = f"{plan.prediction.tokens_per_s / base.tokens_per_s:.2f}x" if base else "n/a"
+        print(f"| {cname} | {mname} | {degrees(plan)}{' +distopt' if plan.distributed_optimizer else ''} | "
+              f"{layers} | {plan.prediction.tokens_per_s:,.0f} | {bdeg} | "
+              f"{base.tokens_per_s if base else float('nan'):,.0f} | {ratio} |")
+    print()
+
+
+def hethub_fraction() -> None:
+    print("## HETHUB-like mix vs the sum of its sub-clusters planned alone\n")
+    print("Each sub-cluster is planned alone twice: with the mix's global batch (1536 sequences; more "
+          "micro-batches per pipeline than it gets inside the mix) and with a batch proportional to its "
+          "share of the accelerators (same sequences per accelerator as in the mix).\n")
+    mix = load_cluster(CLUSTERS / "hethub-mix.yaml")
+    model = preset_model("llama-140b")
+    plan = make_plan(mix, model)
+    totals = {"same": 0.0, "prop": 0.0, "default": 0.0}
+    rows = []
+    for spec in mix.spec.model_dump()["clusters"]:
+        sub = cluster_from_dict({"name": spec["name"], "clusters": [spec]})
+        prop_batch = model.global_batch_size * sub.world_size // mix.world_size
+        best = plan_candidates(sub, model)[0]           # the full search, distributed optimizer included
+        best_prop = plan_candidates(sub, model.model_copy(update={"global_batch_size": prop_batch}))[0]
+        dflt = make_plan(sub, model)                    # what het_plugin does on it: the framework default
+        totals["same"] += best.prediction.tokens_per_s
+        totals["prop"] += best_prop.prediction.tokens_per_s
+        totals["default"] += dflt.prediction.tokens_per_s
+        rows.append(f"| {spec['name']} alone ({sub.world_size} x {sub.nodes[0].accelerator.name}) | "
+                    f"{_short(best)} | {best.prediction.tokens_per_s:,.0f} | {prop_batch}: {_short(best_prop)} | "
+                    f"{best_prop.prediction.tokens_per_s:,.0f} | {degrees(dflt)} | {dflt.prediction.tokens_per_s:,.0f} |")
+    print("| cluster | best plan, batch 1536 | tok/s | best plan, proportional batch | tok/s | framework default, "
+          "batch 1536 | tok/s |")
+    print("|---|---|---:|---|---:|---|---:|")
+    print("\n".join(rows))
+    print(f"| mix ({mix.world_size}) | {degrees(plan)}{' +distopt' if plan.distributed_optimizer else ''} "
+          f"layers {plan.layers_per_stage} | {plan.prediction.tokens_per_s:,.0f} | | | | |")
+    tok = plan.prediction.tokens_per_s
+    print(f"\nmix / sum of sub-clusters' best plans, same global batch:         {tok / totals['same']:.3f} "
+          "(goal >= 0.975)")
+    print(f"mix / sum of sub-clusters' best plans, proportional global batch: {tok / totals['prop']:.3f}")
+    print(f"mix / sum of sub-clusters' framework-default plans (batch 1536):  {tok / totals['default']:.3f}\n")
+
+
+def _short(cand) -> str:
+    s = cand.summary()
+    return (f"tp{s['tp']} pp{s['pp']} dp{s['dp']} mb{s['micro_batch_size']}"
+            f"{' +distopt' if s['distributed_optimizer'] else ''}")
+
+
+def big_cluster(nodes_ib: int = 1024, nodes_roce: int = 512, nodes_amd: int = 512):
+    """16,384 accelerators in three clusters (IB A100, RoCE H100, RoCE MI300X) joined by 100 GbE."""
+    eth = [{"type": "ethernet", "gbps": 100, "interfaces": ["eth0"]}]
+    return cluster_from_dict({"name": "big-16k", "clusters": [
+        {"name": "ib", "fabric": {"type": "ib", "gbps": 1600, "latency_us": 2},
+         "nodes": [{"count": nodes_ib, "accelerator": "A100-80", "accelerators_per_node": 8, "nics": eth}]},
+        {"name": "roce", "fabric": {"type": "roce", "gbps": 3200, "latency_us": 5},
+         "nodes": [{"count": nodes_roce, "accelerator": "H100", "accelerators_per_node": 8, "nics": eth}]},
+        {"name": "amd", "fabric": {"type": "roce", "gbps": 3200, "latency_us": 5},
+         "nodes": [{"count": nodes_amd, "accelerator": "MI300X", "accelerators_per_node": 8, "nics": eth}]}],
+        "links": [{"between": ["ib", "roce"], "gbps": 100}, {"between": ["ib", "amd"], "gbps": 100},
+                  {"between": ["roce", "amd"], "gbps": 100}]})
+
+
+def wall_times(quick: bool) -> None:
+    print("## Planner wall time\n")
+    print("| accelerators | cluster | model | wall s | CPU s | budget s | plan |")
+    print("|---:|---|---|---:|---:|---:|---|")
+    cases = [(load_cluster(CLUSTERS / "hethub-mix.yaml"), preset_model("llama-140b"), 10)]
+    if not quick:
+        model = preset_model("llama-140b").model_copy(update={"global_batch_size": 8192})
+        cases.append((big_cluster(), model, 60))
+    for cl, model, budget in cases:
+        start, cpu = time.perf_counter(), time.process_time()
+        plan = make_plan(cl, model)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        order = " > ".join(n.split("/")[0] for n in plan.prediction.description.split("domain order ")[1]
+                           .split(",")[0].split(" > "))
+        print(f"| {cl.world_size:,} | {cl.name} | {model.name} (batch {model.global_batch_size}) | {wall:.1f} | "
+              f"{cpu:.1f} | {budget} | {degrees(plan)}, stages over {order}, layers {plan.layers_per_stage} |")
+    print()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="skip the 16,384-accelerator timing")
+    args = ap.parse_args()
+    planned_vs_baseline()
+    hethub_fraction()
+    wall_times(args.quick)
+
+
+if __name__ == "__main__":
+    main()
