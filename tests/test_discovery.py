@@ -359,6 +359,10 @@ def test_ranks_claiming_one_node_with_different_hardware_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="ranks 0 and 1 both say they are on node 'same'") as err:
         build_cluster_data([RankView(0, 0, a), RankView(1, 1, b)])
     assert "HET_PLUGIN_NODE_NAME" in err.value.fix
+    # A veth created between two ranks' scans changes only what was left out: still one node.
+    from dataclasses import replace
+    later = replace(a, ignored=a.ignored + ("veth9: virtual interface (no device link)",))
+    assert cluster_from_dict(build_cluster_data([RankView(0, 0, a), RankView(1, 1, later)])).nodes[0].num_accelerators == 2
 
 
 def test_a_node_without_accelerator_is_a_config_error_naming_it(tmp_path):

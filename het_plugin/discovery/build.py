@@ -132,7 +132,7 @@ def nodes_in_launch_order(views: Sequence[Union[RankView, NodeView]]) -> list[_N
                 raise ConfigError(f"rank {m.rank} on node {name!r} has local rank {m.local_rank}, but is number "
                                   f"{m.rank - first} of the node's ranks {got}", source=SOURCE, field="local_rank",
                                   fix="number local ranks in rank order inside each node (torchrun does)")
-            if m.node != members[0].node:
+            if m.node.hardware() != members[0].node.hardware():
                 raise ConfigError(f"ranks {members[0].rank} and {m.rank} both say they are on node {name!r} but "
                                   "see different hardware", source=SOURCE, field="node",
                                   fix=f"give every node a distinct {ENV_NODE_NAME} (or hostname), and every rank "

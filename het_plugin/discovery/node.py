@@ -28,6 +28,10 @@ class NodeView:
     notes: tuple[str, ...] = ()
     sysfs_root: str = "/sys"
 
+    def hardware(self) -> tuple:
+        """What must agree between ranks of one node: not the notes, since virtual interfaces come and go."""
+        return (self.rdma, self.ethernet, self.accelerator, self.accelerator_count, self.fabric_name)
+
     @property
     def rdma_bandwidth(self) -> dict[str, float]:
         """Aggregate Gbit/s of the active ports, per RDMA type (NCCL spreads over all HCAs)."""
