@@ -181,3 +181,21 @@ def test_homogeneous_plan_is_the_frameworks_default(examples_dir, tp, pp, dp):
         assert [g.ranks for g in plan.groups[kind]] == topo.get_axis_comm_lists(axis), kind
     # one fabric: every communicator that leaves a node uses it, none is forced onto sockets
     assert {g.transport for k in GROUP_KINDS for g in plan.groups[k]} <= {"local", "ib"}
+
+
+def test_small_floats_survive_json(saved, tmp_path):
+    """json.dumps writes 1e-05, which YAML 1.1 reads as a string: plan files must not go through YAML."""
+    plan, _ = saved
+    plan.prediction = Prediction(1e-05, 2e+20, 3.5e-07, optimizer_s=1e-9)
+    for name in ("p.json", "p.yaml"):
+        plan.save(tmp_path / name)
+        loaded = Plan.load(tmp_path / name)
+        assert loaded.prediction.iteration_s == 1e-05 and loaded.prediction.tokens_per_s == 2e+20
+        assert loaded.hash == plan.hash
+
+
+def test_malformed_json_plan_names_the_line(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text('{\n "rank_of_logical": [0, 1],\n "tp": 1,,\n}\n')
+    with pytest.raises(ConfigError, match="malformed JSON at line 3"):
+        Plan.load(path)
