@@ -10,7 +10,9 @@ import itertools
 from datetime import timedelta
 from .errors import PlanMismatchError
 
-_calls = itertools.count()
+# One call sequence per (label, rank): every rank's n-th check uses the same keys. Keyed by rank too, so
+# ranks simulated as threads of one process (tests) do not advance each other's sequence.
+_calls: dict[tuple[str, int], itertools.count] = {}
 ERROR_PREFIX = "error:"
 
 
@@ -26,7 +28,8 @@ def check_plan_agreement(value: str, *, rank: int, world_size: int, store=None, 
     Raises PlanMismatchError on every rank, naming the ranks that differ (or that failed).
     """
     store = store or _default_store()
-    prefix = f"het_plugin/agree/{label}/{next(_calls)}"
+    call = next(_calls.setdefault((label, rank), itertools.count()))
+    prefix = f"het_plugin/agree/{label}/{call}"
     store.set(f"{prefix}/{rank}", value)
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     try:
