@@ -285,7 +285,10 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
         uneven = model.num_layers % dims.pp != 0
         if uneven and not fixed_pp:
             continue
-        if _states_lower_bound_gib(model, dims, dist_opt) > max(n.accelerator.memory_gib for n in cluster.nodes):
+        states = _states_lower_bound_gib(model, dims, dist_opt)
+        most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
+        if states > most_memory:
+            found.miss(states - most_memory, _label(dims))
             continue
         analysis = cost.analyze(cluster, default_placement(cluster, dims), transport_fn, net)
         for mb in _micro_batches(model, dims, fixed_mb):
