@@ -166,3 +166,19 @@ def test_nccl_options_select_the_network(monkeypatch):
     assert nccl_options("IB").config.net_name == "IB"
     assert nccl_options("Socket").config.net_name == "Socket"
     assert nccl_options(None) is None
+
+
+def test_planning_model_derived_from_the_layer_list():
+    import torch
+    from deepspeed.pipe import LayerSpec
+
+    from het_plugin.deepspeed.config import BatchSettings
+    from het_plugin.deepspeed.pipe import layer_name, model_from_layers
+
+    specs = [LayerSpec(torch.nn.Embedding, 10, 48)] + [LayerSpec(torch.nn.Linear, 48, 48) for _ in range(6)]
+    counted = counted_layers([layer_name(s) for s in specs], "Linear")
+    assert counted == list(range(1, 7))
+    spec = model_from_layers(specs, counted, BatchSettings(24, 2, 3), dp=4, tp=4)
+    assert spec.num_layers == 6 and spec.global_batch_size == 24 and spec.micro_batch_size == 2
+    assert spec.hidden_size % spec.num_attention_heads == 0 and spec.num_attention_heads == 4
+    assert abs(spec.hidden_size - 14) <= 2          # 48*48+48 parameters ~ 12*h*h with h = 14

@@ -20,7 +20,7 @@ import torch
 from deepspeed.pipe import LayerSpec
 from deepspeed.pipe import PipelineModule as _DeepSpeedPipelineModule
 
-from ..agreement import agree_on_plan
+from .agree import agree
 from ..errors import ConfigError
 from ..model import ModelSpec
 from ..plan import Plan
@@ -59,7 +59,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
 
         def make() -> Plan:
             plan = resolve_plan(section, shape, source=source,
-                                derive_model=lambda: model_from_layers(specs, counted, batch, shape.dp))
+                                derive_model=lambda: model_from_layers(specs, counted, batch, shape.dp, tp))
             if batch.dp is not None and batch.dp != plan.dp:
                 raise ConfigError(f"train_batch_size / (micro * accumulation) = {batch.dp} data-parallel replicas, "
                                   f"the plan has {plan.dp}", source=source, field="train_batch_size",
@@ -68,7 +68,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             plan_parts(len(specs), counted, plan.layers_per_stage, source)
             return plan
 
-        plan = agree_on_plan(make, rank=rank, world_size=world_size)
+        plan = agree(make, rank=rank, world_size=world_size)
         object.__setattr__(self, "_het_parts", plan_parts(len(specs), counted, plan.layers_per_stage, source))
         groups = PlannedGroups(plan)
         kwargs.pop("partition_method", None)
@@ -112,29 +112,29 @@ def layer_name(spec) -> Optional[str]:
     return getattr(spec, "__name__", None)
 
 
-def model_from_layers(specs, counted: list[int], batch: BatchSettings, dp: Optional[int]) -> ModelSpec:
+def model_from_layers(specs, counted: list[int], batch: BatchSettings, dp: Optional[int], tp: int = 1) -> ModelSpec:
     """A planning model when the config has none: identical GPT-shaped layers whose hidden size h comes
-    from the first counted layer's parameter count (about 12*h*h), one head, no embedding cost, sequence
+    from the first counted layer's parameter count (about 12*h*h), tp heads, no embedding cost, sequence
     length ASSUMED_SEQ_LENGTH, and the config's batch settings."""
     params = _param_count(specs[counted[0]]) if counted else 0
-    hidden = max(1, round(math.sqrt(params / 12)))
-    return _synthetic_model(len(counted), hidden, batch, dp)
+    return _synthetic_model(len(counted), round(math.sqrt(params / 12)), batch, dp, tp)
 
 
 def model_from_module(module: torch.nn.Module, batch: BatchSettings, dp: int) -> ModelSpec:
     """Planning model for plain data parallelism: one layer holding all parameters (only the ordering of
     the data-parallel group depends on it)."""
     params = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    return _synthetic_model(1, max(1, round(math.sqrt(params / 12))), batch, dp)
+    return _synthetic_model(1, round(math.sqrt(params / 12)), batch, dp, 1)
 
 
-def _synthetic_model(num_layers: int, hidden: int, batch: BatchSettings, dp: Optional[int]) -> ModelSpec:
+def _synthetic_model(num_layers: int, hidden: int, batch: BatchSettings, dp: Optional[int], tp: int) -> ModelSpec:
+    hidden = max(tp, hidden + (-hidden) % tp)          # tp heads must divide it
     micro = batch.micro_batch_size
     gbs = batch.train_batch_size
     if gbs is None:
         gbs = (micro or 1) * (batch.grad_accum or 1) * (dp or 1)
     return ModelSpec(name="deepspeed-layers", num_layers=max(1, num_layers), hidden_size=hidden,
-                     num_attention_heads=1, vocab_size=1, seq_length=ASSUMED_SEQ_LENGTH,
+                     num_attention_heads=tp, vocab_size=1, seq_length=ASSUMED_SEQ_LENGTH,
                      global_batch_size=gbs, micro_batch_size=micro if micro and gbs % micro == 0 else None)
 
 

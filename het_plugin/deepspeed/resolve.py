@@ -66,6 +66,10 @@ def _plan_from_cluster(section: HetSection, shape: RunShape, derive_model, sourc
             raise ConfigError(f"the cluster file changed since the config was wrapped (digest {cluster.digest}, "
                               f"recorded {section.cluster_digest})", source=section.cluster, field="cluster",
                               fix="re-wrap the config with `het-plugin wrap-config`")
+    if cluster.world_size != shape.world_size:
+        raise ConfigError(f"the cluster has {cluster.world_size} accelerators but {shape.world_size} ranks were "
+                          "launched", source=str(section.cluster), field="cluster",
+                          fix=f"launch {cluster.world_size} ranks, or describe the nodes you launch")
     model = _planning_model(section, derive_model, source)
     from ..planner import make_plan
     plan = make_plan(cluster, model, tp=shape.tp, pp=shape.pp, dp=shape.dp, micro_batch_size=model.micro_batch_size)
