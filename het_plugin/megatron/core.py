@@ -232,6 +232,11 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, nccl_config_dir: Optional
         if plan_out:
             plan.save(plan_out)
             print(f"het_plugin: plan written to {plan_out}", flush=True)
+    if any(g.transport == "host-staged" for gs in plan.groups.values() for g in gs):
+        from .groups import shim_backend
+        if shim_backend() is not None:      # the shim learns every rank's vendor from the plan
+            from ..comm import set_vendor_map_from_plan
+            set_vendor_map_from_plan(plan)
     with planned_groups(plan) as created:
         original_initialize_model_parallel()(**kwargs)
     applied.groups = created

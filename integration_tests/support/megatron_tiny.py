@@ -74,12 +74,16 @@ def init_distributed(backend: str = "gloo") -> None:
 
 
 def my_groups() -> dict[str, list[int]]:
-    """This rank's group rank lists, as Megatron-Core stored them (physical global ranks, group order)."""
+    """This rank's group rank lists, as Megatron-Core stored them (physical global ranks, group order).
+
+    A middle pipeline stage has no embedding group: [] there.
+    """
     from megatron.core import parallel_state as ps
-    return {"tp": list(ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS), "pp": list(ps._PIPELINE_GLOBAL_RANKS),
-            "dp": list(ps._DATA_PARALLEL_GLOBAL_RANKS), "dp-cp": list(ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP),
-            "cp": list(ps._CONTEXT_PARALLEL_GLOBAL_RANKS), "tp-pp": list(ps._MODEL_PARALLEL_GLOBAL_RANKS),
-            "embedding": list(ps._EMBEDDING_GLOBAL_RANKS)}
+    names = {"tp": "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "pp": "_PIPELINE_GLOBAL_RANKS",
+             "dp": "_DATA_PARALLEL_GLOBAL_RANKS", "dp-cp": "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP",
+             "cp": "_CONTEXT_PARALLEL_GLOBAL_RANKS", "tp-pp": "_MODEL_PARALLEL_GLOBAL_RANKS",
+             "embedding": "_EMBEDDING_GLOBAL_RANKS"}
+    return {k: list(getattr(ps, v) or []) for k, v in names.items()}
 
 
 def _full_tensor(key: str, shape, seed: int):

@@ -1,0 +1,176 @@
+"""The Megatron-LM argument hook against a real argparse parser built the way Megatron-LM builds it."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from het_plugin.errors import ConfigError
+from het_plugin.megatron import args as hargs
+from het_plugin.megatron import hook, lm
+from het_plugin.megatron.layout import layout_string
+from het_plugin.plan import Plan
+
+DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
+CLUSTER_8 = DATA / "megatron-ib-roce-8.yaml"
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's shape: allow_abbrev=False, its own groups, strict parse_args."""
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    g = parser.add_argument_group(title="network size")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--vocab-size", type=int)
+    g = parser.add_argument_group(title="distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-layout", type=str, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true")
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--global-batch-size", type=int)
+    return parser
+
+
+def fake_arguments_module() -> types.ModuleType:
+    """A module with Megatron-LM's parse_args body (core_v0.16): provider chaining, strict parse, env rank."""
+    mod = types.ModuleType("megatron.training.arguments")
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        parser = megatron_parser()
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        if ignore_unknown_args:
+            args, _ = parser.parse_known_args()
+        else:
+            args = parser.parse_args()
+        args.rank = int(os.getenv("RANK", "0"))
+        args.world_size = int(os.getenv("WORLD_SIZE", "1"))
+        return args
+
+    mod.parse_args = parse_args
+    return mod
+
+
+def script_provider(parser):
+    parser.add_argument_group(title="script").add_argument("--data-path", default=None)
+    return parser
+
+
+MODEL = ["--num-layers", "5", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "8"]
+
+
+@pytest.fixture
+def argv(monkeypatch):
+    def set_argv(*items):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *items])
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(lm, "install_initialize_wrapper", lambda: None)   # no megatron import here
+    monkeypatch.setattr(lm, "state", lm.LaunchState())
+    return set_argv
+
+
+def test_megatron_parser_rejects_the_flag_without_the_hook(argv):
+    argv(*MODEL, "--heterogeneous-nic", "c.yaml")
+    with pytest.raises(SystemExit):
+        fake_arguments_module().parse_args(script_provider)
+
+
+def test_flag_forms_and_chaining_keep_the_scripts_provider():
+    parser = hargs.chain_extra_args_provider(script_provider)(megatron_parser())
+    a = parser.parse_args(MODEL + ["--data-path", "d", "--heterogeneous-nic"])
+    assert a.heterogeneous_nic == hargs.DISCOVER and a.data_path == "d"
+    a = parser.parse_args(MODEL + ["--heterogeneous-nic", "c.yaml", "--heterogeneous-plan-out", "p.json"])
+    assert (a.heterogeneous_nic, a.heterogeneous_plan_out) == ("c.yaml", "p.json")
+    a = parser.parse_args(MODEL + ["--heterogeneous-nic=c.yaml"])
+    assert a.heterogeneous_nic == "c.yaml"
+    assert parser.parse_args(MODEL).heterogeneous_nic is None
+    with pytest.raises(SystemExit):           # strict parsing, no abbreviations: still strict
+        parser.parse_args(MODEL + ["--heterogeneous", "c.yaml"])
+    # Chaining twice (hook on a patched tree) adds the flags once.
+    twice = hargs.chain_extra_args_provider(hargs.chain_extra_args_provider(None))
+    assert twice(megatron_parser()).parse_args(["--heterogeneous-nic", "x"]).heterogeneous_nic == "x"
+    p = megatron_parser()
+    hargs.add_arguments(p)
+    hargs.add_arguments(p)                    # a patched arguments.py already added them: no conflict
+
+
+def test_hook_wraps_parse_args_and_applies_the_plan(argv):
+    argv(*MODEL, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--heterogeneous-nic", str(CLUSTER_8), "--data-path", "d")
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    hook.patch_arguments_module(mod)          # idempotent
+    assert not hasattr(mod.parse_args.__het_plugin_wrapped__, "__het_plugin_wrapped__")
+    args = mod.parse_args(script_provider)
+    plan = lm.state.plan
+    assert isinstance(plan, Plan) and lm.state.error is None
+    assert args.data_path == "d"
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (plan.tp, plan.pp) == (2, 2)
+    assert args.pipeline_model_parallel_layout == layout_string(plan.layers_per_stage)
+    assert args.overlap_grad_reduce is plan.overlap_grad_reduce
+    assert args.global_batch_size == 8 and args.micro_batch_size == 2
+    assert plan.model["num_layers"] == 5 and plan.model["hidden_size"] == 32
+
+
+def test_no_flag_leaves_parse_args_alone(argv):
+    argv(*MODEL)
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    args = mod.parse_args(script_provider)
+    assert args.heterogeneous_nic is None and args.pipeline_model_parallel_layout is None
+    assert lm.state.args is None
+
+
+def test_finder_only_acts_on_megatron_arguments_with_the_flag(monkeypatch):
+    finder = hook.MegatronArgsFinder()
+    monkeypatch.setattr(sys, "argv", ["x.py", "--heterogeneous-nic", "c.yaml"])
+    assert finder.find_spec("json", None) is None
+    monkeypatch.setattr(sys, "argv", ["x.py"])
+    assert finder.find_spec(hook.TARGET, None) is None
+    monkeypatch.setenv(hook.ENV_OFF, "1")
+    before = list(sys.meta_path)
+    hook.install()
+    assert sys.meta_path == before
+
+
+def test_planning_errors_are_kept_for_the_agreement_not_raised(argv, monkeypatch):
+    # tp=2 cannot be placed on 1-rank nodes: every rank must stop together at the agreement instead.
+    argv(*MODEL, "--tensor-model-parallel-size", "2", "--heterogeneous-nic", str(DATA / "megatron-ib-roce-4.yaml"))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    args = mod.parse_args(None)
+    assert isinstance(lm.state.error, ConfigError)
+    assert "tp=1 pp=" in str(lm.state.error)          # what would work
+    assert args.tensor_model_parallel_size == 2       # args untouched
+
+
+@pytest.mark.parametrize("flag,value", [("--pipeline-model-parallel-layout", "Ett|ttL"),
+                                        ("--decoder-first-pipeline-num-layers", "3"),
+                                        ("--use-tp-pp-dp-mapping", None)])
+def test_options_het_plugin_cannot_honour_are_refused(argv, flag, value):
+    argv(*MODEL, flag, *([value] if value else []), "--heterogeneous-nic", str(CLUSTER_8))
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    with pytest.raises(ConfigError) as e:
+        mod.parse_args(None)
+    assert flag in str(e.value) and "fix:" in str(e.value)
+
+
+def test_degrees_given_reads_the_command_line_not_the_defaults():
+    a = megatron_parser().parse_args(MODEL + ["--pipeline-model-parallel-size=2"])
+    given = hargs.degrees_given(a, MODEL + ["--pipeline-model-parallel-size=2"])
+    assert given == {"tp": None, "pp": 2, "cp": 1, "micro_batch_size": 2}

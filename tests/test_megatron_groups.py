@@ -1,0 +1,103 @@
+"""The group mechanism without processes: RankGenerator lists become the plan's, transports, backends."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from het_plugin.cluster import load_cluster
+from het_plugin.megatron import groups as hgroups
+from het_plugin.megatron.core import plan_summary, placeable_degrees, resolve_plan
+from het_plugin.errors import ConfigError
+from het_plugin.model import ModelSpec
+from het_plugin.planner import make_plan
+from het_plugin.plan import Plan
+
+DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
+MODEL = ModelSpec(name="t", num_layers=5, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
+                  global_batch_size=8, micro_batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def plan8():
+    return make_plan(load_cluster(DATA / "megatron-ib-roce-8.yaml"), MODEL, tp=2, pp=2)
+
+
+def test_rank_generator_returns_the_plans_groups(plan8):
+    from megatron.core import parallel_state as ps
+    original = ps.RankGenerator.get_ranks
+    with hgroups.planned_groups(plan8, parallel_state=ps):
+        gen = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp")
+        for kind in ("tp", "pp", "dp", "dp-cp", "tp-pp", "tp-dp", "tp-dp-cp", "cp", "tp-cp"):
+            assert gen.get_ranks(kind) == [g.ranks for g in plan8.groups[kind]], kind
+        # the expert generator (ep=1) is numbered the same way and gets the same permutation
+        expert = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp")
+        assert expert.get_ranks("tp-ep-pp") == [g.ranks for g in plan8.groups["tp-pp"]]
+    assert ps.RankGenerator.get_ranks is original
+    assert ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp").get_ranks("pp") == \
+        [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_identity_plan_leaves_megatrons_lists():
+    from megatron.core import parallel_state as ps
+    plan = make_plan(load_cluster(DATA / "megatron-homogeneous-4.yaml"), MODEL, tp=2, pp=2)
+    assert plan.is_identity
+    plain = ps.RankGenerator(tp=2, ep=1, dp=1, pp=2, cp=1, order="tp-cp-ep-dp-pp")
+    expected = {k: plain.get_ranks(k) for k in ("tp", "pp", "dp", "tp-pp")}
+    with hgroups.planned_groups(plan, parallel_state=ps):
+        assert {k: plain.get_ranks(k) for k in expected} == expected
+
+
+def test_transport_of_known_and_derived_groups(plan8):
+    assert hgroups.transport_of(plan8, plan8.groups["pp"][0].ranks) == "socket"
+    assert hgroups.transport_of(plan8, plan8.groups["dp"][0].ranks) == plan8.groups["dp"][0].transport
+    ib = [r for r in range(8) if plan8.node_of(r).cluster == "ib"]
+    assert hgroups.transport_of(plan8, ib) == "ib"                    # not a plan group: from the node table
+    assert hgroups.transport_of(plan8, [ib[0], ib[1]]) == "local"
+    assert hgroups.transport_of(plan8, [0, 2]) == "socket"
+
+
+def test_host_staged_groups_use_the_shim_backend():
+    assert hgroups.backend_for("socket", None) is None
+    assert hgroups.backend_for("host-staged", "gloo") == "gloo", "gloo twins stay gloo"
+    try:
+        import het_plugin.comm  # noqa: F401
+    except ImportError:
+        pytest.skip("het_plugin.comm (the cross-vendor shim) is not in this tree")
+    assert hgroups.backend_for("host-staged", None) == hgroups.SHIM_BACKEND
+    assert hgroups.backend_for("host-staged", "nccl") == hgroups.SHIM_BACKEND
+
+
+def test_resolve_plan_respects_degrees_and_says_what_would_work(tmp_path):
+    cluster = DATA / "megatron-ib-roce-4.yaml"
+    plan = resolve_plan(cluster, model=MODEL, world_size=4, tp=1, pp=2)
+    assert (plan.tp, plan.pp, plan.dp) == (1, 2, 2)
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(cluster, model=MODEL, world_size=4, tp=2, pp=2)
+    assert "cannot be placed" in str(e.value) and "tp=1 pp=2" in str(e.value)
+    with pytest.raises(ConfigError, match="launched"):
+        resolve_plan(cluster, model=MODEL, world_size=8)
+    # a plan file: loaded, and degrees that contradict it are refused
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert resolve_plan(path, world_size=4).hash == plan.hash
+    with pytest.raises(ConfigError, match="pipeline_model_parallel_size"):
+        resolve_plan(path, world_size=4, pp=4)
+    with pytest.raises(ConfigError, match="world_size"):
+        resolve_plan(path, world_size=2)
+
+
+def test_placeable_degrees_hold_on_the_cluster():
+    cluster = load_cluster(DATA / "megatron-ib-roce-8.yaml")
+    ok = placeable_degrees(cluster, 5)
+    assert (2, 2) in ok and (1, 4) in ok
+    assert all(tp <= 2 for tp, _ in ok), "TP stays inside a 2-accelerator node"
+
+
+def test_summary_names_clusters_layers_and_transports(plan8):
+    text = plan_summary(plan8)
+    assert plan8.hash in text
+    for s, n in enumerate(plan8.layers_per_stage):
+        assert f"stage {s}: {n} layers" in text
+    assert "ib/H100" in text and "roce/A100-80" in text and "pp=socket" in text
+    assert isinstance(Plan.from_dict(plan8.to_dict()), Plan)
