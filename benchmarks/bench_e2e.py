@@ -27,6 +27,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
+import e2e_compute  # noqa: E402
 from e2e_plans import CONFIGS, FAST_LINKS, LINKS, setup_ratio  # noqa: E402
 from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
 from het_plugin.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
@@ -44,11 +45,11 @@ def log(msg: str) -> None:
 class Parent:
     """Answers the rank-0 handshake: rates, plans, configurations; collects results."""
 
-    def __init__(self, emu: Emulation, args, shape: TinyShape, results_dir: Path):
+    def __init__(self, emu: Emulation, args, shape: TinyShape, results_dir: Path, compute: dict, scale: dict):
         self.emu, self.args, self.shape, self.results_dir = emu, args, shape, results_dir
         self.ratios = list(args.ratios)
-        self.compute = None
-        self.scale = None
+        self.compute = compute
+        self.scale = scale
         self.eth_links = None
         self.current = None
         self.setups = {}
@@ -56,18 +57,6 @@ class Parent:
         self.losses = {}
 
     def handle(self, name: str, payload):
-        if name == "compute":
-            self.compute = payload
-            stage_mb = (self.shape.num_layers // 2) * sum(payload["layer"]) + \
-                max(sum(payload["embedding"]), sum(payload["output"]))
-            self.scale = derive_scale(self.shape, stage_mb)
-            if self.args.eth_mbit:
-                self.scale["eth_mbit"] = self.args.eth_mbit
-                self.scale["scale"] = ETH_GBPS * 1e3 / self.args.eth_mbit
-            log(f"compute per layer fwd+bwd {sum(payload['layer']) * 1e3:.1f} ms; Ethernet -> "
-                f"{self.scale['eth_mbit']:.1f} Mbit/s (scale 1/{self.scale['scale']:.0f})")
-            self.emu.set_rate("eth0", self.scale["eth_mbit"])
-            return {}
         if name == "next":
             if not self.ratios:
                 return {"done": True}
@@ -128,18 +117,30 @@ def run(args) -> dict:
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
     handshake = Path(tempfile.mkdtemp(prefix="het_e2e_"))
-    job = {"handshake": str(handshake), "shape": shape.to_dict(), "compute_reps": args.compute_reps,
+    job = {"handshake": str(handshake), "shape": shape.to_dict(),
            "links": LINKS, "link_sizes": [65536, 1 << 20, 4 << 20], "link_reps": 3,
            "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps}
     job_path = handshake / "job.json"
     job_path.write_text(json.dumps(job))
     env = {"PYTHONPATH": f"{REPO}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONWARNINGS": "ignore"}
-    cluster = mixed_cluster(args.ratios[0])
     t0 = time.monotonic()
-    with Emulation(cluster, scale=1000.0, extra_networks=[ExtraNetwork("ref0", ETH_GBPS)], log=log) as emu:
+    log("compute profile: 4 single-rank trainings at once (no communication) ...")
+    compute = e2e_compute.measure(shape.to_dict(), procs=4, rounds=args.compute_rounds, steps=2)
+    stage_mb = (shape.num_layers // 2) * sum(compute["layer"]) + \
+        max(sum(compute["embedding"]), sum(compute["output"]))
+    scale = derive_scale(shape, stage_mb)
+    if args.eth_mbit:
+        scale["eth_mbit"] = args.eth_mbit
+        scale["scale"] = ETH_GBPS * 1e3 / args.eth_mbit
+    log(f"compute: {sum(compute['layer']) * 1e3:.1f} ms per layer fwd+bwd, framework overhead "
+        f"{compute['overhead_per_micro_batch'] * 1e3:.1f} ms per micro-batch and "
+        f"{compute['overhead_per_step'] * 1e3:.0f} ms per step; Ethernet -> {scale['eth_mbit']:.1f} Mbit/s "
+        f"(scale 1/{scale['scale']:.0f})")
+    cluster = mixed_cluster(args.ratios[0])
+    with Emulation(cluster, scale=scale["scale"], extra_networks=[ExtraNetwork("ref0", ETH_GBPS)], log=log) as emu:
         log(emu.layout.describe())
-        parent = Parent(emu, args, shape, results_dir)
+        parent = Parent(emu, args, shape, results_dir, compute, scale)
         logs = [open(handshake / f"rank{r}.log", "w") for r in range(emu.layout.world_size)]
         procs = [emu.popen_in(emu.layout.node_of_rank(r).index, [sys.executable, str(HERE / "e2e_worker.py"),
                                                                    str(job_path)],
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="measured steps per configuration and round")
-    p.add_argument("--compute-reps", type=int, default=5)
+    p.add_argument("--compute-rounds", type=int, default=2, help="rounds of the compute profile")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--eth-mbit", type=float, help="override the derived emulated Ethernet rate (Mbit/s)")
     p.add_argument("--results", help="raw results folder (default benchmarks/results, quick: a temp folder)")
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1500)
     args = p.parse_args(argv)
     if args.quick:
-        args.ratios, args.rounds, args.warmup, args.steps, args.compute_reps = [10], 1, 1, 2, 3
+        args.ratios, args.rounds, args.warmup, args.steps, args.compute_rounds = [10], 1, 1, 2, 1
     quick_dir = Path(tempfile.gettempdir()) / "het_e2e_quick"
     args.results = args.results or str(quick_dir if args.quick else HERE / "results")
     args.docs = args.docs or (str(quick_dir) if args.quick else str(REPO / "docs"))

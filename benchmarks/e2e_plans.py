@@ -118,11 +118,14 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
                                 transport_fn=transport, overlap_grad_reduce=plan.overlap_grad_reduce,
                                 profile=prof),
     }
+    # het_plugin.cost has no CPU per-step overhead (update, zero-grad, loss sync): add the measured one
+    step_overhead = compute.get("overhead_per_step", 0.0)
     m = {k: spec.global_batch_size // (DP * (plan.micro_batch_size if k == "4-het_plugin" else mb)) for k in preds}
-    share = {k: m[k] * max(p.stage_compute_s) / p.iteration_s for k, p in preds.items()}
+    share = {k: m[k] * max(p.stage_compute_s) / (p.iteration_s + step_overhead) for k, p in preds.items()}
     summary = {"layers_per_stage": plan.layers_per_stage, "rank_of_logical": plan.rank_of_logical,
                "micro_batch_size": plan.micro_batch_size, "num_micro_batches": plan.num_micro_batches,
                "overlap_grad_reduce": plan.overlap_grad_reduce,
                "transports": {k: sorted({g.transport for g in v}) for k, v in plan.groups.items() if v},
                "hash": plan.hash}
-    return RatioSetup(ratio, profile_path, configs, {k: p.iteration_s for k, p in preds.items()}, share, summary)
+    return RatioSetup(ratio, profile_path, configs, {k: p.iteration_s + step_overhead for k, p in preds.items()},
+                      share, summary)

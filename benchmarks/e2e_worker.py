@@ -1,9 +1,9 @@
 """Rank script of the end-to-end benchmark (run by bench_e2e.py inside the emulated network).
 
-One launch does everything, talking to the parent through files (``Handshake``): measure per-layer compute
-(all ranks at once, as in training), then per fast:slow ratio: the parent reshapes the fabric, the ranks
-measure each link with gloo, the parent plans, and the ranks train every configuration for a few rounds,
-interleaved. Rank 0 posts results; every rank follows rank 0.
+One launch does everything, talking to the parent through files (``Handshake``): per fast:slow ratio the
+parent reshapes the fabric, the ranks measure each link with gloo, the parent plans (with the compute profile
+from e2e_compute.py and these links), and the ranks train every configuration for a few rounds, interleaved.
+Rank 0 posts results; every rank follows rank 0.
 """
 from __future__ import annotations
 
@@ -43,73 +43,6 @@ class Handshake:
             box[0] = json.loads(resp.read_text())
         dist.broadcast_object_list(box, src=0)
         return box[0]
-
-
-# ---- compute profile -----------------------------------------------------------------------------
-
-def measure_compute(shape: dict, reps: int) -> dict:
-    """Forward/backward seconds of one micro-batch through 2 and 6 layers (and the embedding alone) on every
-    rank at once; per-layer and fixed (embedding + output + loss) times follow from the difference."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-
-    from integration_tests.support.megatron_cpu import enable_cpu_shims
-    enable_cpu_shims()
-    created = track_groups()
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1)
-    mb, s = shape["micro_batch_size"], shape["seq_length"]
-    tokens = torch.randint(0, shape["vocab_size"], (mb, s))
-    pos = torch.arange(s).unsqueeze(0).expand(mb, -1)
-    mask = torch.triu(torch.ones(s, s), diagonal=1).bool()[None, None]
-    out = {}
-    for layers in (2, 6):
-        cfg = TransformerConfig(num_layers=layers, hidden_size=shape["hidden_size"],
-                                num_attention_heads=shape["num_attention_heads"],
-                                ffn_hidden_size=shape["ffn_hidden_size"], hidden_dropout=0.0, attention_dropout=0.0,
-                                use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32)
-        model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=shape["vocab_size"], max_sequence_length=s,
-                         share_embeddings_and_output_weights=True)
-        fwd, bwd, emb_f, emb_b = [], [], [], []
-        for i in range(reps + 2):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = model(tokens, pos, mask, labels=tokens).float().mean()
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            e = model.embedding(input_ids=tokens, position_ids=pos)
-            t3 = time.perf_counter()
-            e.float().sum().backward()
-            t4 = time.perf_counter()
-            model.zero_grad()
-            if i >= 2:
-                fwd.append(t1 - t0), bwd.append(t2 - t1), emb_f.append(t3 - t2), emb_b.append(t4 - t3)
-        out[layers] = (statistics.median(fwd), statistics.median(bwd), statistics.median(emb_f),
-                       statistics.median(emb_b))
-    ps.destroy_model_parallel()
-    destroy_groups(created)
-    (f2, b2, ef, eb), (f6, b6, _, _) = out[2], out[6]
-    layer_f, layer_b = (f6 - f2) / 4, (b6 - b2) / 4
-    fixed_f, fixed_b = f2 - 2 * layer_f, b2 - 2 * layer_b
-    return {"layer": [layer_f, layer_b], "embedding": [ef, eb],
-            "output": [max(0.0, fixed_f - ef), max(0.0, fixed_b - eb)], "micro_batch_size": mb}
-
-
-def gathered_median(values: dict) -> dict:
-    """Median over ranks of every measured number (the ranks ran concurrently)."""
-    allv = [None] * dist.get_world_size()
-    dist.all_gather_object(allv, values)
-    out = {}
-    for k, v in values.items():
-        if isinstance(v, list):
-            out[k] = [statistics.median(a[k][i] for a in allv) for i in range(len(v))]
-        else:
-            out[k] = v
-    return out
 
 
 # ---- group bookkeeping: a process runs many configurations, so their gloo groups are destroyed -------
@@ -222,8 +155,6 @@ def main() -> int:
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     hs = Handshake(job["handshake"])
     shape = job["shape"]
-    comp = gathered_median(measure_compute(shape, job["compute_reps"]))
-    hs.ask("compute", comp)
     pairs = {name: (new_pair_group(ranks, ifname), ranks) for name, ranks, ifname in job["links"]}
     while True:
         step = hs.ask("next", {})

@@ -1,0 +1,124 @@
+"""Compute profile for the end-to-end benchmark: per-layer, embedding and output times of one micro-batch,
+measured through the same training code (Megatron-Core schedule, DDP, update) with no communication.
+
+Run as N concurrent single-rank processes (N = the benchmark's ranks, so the CPU is shared as in training):
+each trains the tiny GPT with 2 and with 6 layers, alternating, and also times the embedding and the output
+layer + loss directly; and 2 layers with twice the batch. Per layer = (t6 - t2) / (4 m); per micro-batch
+through 2 layers = (t2x2 - t2) / m; what that holds beyond 2 layers, the embedding and the output is
+framework overhead per micro-batch (schedule, hooks), which every pipeline stage pays: it is added in full
+to the embedding (first stage) and to the output (last stage) entries (valid for PP=2, where each stage
+holds exactly one of them). t2 - m x per-micro-batch is the per-step overhead (update, zero-grad, loss all-reduce),
+which het_plugin.cost does not model on CPU; the benchmark adds it to every prediction and says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def direct_times(shape: dict, reps: int) -> dict:
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+    ps.initialize_model_parallel(1, 1)
+    mb, s, h = shape["micro_batch_size"], shape["seq_length"], shape["hidden_size"]
+    cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=shape["num_attention_heads"],
+                            ffn_hidden_size=shape["ffn_hidden_size"], hidden_dropout=0.0, attention_dropout=0.0,
+                            use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=shape["vocab_size"], max_sequence_length=s,
+                     share_embeddings_and_output_weights=True)
+    tokens = torch.randint(0, shape["vocab_size"], (mb, s))
+    pos = torch.arange(s).unsqueeze(0).expand(mb, -1)
+    out = {"ef": [], "eb": [], "of": [], "ob": []}
+
+    def head(hidden):
+        logits, _ = model.output_layer(model.decoder.final_layernorm(hidden),
+                                       weight=model.shared_embedding_or_output_weight())
+        return model.compute_language_model_loss(tokens, logits).float().mean()
+
+    for i in range(reps + 2):
+        for tag, fwd in (("e", lambda: model.embedding(input_ids=tokens, position_ids=pos).float().sum()),
+                         ("o", lambda: head(torch.randn(s, mb, h, requires_grad=True)))):
+            t0 = time.perf_counter()
+            y = fwd()
+            t1 = time.perf_counter()
+            y.backward()
+            t2 = time.perf_counter()
+            model.zero_grad()
+            if i >= 2:
+                out[tag + "f"].append(t1 - t0)
+                out[tag + "b"].append(t2 - t1)
+    ps.destroy_model_parallel()
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def main() -> None:
+    shape, rounds, steps = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    from integration_tests.support import megatron_tiny
+    from megatron.core import parallel_state as ps
+    runs = {"t2": (2, 1), "t6": (6, 1), "t2x2": (2, 2)}     # (layers, batch multiple)
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for key, (layers, mult) in runs.items():
+            cfg = dict(shape, num_layers=layers, global_batch_size=shape["global_batch_size"] * mult)
+            res = megatron_tiny.train(megatron_tiny.TinyGPT(**cfg), tp=1, pp=1, steps=steps + 1, use_plugin=False,
+                                      overlap_grad_reduce=True)
+            times[key] += res.step_times[1:]
+            ps.destroy_model_parallel()
+    direct = direct_times(shape, 10)
+    print("RESULT " + json.dumps({**{k: statistics.median(v) for k, v in times.items()}, **direct}), flush=True)
+
+
+def combine(results: list[dict], shape: dict) -> dict:
+    """The profile's compute entries from the processes' medians (median over processes)."""
+    med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    m = shape["global_batch_size"] // shape["micro_batch_size"]          # micro-batches per step (DP=1)
+    per_mb_2 = (med["t2x2"] - med["t2"]) / m                            # one micro-batch through 2 layers
+    per_step = max(0.0, med["t2"] - m * per_mb_2)                       # update, zero-grad, loss sync, ...
+    layer = (med["t6"] - med["t2"]) / (4 * m)
+    bwd_share = 2 / 3                                                    # split fwd:bwd as 1:2
+    overhead = max(0.0, per_mb_2 - 2 * layer - med["ef"] - med["eb"] - med["of"] - med["ob"])
+    return {"layer": [layer * (1 - bwd_share), layer * bwd_share],
+            "embedding": [med["ef"] + overhead / 3, med["eb"] + 2 * overhead / 3],
+            "output": [med["of"] + overhead / 3, med["ob"] + 2 * overhead / 3],
+            "overhead_per_micro_batch": overhead, "overhead_per_step": per_step,
+            "step_2_layers_s": med["t2"], "step_6_layers_s": med["t6"], "step_2_layers_2x_batch_s": med["t2x2"],
+            "micro_batches": m, "micro_batch_size": shape["micro_batch_size"]}
+
+
+def measure(shape: dict, procs: int = 4, rounds: int = 2, steps: int = 3, timeout: float = 300) -> dict:
+    """Run ``procs`` single-rank processes at once and combine their measurements."""
+    import subprocess
+    from integration_tests.support.launch import free_port
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", PYTHONPATH=str(repo))
+    ps = [subprocess.Popen([sys.executable, __file__, json.dumps(shape), str(rounds), str(steps)],
+                           env=dict(env, MASTER_PORT=str(free_port())), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True) for _ in range(procs)]
+    results = []
+    for p in ps:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in ps:
+                if q.poll() is None:
+                    os.killpg(q.pid, 9)
+            raise RuntimeError("compute profile timed out")
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        if p.returncode != 0 or not lines:
+            raise RuntimeError(f"compute profile failed (rc {p.returncode}):\n{err[-3000:]}")
+        results.append(json.loads(lines[-1][7:]))
+    return combine(results, shape)
+
+
+if __name__ == "__main__":
+    main()
