@@ -39,19 +39,29 @@ def test_set_vendor_map_accepts_list_and_mapping_and_rejects_bad_keys():
         V.set_vendor_map(["nvidia", ""])
 
 
-def test_set_vendor_map_from_plan_uses_vendor_of():
-    class Node:
-        def __init__(self, n):
-            self.num_ranks = n
+def test_set_vendor_map_from_plan_takes_vendors_and_networks():
+    from het_plugin.plan import NodePlan
+    nodes = [NodePlan("nv-0", "nv", "ib", "H100", "nvidia", 0, 2), NodePlan("amd-0", "amd", "roce", "MI250X", "amd", 2, 1)]
 
     class FakePlan:
-        nodes = [Node(2), Node(1)]
+        def __init__(self):
+            self.nodes = nodes
 
-        def vendor_of(self, r):
-            return ["nvidia", "nvidia", "amd"][r]
+        def node_of(self, r):
+            return next(n for n in nodes if n.first_rank <= r < n.first_rank + n.num_ranks)
 
     V.set_vendor_map_from_plan(FakePlan())
     assert V.declared_vendor_map() == {0: "nvidia", 1: "nvidia", 2: "amd"}
+    assert V.declared_networks()[2] == V.RankNetwork("amd-0", "amd", "roce")
+
+
+def test_subgroup_transport_names_the_network_its_members_share():
+    a0, a1 = V.RankNetwork("n0", "ib-cluster", "ib"), V.RankNetwork("n1", "ib-cluster", "ib")
+    e0, e1 = V.RankNetwork("e0", "eth-cluster", "ethernet"), V.RankNetwork("e1", "eth-cluster", "ethernet")
+    assert V.subgroup_transport([a0, a0]) == "local"
+    assert V.subgroup_transport([a0, a1]) == "ib"
+    assert V.subgroup_transport([e0, e1]) == "socket"
+    assert V.subgroup_transport([a0, e0]) == "socket"
 
 
 def test_belief_sources_in_priority_order():

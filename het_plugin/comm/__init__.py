@@ -6,12 +6,12 @@ over first with :func:`set_vendor_map` (or :func:`set_vendor_map_from_plan`). Se
 """
 from .layout import ShimLayout, chunk_bounds
 from .shim import SHIM_BACKEND, ShimProcessGroup, ShimUnsupportedError, create_shim_group, register
-from .vendors import (ENV_AGREE_TIMEOUT, ENV_VENDOR, ENV_VENDOR_MAP, VendorMapError, declared_vendor_map,
-                      detect_vendor, parse_vendor_map, set_vendor_map, set_vendor_map_from_plan)
+from .vendors import (ENV_AGREE_TIMEOUT, ENV_VENDOR, ENV_VENDOR_MAP, RankNetwork, VendorMapError,
+                      declared_vendor_map, detect_vendor, parse_vendor_map, set_vendor_map, set_vendor_map_from_plan)
 from .work import ShimWork
 
 register()
 
-__all__ = ["SHIM_BACKEND", "ShimProcessGroup", "ShimUnsupportedError", "ShimWork", "ShimLayout", "VendorMapError",
+__all__ = ["SHIM_BACKEND", "ShimProcessGroup", "ShimUnsupportedError", "ShimWork", "ShimLayout", "VendorMapError", "RankNetwork",
            "set_vendor_map", "set_vendor_map_from_plan", "declared_vendor_map", "detect_vendor", "parse_vendor_map",
            "chunk_bounds", "create_shim_group", "register", "ENV_VENDOR", "ENV_VENDOR_MAP", "ENV_AGREE_TIMEOUT"]

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from ..errors import HetPluginError
 from ..netselect import gloo_network
-from .layout import ShimLayout, chunk_bounds, describe
-from .vendors import ENV_AGREE_TIMEOUT, DEFAULT_AGREE_TIMEOUT_S, agree_on_vendors
+from .layout import ShimLayout, chunk_bounds, describe, stripe_pieces
+from .vendors import (ENV_AGREE_TIMEOUT, DEFAULT_AGREE_TIMEOUT_S, agree_on_vendors, declared_networks,
+                      subgroup_transport)
 from .work import ShimWork, done_work
 
 SHIM_BACKEND = "het_shim"
@@ -142,6 +143,15 @@ def _device_native_kind() -> Optional[str]:
     return None
 
 
+def _subgroup_network(global_ranks: Sequence[int]):
+    """gloo_network() for a vendor subgroup, when the ranks' nodes were handed over; else a no-op."""
+    import contextlib
+    networks = declared_networks()
+    if networks is None or any(r not in networks for r in global_ranks):
+        return contextlib.nullcontext()
+    return gloo_network(subgroup_transport([networks[r] for r in global_ranks]))
+
+
 class ShimProcessGroup(dist.ProcessGroup):
     """A torch.distributed ProcessGroup; create with ``new_group(ranks, backend="het_shim")``."""
 
@@ -160,21 +170,26 @@ class ShimProcessGroup(dist.ProcessGroup):
         # mixed group needs none; a single-vendor group always has them (they carry every call).
         self._native: dict[str, object] = {}
         if len(members) > 1 or layout.single_vendor:
-            self._native["cpu"] = _make_native("gloo", dist.PrefixStore(f"het_shim/sub{self._sub}/cpu", store),
-                                               self._local_rank, len(members), timeout)
+            with _subgroup_network([self.global_ranks[r] for r in members]):
+                self._native["cpu"] = _make_native("gloo", dist.PrefixStore(f"het_shim/sub{self._sub}/cpu", store),
+                                                   self._local_rank, len(members), timeout)
             device_kind = _device_native_kind()
             if device_kind:
                 self._native["cuda"] = _make_native(device_kind,
                                                     dist.PrefixStore(f"het_shim/sub{self._sub}/dev", store),
                                                     self._local_rank, len(members), timeout)
         self._host = self._leaders = None
+        self._rails: dict[int, object] = {}      # stripe -> host (gloo) group of its owners, where I am one
         self._worker = None
         if not layout.single_vendor:
             with gloo_network("host-staged"):
                 self._host = dist.ProcessGroupGloo(dist.PrefixStore("het_shim/host", store), rank, size, timeout)
-                if self._is_leader:
-                    self._leaders = dist.ProcessGroupGloo(dist.PrefixStore("het_shim/leaders", store), self._sub,
-                                                          len(layout.subgroups), timeout)
+                # Every member creates its rails in stripe order, so no creation waits on a later one.
+                for i, owners in enumerate(layout.rails):
+                    if rank in owners:
+                        self._rails[i] = dist.ProcessGroupGloo(dist.PrefixStore(f"het_shim/rail{i}", store),
+                                                               owners.index(rank), len(owners), timeout)
+            self._leaders = self._rails.get(0)       # rail 0 = the subgroup leaders
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="het_shim")
 
     # ---- identity ---------------------------------------------------------------------------
@@ -262,29 +277,37 @@ class ShimProcessGroup(dist.ProcessGroup):
         return ShimWork(works=[work], finish=finish, result=[t])
 
     def _hier_allreduce(self, flat: torch.Tensor, op: RedOp) -> None:
+        """Striped: each piece is reduced to its stripe's owner in every subgroup, all-reduced among the
+        owners through host memory, then broadcast by the owner. Pieces are issued back to back, so one
+        piece crosses vendors while others are reduced or sent back inside the subgroups."""
+        lay = self.layout
         red = RedOp.SUM if op == RedOp.AVG else op
         native = self._native_for(flat)
-        chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), flat.element_size())]
-        down = [native.reduce([c], _reduce_opts(red, 0)) for c in chunks] if native else []
-        up = []
-        if self._is_leader:
-            across = []
-            for i, c in enumerate(chunks):
+        pieces = stripe_pieces(flat.numel(), lay.num_stripes, flat.element_size())
+        owner = [lay.stripe_owner(i, self._sub) for i, _, _ in pieces]
+        local_root = [self._members.index(o) for o in owner]
+        down = [native.reduce([flat[a:b]], _reduce_opts(red, r)) for (_, a, b), r in zip(pieces, local_root)] \
+            if native else []
+        across = {}
+        for k, (i, a, b) in enumerate(pieces):
+            if owner[k] == self.rank():
                 if down:
-                    down[i].wait()
-                h = _to_host(c)
-                across.append((self._leaders.allreduce([h], _allreduce_opts(red)), h))
-            for c, (w, h) in zip(chunks, across):
+                    down[k].wait()
+                h = _to_host(flat[a:b])
+                across[k] = (self._rails[i].allreduce([h], _allreduce_opts(red)), h)
+        up = []
+        for k, (i, a, b) in enumerate(pieces):
+            piece = flat[a:b]
+            if k in across:
+                w, h = across[k]
                 w.wait()
-                _from_host(h, c)
+                _from_host(h, piece)
                 if op == RedOp.AVG:
-                    c.div_(self.size())
-                if native:
-                    up.append(native.broadcast([c], _bcast_opts(0)))
-        else:
-            for i, c in enumerate(chunks):
-                down[i].wait()
-                up.append(native.broadcast([c], _bcast_opts(0)))
+                    piece.div_(self.size())
+            elif down:
+                down[k].wait()
+            if native:
+                up.append(native.broadcast([piece], _bcast_opts(local_root[k])))
         for w in up:
             w.wait()
 

@@ -41,6 +41,24 @@ class VendorMapError(ConfigError):
 
 
 _declared: Optional[dict[int, str]] = None   # set_vendor_map(...), by global rank
+_networks: Optional[dict[int, "RankNetwork"]] = None   # where each global rank sits (picks subgroup interfaces)
+
+
+@dataclass(frozen=True)
+class RankNetwork:
+    """Where a rank runs: its node, cluster and that cluster's fabric (ib | roce | ethernet)."""
+    node: str
+    cluster: str
+    fabric: str
+
+
+def subgroup_transport(networks: Sequence[RankNetwork]) -> str:
+    """The transport of one vendor subgroup, as the planner names it: its gloo interface comes from it."""
+    if len({n.node for n in networks}) <= 1:
+        return "local"
+    if len({n.cluster for n in networks}) == 1 and networks[0].fabric in ("ib", "roce"):
+        return networks[0].fabric
+    return "socket"
 
 
 def normalize_vendor(name: object, where: str) -> str:
@@ -85,19 +103,28 @@ def parse_vendor_map(text: str, where: str = ENV_VENDOR_MAP) -> dict[int, str]:
     return out
 
 
-def set_vendor_map(vendors: Optional[VendorMapLike]) -> None:
+def set_vendor_map(vendors: Optional[VendorMapLike], *,
+                   networks: Optional[Sequence[RankNetwork]] = None) -> None:
     """Declare every rank's vendor (by global rank) for the shim groups created from now on.
 
     The adapters call this with the plan's view before creating host-staged groups; None forgets it.
+    ``networks`` (per global rank, optional) lets each vendor subgroup's gloo communicator use its own
+    fabric's interface (``HET_PLUGIN_GLOO_IFNAMES``) while the leaders use the host-staged one.
     """
-    global _declared
+    global _declared, _networks
     _declared = None if vendors is None else to_rank_map(vendors, "set_vendor_map")
+    _networks = None if networks is None else dict(enumerate(networks))
 
 
 def set_vendor_map_from_plan(plan) -> None:
-    """``set_vendor_map`` with ``plan.vendor_of(rank)`` for every rank of the plan."""
+    """``set_vendor_map`` with ``plan.vendor_of(rank)`` (and each rank's node and fabric) for every rank."""
     world = sum(n.num_ranks for n in plan.nodes)
-    set_vendor_map([plan.vendor_of(r) for r in range(world)])
+    nodes = [plan.node_of(r) for r in range(world)]
+    set_vendor_map([n.vendor for n in nodes], networks=[RankNetwork(n.name, n.cluster, n.fabric) for n in nodes])
+
+
+def declared_networks() -> Optional[dict[int, RankNetwork]]:
+    return None if _networks is None else dict(_networks)
 
 
 def declared_vendor_map() -> Optional[dict[int, str]]:
