@@ -55,7 +55,9 @@ def validate(cls: type[T], data: Any, source: str, text: str | None = None) -> T
     ``text`` (the file's YAML) lets the message say on which line the offending field is.
     """
     if data is None:
-        raise ConfigError("the file is empty", source=source, fix=f"describe a {cls.__name__}")
+        raise ConfigError("the file is empty", source=source,
+                          fix="write the fields described in docs/user-guide.md (examples: examples/clusters, "
+                              "examples/models)")
     try:
         return cls.model_validate(data)
     except pydantic.ValidationError as exc:
