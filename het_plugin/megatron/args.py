@@ -112,4 +112,6 @@ def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
         put("pipeline_model_parallel_layout", layout)
     if plan.overlap_grad_reduce:
         put("overlap_grad_reduce", True)
+    if plan.distributed_optimizer:        # the plan's memory estimate assumed sharded optimizer state
+        put("use_distributed_optimizer", True)
     return changes

@@ -169,9 +169,9 @@ def plan_summary(plan: Plan) -> str:
             kinds.append(f"{kind}={'/'.join(ts)}")
     lines.append("  transports: " + ", ".join(kinds) + f"; overlap_grad_reduce={plan.overlap_grad_reduce}")
     if plan.prediction:
-        pred = f"  predicted: {plan.prediction.iteration_s:.3f} s/iteration"
+        pred = f"  predicted: {plan.prediction.iteration_s:.4g} s/iteration"
         if plan.baseline and plan.speedup:
-            pred += f" (framework default {plan.baseline.iteration_s:.3f} s, x{plan.speedup:.2f})"
+            pred += f" (framework default {plan.baseline.iteration_s:.4g} s, x{plan.speedup:.2f})"
         lines.append(pred)
     lines.extend(f"  warning: {w}" for w in plan.warnings)
     return "\n".join(lines)
