@@ -161,3 +161,36 @@ def _update_without_throttle(update):
         self.last = float("-inf")
         return update(self, done, best)
     return wrapped
+
+
+def _two_device_cluster():
+    nodes = lambda acc: [{"count": 2, "accelerator": acc, "accelerators_per_node": 8,
+                          "nics": [{"type": "ethernet", "gbps": 100}]}]
+    return cluster_from_dict({"name": "a100-h100", "clusters": [
+        {"name": "old", "fabric": {"type": "ib", "gbps": 800}, "nodes": nodes("A100-80")},
+        {"name": "new", "fabric": {"type": "ib", "gbps": 800}, "nodes": nodes("H100")}],
+        "links": [{"between": ["old", "new"], "gbps": 100}]})
+
+
+def _layers_by_device(plan):
+    out = {}
+    stage_size = plan.tp * plan.cp * plan.dp
+    for s, n in enumerate(plan.layers_per_stage):
+        node = plan.node_of(plan.rank_of_logical[s * stage_size])
+        out.setdefault(node.accelerator, []).append(n)
+    return out
+
+
+def test_faster_devices_get_more_layers():
+    plan = make_plan(_two_device_cluster(), preset_model("gpt-7.5b"), tp=8, pp=2, micro_batch_size=1)
+    by_device = _layers_by_device(plan)
+    assert by_device["H100"][0] > by_device["A100-80"][0]
+
+
+def test_a_measured_profile_changes_the_split():
+    from het_plugin.profile import Profile
+    prof = Profile()
+    prof.add_compute("A100-80", "layer", 1, 8, 0.0001, 0.0002)     # "measured": ~3x faster than the H100 estimate
+    plan = make_plan(_two_device_cluster(), preset_model("gpt-7.5b"), tp=8, pp=2, micro_batch_size=1, profile=prof)
+    by_device = _layers_by_device(plan)
+    assert by_device["A100-80"][0] > by_device["H100"][0]
