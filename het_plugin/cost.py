@@ -53,6 +53,10 @@ GIB = 1024 ** 3
 # ---- link tiers -----------------------------------------------------------------------------------
 
 
+# Profile tiers tried after a hop's own kind: the shim and sockets both ride on Ethernet.
+FALLBACK_TIERS = {"host-staged": ["socket", "ethernet"], "socket": ["ethernet"]}
+
+
 @dataclass(frozen=True)
 class Tier:
     """One kind of hop: ``kind`` is a profile tier name, ``names`` profile keys tried before it."""
@@ -66,7 +70,7 @@ class Tier:
         if nbytes <= 0:
             return 0.0
         if profile is not None:
-            keys = list(self.names) + [self.kind] + (["ethernet"] if self.kind == "socket" else [])
+            keys = list(self.names) + [self.kind] + FALLBACK_TIERS.get(self.kind, [])
             measured = profile.transfer_s(keys, nbytes * share)
             if measured is not None:
                 return measured
@@ -118,10 +122,10 @@ def hop_tier(cluster: Cluster, a: Node, b: Node, transport: str, link: Optional[
     names: tuple[str, ...] = ()
     if a.cluster != b.cluster:
         names = (f"{a.cluster}/{b.cluster}", f"{b.cluster}/{a.cluster}")
+    kind = transport if sockets else link.kind
     if sockets and link.kind in RDMA:
         sa, sb = socket_tier(cluster, a), socket_tier(cluster, b)
-        return Tier("socket", min(sa.gbps, sb.gbps), max(sa.latency_us, sb.latency_us), names)
-    kind = "socket" if sockets else link.kind
+        return Tier(kind, min(sa.gbps, sb.gbps), max(sa.latency_us, sb.latency_us), names)
     return Tier(kind, link.gbps, link.latency_us, names)
 
 

@@ -90,3 +90,16 @@ def test_profile_overrides_link_bandwidth():
     worse = cost.predict(holmes, model, placement, [18, 18], 1, profile=slow)
     assert worse.pipeline_s > 2 * base.pipeline_s
     assert worse.stage_compute_s == base.stage_compute_s
+
+
+def test_link_lookup_order_named_link_then_kind_then_fallback():
+    prof = Profile()
+    prof.add_link("ethernet", [(1, 1.0)])
+    prof.add_link("socket", [(1, 2.0)])
+    staged = cost.Tier("host-staged", 1000, 0, names=("amd/other",))
+    assert staged.step_s(1e9, 1, prof) == pytest.approx(1e9 * 8 / 2e9)      # no host-staged entry: socket
+    prof.add_link("host-staged", [(1, 4.0)])
+    assert staged.step_s(1e9, 1, prof) == pytest.approx(1e9 * 8 / 4e9)
+    prof.add_link("amd/other", [(1, 8.0)])
+    assert staged.step_s(1e9, 1, prof) == pytest.approx(1e9 * 8 / 8e9)
+    assert cost.Tier("ib", 800, 0).step_s(1e9, 1, prof) == pytest.approx(1e9 * 8 / 800e9)   # not measured
