@@ -2,6 +2,7 @@
 transport names (het_plugin.netselect), the default group on Ethernet; reports per-interface byte counts."""
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -22,6 +23,13 @@ def tx_bytes(ifname: str) -> int:
 
 def counters() -> dict:
     return {i: tx_bytes(i) for i in ("eth0", "fab0")}
+
+
+def settle(group) -> None:
+    """Let the last segments of a collective leave the shaper (a rank can finish before its own last send
+    has drained), so byte counts are not attributed to the next phase."""
+    dist.barrier(group=group)
+    time.sleep(0.5)
 
 
 def main() -> None:
@@ -46,10 +54,12 @@ def main() -> None:
     dist.all_reduce(x, group=mine[0])
     members = [r for r in range(world) if cluster.node_of(r).cluster == mine[1]]
     ok_cluster = bool(torch.all(x == float(sum(r + 1 for r in members))))
+    settle(mine[0])
     mid = counters()
     y = torch.full((n,), float(rank + 1))
     dist.all_reduce(y)
     ok_world = bool(torch.all(y == float(sum(range(1, world + 1)))))
+    settle(None)
     after = counters()
     dist.barrier()
     dist.destroy_process_group()
