@@ -172,6 +172,15 @@ def run_layout(name, shim, flat, ck: Checker):
     for o in outs:
         want = torch.tensor([1000.0 * r for r in ranks]).repeat_interleave(o.numel() // n)
         ck.same(f"{name} coalesced all_gather", o, want)
+    # object collectives (they ride on broadcast / all_gather) and a work's future
+    objs = [{"from": dist.get_rank(), "layout": name}] if me == 0 else [None]
+    dist.broadcast_object_list(objs, group_src=0, group=shim)
+    ck.same(f"{name} broadcast_object_list", torch.tensor([objs[0]["from"]]), torch.tensor([ranks[0]]))
+    gathered = [None] * n
+    dist.all_gather_object(gathered, dist.get_rank(), group=shim)
+    ck.same(f"{name} all_gather_object", torch.tensor(gathered), torch.tensor(ranks))
+    fut = dist.all_reduce(torch.full((3,), float(me)), group=shim, async_op=True).get_future()
+    ck.same(f"{name} work.get_future", fut.wait()[0], torch.full((3,), float(sum(range(n)))))
     # barrier
     dist.barrier(group=shim)
     # point to point: ring with send/recv, then batched isend/irecv in both directions (bf16, strided)
