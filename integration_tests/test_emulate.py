@@ -193,3 +193,20 @@ def test_cli_show_and_errors(emulator_ok):
     bad = subprocess.run([*CLI, "emulate", str(CLUSTER)], env=ENV,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert bad.returncode == 2 and "no command to run" in bad.stderr
+
+
+def test_two_runs_coexist_and_a_live_run_is_never_cleaned(emulator_ok):
+    cluster = load_cluster(CLUSTER)
+    with Emulation(cluster, scale=1000, log=lambda s: None) as first:
+        with Emulation(cluster, scale=1000, log=lambda s: None) as second:      # its start cleans leftovers
+            assert first.layout.run_id != second.layout.run_id
+            assert len(leftovers(first.layout.run_id)) == 15
+            # same addresses in both runs, but separate namespaces and bridges: both networks work
+            for emu in (first, second):
+                p = emu.popen_in(0, [sys.executable, "-c", "import socket;s=socket.socket();s.settimeout(3);"
+                                     f"print(s.connect_ex(('{emu.layout.nodes[3].eth.address}', 9)))"],
+                                 stdout=subprocess.PIPE, text=True)
+                assert p.communicate(timeout=20)[0].strip() == "111"                # ECONNREFUSED: reachable
+        assert _no_traces(second.layout.run_id) == []
+        assert len(leftovers(first.layout.run_id)) == 15
+    assert _no_traces(first.layout.run_id) == []
