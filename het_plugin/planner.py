@@ -20,7 +20,7 @@ from .cluster import Cluster
 from .errors import ConfigError
 from .model import ModelSpec
 from .partition import bottleneck, exact_partition
-from .placement import (Placement, baseline_transport, check_dims, default_placement, domain_orders, place,
+from .placement import (Placement, baseline_transport, default_placement, domain_orders, place,
                         stage_domains, transport)
 from .profile import Profile
 from .plan import GroupPlan, NodePlan, Plan, Prediction
