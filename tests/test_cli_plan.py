@@ -261,3 +261,21 @@ def test_picture_of_a_big_cluster_is_compact(tmp_path, examples_dir):
 def test_spans():
     assert spans([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert spans([3]) == "3" and spans([]) == "-"
+
+
+def test_a_saved_plan_is_shown_without_planning(capsys, tmp_path, monkeypatch):
+    saved = tmp_path / "plan.yaml"
+    rc, out, err = run(capsys, "-o", saved)
+    assert rc == 0, err
+    original = Plan.load(saved)
+
+    def no_planning(*a, **k):
+        raise AssertionError("planned again")
+    monkeypatch.setattr("het_plugin.planner.make_plan", no_planning)
+    picture = tmp_path / "p.svg"
+    rc, out, err = run(capsys, saved, "--svg", picture)
+    assert rc == 0, err
+    assert f"het_plugin plan {original.hash}" in out
+    assert "inter-cluster" in picture.read_text()     # no cluster file: link speeds unknown
+    rc, out, err = run(capsys, saved, "--format", "json")
+    assert json.loads(out)["hash"] == original.hash

@@ -16,7 +16,7 @@ DEFAULT_MODEL = "gpt-7.5b"
 def register(sub) -> None:
     p = sub.add_parser("plan", help="plan placement, layer split and transports for a cluster and a model")
     p.add_argument("cluster", nargs="?", default=str(DEFAULT_CLUSTER),
-                   help="cluster file (default: the bundled Holmes-shaped example)")
+                   help="cluster file (default: the bundled Holmes-shaped example), or a saved plan to show")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model file or preset name (default: gpt-7.5b)")
     p.add_argument("--tp", type=int)
     p.add_argument("--pp", type=int)
@@ -36,18 +36,32 @@ def resolve_model(arg: str):
     return load_model(arg) if Path(arg).exists() or arg.endswith((".yaml", ".yml", ".json")) else preset_model(arg)
 
 
+def check_output_names(args) -> None:
+    """Refuse output names we cannot write before spending time on planning."""
+    if args.output and Path(args.output).suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(f"cannot tell the format of {args.output!r}", field="-o/--output",
+                          fix="use a name ending in .json or .yaml")
+    if args.svg and Path(args.svg).suffix.lower() not in (".svg", ".png"):
+        raise ConfigError(f"cannot draw into {Path(args.svg).name!r}", field="--svg",
+                          fix="give a file name ending in .svg or .png")
+
+
 def run(args) -> int:
+    from ..plan import Plan, looks_like_plan
     from ..planner import make_plan
     from ..report import render_text
 
-    cluster = load_cluster(args.cluster)
-    model = resolve_model(args.model)
-    plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
-                     micro_batch_size=args.micro_batch_size, progress=sys.stderr.isatty())
+    check_output_names(args)
+    cluster = None
+    if Path(args.cluster).is_file() and looks_like_plan(args.cluster):
+        # A saved plan: show (or convert, or draw) it without planning again.
+        plan = Plan.load(args.cluster)
+    else:
+        cluster = load_cluster(args.cluster)
+        model = resolve_model(args.model)
+        plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
+                         micro_batch_size=args.micro_batch_size, progress=sys.stderr.isatty())
     if args.output:
-        if Path(args.output).suffix not in (".json", ".yaml", ".yml"):
-            raise ConfigError(f"cannot tell the format of {args.output!r}", field="-o/--output",
-                              fix="use a name ending in .json or .yaml")
         plan.save(args.output)
     if args.svg:
         from ..svg import draw_plan
