@@ -35,6 +35,10 @@ def read_data(path: str | Path) -> Any:
         mark = getattr(exc, "problem_mark", None)
         line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
+        context, cmark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and cmark and (not mark or cmark.line != mark.line):
+            # The parser notices an unclosed bracket or quote later than where it starts: say both.
+            problem += f" ({context} that starts at line {cmark.line + 1}, column {cmark.column + 1})"
         raise ConfigError(f"malformed YAML at {line}{problem}", source=str(path),
                           fix="correct the syntax at that line (indentation, a missing ':' or quote)") from None
 
