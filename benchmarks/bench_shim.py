@@ -6,7 +6,8 @@ Two measurements:
   ``--split`` single-rank nodes, each cluster on its own fast fabric (``--fabric-gbps``), joined only
   by Ethernet (``--ethernet-gbps``). Flat gloo runs over Ethernet (the one network every rank shares);
   het_shim reduces inside each vendor over its fabric and crosses Ethernet once per stripe, each
-  member over its own NIC. 'no pipelining': one chunk per stripe. Goal:
+  member over its own NIC. 'no pipelining': one chunk per stripe; 'leaders only': one stripe, so
+  only the subgroup leaders cross. Goal:
   shim / flat <= 0.67.
 * ``single-vendor`` (loopback, no emulator): a het_shim group whose members all have one vendor vs the
   native gloo group of the same ranks. Goal: shim / native <= 1.05.
@@ -30,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNK_ENV = "HET_PLUGIN_SHIM_CHUNK_BYTES"
+STRIPES_ENV = "HET_PLUGIN_SHIM_MAX_STRIPES"
 
 
 # ---- the rank side ------------------------------------------------------------------------------------
@@ -68,17 +70,20 @@ def rank_two_tier(args) -> dict:
     dist.all_reduce(a, group=flat)
     dist.all_reduce(b, group=shim)
     ok = bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4))
-    default_chunk = os.environ.get(CHUNK_ENV)
-    times: dict[str, list[float]] = {"flat gloo": [], "het_shim": [], "het_shim, no pipelining": []}
+    variants = {"flat gloo": (flat, {}), "het_shim": (shim, {}),
+                "het_shim, no pipelining": (shim, {CHUNK_ENV: str(n * 4)}),
+                "het_shim, leaders only": (shim, {STRIPES_ENV: "1"})}
+    times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.repeats):
-        times["flat gloo"].append(_timed(dist, flat, x.clone(), 1))
-        times["het_shim"].append(_timed(dist, shim, x.clone(), 1))
-        os.environ[CHUNK_ENV] = str(n * 4)
-        times["het_shim, no pipelining"].append(_timed(dist, shim, x.clone(), 1))
-        if default_chunk is None:
-            os.environ.pop(CHUNK_ENV)
-        else:
-            os.environ[CHUNK_ENV] = default_chunk
+        for name, (group, env) in variants.items():
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            times[name].append(_timed(dist, group, x.clone(), 1))
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
     dist.barrier()
     dist.destroy_process_group()
     return {"ok": ok, "times": times, "subgroups": [list(s) for s in shim.layout.subgroups]}

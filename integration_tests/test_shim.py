@@ -10,7 +10,8 @@ RANKS = Path(__file__).parent / "ranks"
 
 @pytest.mark.timeout(150)
 def test_every_supported_op_equals_flat_gloo():
-    """3+1, 2+2 interleaved, 1+1+1+1, one vendor, and a 3-rank sub-group: all ops, all dtypes, async, strided."""
+    """3+1, 2+2 interleaved, 1+1+1+1, one vendor, and a 3-rank sub-group: all ops, all dtypes, async, strided;
+    then vendors from HET_PLUGIN_VENDOR (per rank) and HET_PLUGIN_VENDOR_MAP."""
     outs = run_ranks(RANKS / "shim_equiv.py", 4, env={"HET_PLUGIN_SHIM_CHUNK_BYTES": "1024"}, timeout=120)
     for o in outs:
         res = o.result
@@ -20,6 +21,8 @@ def test_every_supported_op_equals_flat_gloo():
         assert res["layouts"]["2+2-interleaved"] == [[0, 3], [1, 2]]
         assert res["layouts"]["1+1+1+1"] == [[0], [1], [2], [3]]
         assert res["layouts"]["single-vendor"] == [[0, 1, 2, 3]]
+        assert res["layouts"]["HET_PLUGIN_VENDOR"] == [[0, 2], [1, 3]]       # tagged per rank, via the store
+        assert res["layouts"]["HET_PLUGIN_VENDOR_MAP"] == [[0, 1, 2], [3]]
     # rank 0 is outside the 3-rank sub-group, so it runs fewer comparisons
     assert outs[0].result["checks"] > 300
     assert all(o.result["checks"] > outs[0].result["checks"] for o in outs[1:])

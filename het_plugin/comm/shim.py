@@ -30,6 +30,7 @@ from .work import ShimWork, done_work
 
 SHIM_BACKEND = "het_shim"
 ENV_NATIVE = "HET_PLUGIN_SHIM_NATIVE"   # 'gloo' forces gloo inside subgroups even where NCCL/RCCL exists
+ENV_MAX_STRIPES = "HET_PLUGIN_SHIM_MAX_STRIPES"
 
 RedOp = dist.ReduceOp.RedOpType
 SUPPORTED_REDUCE_OPS = (RedOp.SUM, RedOp.AVG, RedOp.MAX, RedOp.MIN, RedOp.PRODUCT)
@@ -141,6 +142,12 @@ def _device_native_kind() -> Optional[str]:
     if torch.cuda.is_available() and dist.is_nccl_available():
         return "nccl"
     return None
+
+
+def _stripes(layout: ShimLayout) -> int:
+    """Stripes per all-reduce: one per rail, or fewer with HET_PLUGIN_SHIM_MAX_STRIPES (1: leaders only)."""
+    cap = os.environ.get(ENV_MAX_STRIPES, "").strip()
+    return max(1, min(layout.num_stripes, int(cap))) if cap else layout.num_stripes
 
 
 def _subgroup_network(global_ranks: Sequence[int]):
@@ -283,7 +290,7 @@ class ShimProcessGroup(dist.ProcessGroup):
         lay = self.layout
         red = RedOp.SUM if op == RedOp.AVG else op
         native = self._native_for(flat)
-        pieces = stripe_pieces(flat.numel(), lay.num_stripes, flat.element_size())
+        pieces = stripe_pieces(flat.numel(), _stripes(lay), flat.element_size())
         owner = [lay.stripe_owner(i, self._sub) for i, _, _ in pieces]
         local_root = [self._members.index(o) for o in owner]
         down = [native.reduce([flat[a:b]], _reduce_opts(red, r)) for (_, a, b), r in zip(pieces, local_root)] \

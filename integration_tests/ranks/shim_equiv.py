@@ -231,6 +231,20 @@ def main():
     if dist.get_rank() in sub_ranks:
         shapes["subset 1,2,3"] = [list(s) for s in shim.layout.subgroups]
         run_layout("subset", shim, flat, ck)
+    # vendors from the environment: each rank tags itself (gathered through the store), then a job-wide map
+    comm.set_vendor_map(None)
+    for label, env in (("HET_PLUGIN_VENDOR", {comm.ENV_VENDOR: ["amd", "nvidia", "amd", "nvidia"][dist.get_rank()]}),
+                       ("HET_PLUGIN_VENDOR_MAP", {comm.ENV_VENDOR_MAP: "nvidia*3,amd"})):
+        os.environ.update(env)
+        shim = dist.new_group(list(range(world)), backend=comm.SHIM_BACKEND)
+        for k in env:
+            del os.environ[k]
+        shapes[label] = [list(s) for s in shim.layout.subgroups]
+        x = sample(torch.int64, (3001,), 7 * dist.get_rank())
+        a, b = x.clone(), x.clone()
+        dist.all_reduce(a, group=shim)
+        dist.all_reduce(b)
+        ck.same(f"{label} all_reduce", a, b)
     dist.barrier()
     report({"checks": ck.checks, "failures": ck.failures[:40], "nfail": len(ck.failures), "layouts": shapes})
     dist.destroy_process_group()
