@@ -199,3 +199,27 @@ def test_malformed_json_plan_names_the_line(tmp_path):
     path.write_text('{\n "rank_of_logical": [0, 1],\n "tp": 1,,\n}\n')
     with pytest.raises(ConfigError, match="malformed JSON at line 3"):
         Plan.load(path)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_planner_output_on_random_clusters(data):
+    """Whatever the planner picks: a permutation, complete disjoint groups, TP inside a node, and the
+    same plan again for the same input -- or a ConfigError, never another exception."""
+    from test_placement import clusters
+    cluster = data.draw(clusters(max_clusters=2))
+    model = ModelSpec(name="small", num_layers=24, hidden_size=512, num_attention_heads=8, vocab_size=1000,
+                      seq_length=256, global_batch_size=96)
+    try:
+        plan = make_plan(cluster, model)
+    except ConfigError as exc:
+        assert exc.fix, str(exc)
+        return
+    assert sorted(plan.rank_of_logical) == list(range(cluster.world_size))
+    for kind in GROUP_KINDS:
+        flat = sorted(r for g in plan.groups[kind] for r in g.ranks)
+        assert flat == list(range(cluster.world_size)), kind
+    for g in plan.groups["tp"] + plan.groups["cp"]:
+        assert len({cluster.rank_node[r] for r in g.ranks}) == 1
+    assert sum(plan.layers_per_stage) == model.num_layers and len(plan.layers_per_stage) == plan.pp
+    assert make_plan(cluster, model).hash == plan.hash
