@@ -126,7 +126,7 @@ def run(args) -> dict:
            "PYTHONWARNINGS": "ignore"}
     t0 = time.monotonic()
     log("compute profile: 4 single-rank trainings at once (no communication) ...")
-    compute = e2e_compute.measure(shape.to_dict(), procs=4, rounds=args.compute_rounds, steps=2)
+    compute = e2e_compute.measure(shape.to_dict(), procs=4, rounds=args.compute_rounds, steps=3)
     stage_mb = (shape.num_layers // 2) * sum(compute["layer"]) + \
         max(sum(compute["embedding"]), sum(compute["output"]))
     scale = derive_scale(shape, stage_mb)
