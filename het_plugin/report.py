@@ -159,7 +159,38 @@ def _alternative_line(alt: dict[str, Any], planned_s: Optional[float]) -> str:
     return ", ".join(parts)
 
 
-def render_text(plan: Plan) -> str:
+def boundary_crossings(plan: Plan) -> list[tuple[int, str, str]]:
+    """(stage, from, to) for each pipeline hop that changes cluster or vendor, taken from the first
+    pipeline (every pipeline crosses at the same stages when stages stay inside one domain)."""
+    node_of = rank_nodes(plan)
+    first = plan.groups["pp"][0].ranks if plan.groups.get("pp") else []
+    out = []
+    for s, (a, b) in enumerate(zip(first, first[1:])):
+        na, nb = node_of[a], node_of[b]
+        if (na.cluster, na.vendor) != (nb.cluster, nb.vendor):
+            out.append((s, f"{na.cluster}/{na.vendor}", f"{nb.cluster}/{nb.vendor}"))
+    return out
+
+
+def _link_lines(plan: Plan, cluster) -> list[str]:
+    """The links between the plan's clusters, and which communicator kinds cross each one."""
+    names = list(dict.fromkeys(n.cluster for n in plan.nodes))
+    node_of = rank_nodes(plan)
+    lines = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            link = cluster.cluster_link(a, b)
+            slow = link.kind == "ethernet" or link.gbps < min(cluster.cluster_link(c, c).gbps for c in (a, b))
+            kinds = [k for k, groups in plan.groups.items()
+                     if any({node_of[r].cluster for r in g.ranks} >= {a, b} for g in groups)]
+            crossing = f"crossed by: {', '.join(kinds)}" if kinds else "not crossed by any communicator"
+            lines.append(f"  {a} <-> {b}: {link.kind} {link.gbps:g} Gbit/s, {link.latency_us:g} us"
+                         f"{' (slow)' if slow else ''}; {crossing}")
+    return lines
+
+
+def render_text(plan: Plan, cluster=None) -> str:
+    """The report; ``cluster`` (the Cluster the plan was made for) adds the links between clusters."""
     model = plan.model.get("name", "model")
     clusters = list(dict.fromkeys(n.cluster for n in plan.nodes))
     kind = "homogeneous: the frameworks' default groups" if plan.homogeneous else "heterogeneous"
@@ -195,6 +226,14 @@ def render_text(plan: Plan) -> str:
         extra = f" + {' + '.join(st['extra'])}" if st["extra"] else ""
         lines.append(f"  stage {st['stage']:>2d}: {st['layers']:>3d} layers{extra:<22s} on {where}")
     lines.append(f"  total {sum(plan.layers_per_stage)} layers: {plan.layers_per_stage}")
+    crossings = boundary_crossings(plan)
+    if crossings:
+        hops = "; ".join(f"stage {s} -> {s + 1} ({a} -> {b})" for s, a, b in crossings)
+        lines.append(f"  the pipeline crosses a cluster/vendor boundary {len(crossings)} time(s): {hops}")
+    if cluster is not None and len(clusters) > 1:
+        lines.append("")
+        lines.append("links between clusters:")
+        lines.extend(_link_lines(plan, cluster))
     lines.append("")
 
     lines.append("communicators (kind: count x size, transport):")

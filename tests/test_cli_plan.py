@@ -279,3 +279,15 @@ def test_a_saved_plan_is_shown_without_planning(capsys, tmp_path, monkeypatch):
     assert "inter-cluster" in picture.read_text()     # no cluster file: link speeds unknown
     rc, out, err = run(capsys, saved, "--format", "json")
     assert json.loads(out)["hash"] == original.hash
+
+
+def test_report_names_the_links_and_what_crosses_them(examples_dir):
+    cluster, plan = small_plan(examples_dir)          # tp=8 pp=2: stage 0 on IB, stage 1 on RoCE
+    text = render_text(plan, cluster)
+    assert "ib <-> roce: ethernet 25 Gbit/s, 50 us (slow); crossed by: pp, tp-pp, embedding" in text
+    assert "crosses a cluster/vendor boundary 1 time(s): stage 0 -> 1 (ib/nvidia -> roce/nvidia)" in text
+    # pp=1: every stage spans both clusters, so data-parallel groups cross the slow link too
+    cluster, plan = small_plan(examples_dir, tp=8, pp=1)
+    line = next(ln for ln in render_text(plan, cluster).splitlines() if ln.startswith("  ib <-> roce"))
+    assert "dp" in line.split("crossed by:")[1]
+    assert "links between clusters" not in render_text(plan)     # without the cluster: no link speeds

@@ -70,7 +70,7 @@ def run(args) -> int:
         json.dump(plan.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        print(render_text(plan))
+        print(render_text(plan, cluster))
         if args.output:
             print(f"\nplan written to {args.output} (hash {plan.hash})")
         if args.svg:
