@@ -150,8 +150,13 @@ def test_teardown_on_exit_and_on_error(emulator_ok):
 def _start_cli(*extra: str) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen([*CLI, "emulate", str(CLUSTER), *extra, "--", "sleep", "60"],
                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    line = p.stderr.readline()                 # "emulated network <run id>: ..." once it is up
-    assert line.startswith("emulated network "), line + p.stderr.read()
+    seen = ""
+    for _ in range(20):                        # "emulated network <run id>: ..." once it is up
+        line = p.stderr.readline()             # (a leftover-cleanup message may come first)
+        seen += line
+        if line.startswith("emulated network ") or not line:
+            break
+    assert line.startswith("emulated network "), seen
     return p, line.split()[2].rstrip(":")
 
 
