@@ -2,12 +2,12 @@
 measured through the same training code (Megatron-Core schedule, DDP, update) with no communication.
 
 Run as N concurrent single-rank processes (N = the benchmark's ranks, so the CPU is shared as in training):
-each trains the tiny GPT with 2 and with 6 layers, alternating, and also times the embedding and the output
-layer + loss directly; and 2 layers with twice the batch. Per layer = (t6 - t2) / (4 m); per micro-batch
-through 2 layers = (t2x2 - t2) / m; what that holds beyond 2 layers, the embedding and the output is
-framework overhead per micro-batch (schedule, hooks), which every pipeline stage pays: it is added in full
-to the embedding (first stage) and to the output (last stage) entries (valid for PP=2, where each stage
-holds exactly one of them). t2 - m x per-micro-batch is the per-step overhead (update, zero-grad, loss all-reduce),
+each trains the tiny GPT with 2 and with 6 layers, each with the benchmark's batch and with twice it, and
+also times the embedding and the output layer + loss directly. A least-squares fit of
+t(L, m) = per_step + m (per_micro_batch + L per_layer) gives the three; what per_micro_batch holds beyond
+the embedding and the output is framework overhead per micro-batch (schedule, hooks), which every pipeline
+stage pays: it is added in full to the embedding (first stage) and to the output (last stage) entries (valid for PP=2, where each stage
+holds exactly one of them). per_step is the per-step overhead (update, zero-grad, loss all-reduce),
 which het_plugin.cost does not model on CPU; the benchmark adds it to every prediction and says so.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main() -> None:
     shape, rounds, steps = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     from integration_tests.support import megatron_tiny
     from megatron.core import parallel_state as ps
-    runs = {"t2": (2, 1), "t6": (6, 1), "t2x2": (2, 2)}     # (layers, batch multiple)
+    runs = {"t2": (2, 1), "t6": (6, 1), "t2x2": (2, 2), "t6x2": (6, 2)}     # (layers, batch multiple)
     times = {k: [] for k in runs}
     for _ in range(rounds):
         for key, (layers, mult) in runs.items():
@@ -78,20 +78,25 @@ def main() -> None:
 
 
 def combine(results: list[dict], shape: dict) -> dict:
-    """The profile's compute entries from the processes' medians (median over processes)."""
+    """The profile's compute entries from the processes' medians (median over processes).
+
+    Step time t(L, m) = per_step + m * (per_micro_batch + L * per_layer), fitted by least squares to the
+    four runs (L = 2, 6; m = M, 2M)."""
+    import numpy as np
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
     m = shape["global_batch_size"] // shape["micro_batch_size"]          # micro-batches per step (DP=1)
-    per_mb_2 = (med["t2x2"] - med["t2"]) / m                            # one micro-batch through 2 layers
-    per_step = max(0.0, med["t2"] - m * per_mb_2)                       # update, zero-grad, loss sync, ...
-    layer = (med["t6"] - med["t2"]) / (4 * m)
+    runs = {"t2": (2, m), "t6": (6, m), "t2x2": (2, 2 * m), "t6x2": (6, 2 * m)}
+    rows = np.array([[1.0, mm, mm * layers] for layers, mm in runs.values()])
+    (per_step, per_mb, layer), *_ = np.linalg.lstsq(rows, np.array([med[k] for k in runs]), rcond=None)
+    per_step, layer = max(0.0, float(per_step)), max(0.0, float(layer))
     bwd_share = 2 / 3                                                    # split fwd:bwd as 1:2
-    overhead = max(0.0, per_mb_2 - 2 * layer - med["ef"] - med["eb"] - med["of"] - med["ob"])
+    overhead = max(0.0, float(per_mb) - med["ef"] - med["eb"] - med["of"] - med["ob"])
     return {"layer": [layer * (1 - bwd_share), layer * bwd_share],
             "embedding": [med["ef"] + overhead / 3, med["eb"] + 2 * overhead / 3],
             "output": [med["of"] + overhead / 3, med["ob"] + 2 * overhead / 3],
             "overhead_per_micro_batch": overhead, "overhead_per_step": per_step,
-            "step_2_layers_s": med["t2"], "step_6_layers_s": med["t6"], "step_2_layers_2x_batch_s": med["t2x2"],
-            "micro_batches": m, "micro_batch_size": shape["micro_batch_size"]}
+            "steps_s": {k: med[k] for k in runs}, "micro_batches": m,
+            "micro_batch_size": shape["micro_batch_size"]}
 
 
 def measure(shape: dict, procs: int = 4, rounds: int = 2, steps: int = 3, timeout: float = 300) -> dict:
