@@ -27,3 +27,16 @@ def test_every_supported_op_equals_flat_gloo():
     assert outs[0].result["checks"] > 300
     assert all(o.result["checks"] > outs[0].result["checks"] for o in outs[1:])
     assert outs[1].result["layouts"]["subset 1,2,3"] == [[0, 1], [2]]
+
+
+@pytest.mark.timeout(90)
+def test_shim_as_the_default_group():
+    """init_process_group("het_shim"): the world group spans vendors; groups made without a backend inherit it."""
+    outs = run_ranks(RANKS / "shim_default.py", 4, env={"HET_PLUGIN_VENDOR_MAP": "nvidia*2,amd*2"}, timeout=60)
+    for o in outs:
+        res = o.result
+        assert res["world_backend"] == "het_shim" and res["world_subgroups"] == [[0, 1], [2, 3]]
+        assert res["world_all_reduce"] == [i * (1 + 2 + 3 + 4) for i in range(6)]
+        assert res["half_backend"] == "het_shim" and res["half_subgroups"] == [[0, 1]]   # one vendor: native path
+        assert res["half_all_reduce"] == ([1.0] * 4 if o.rank < 2 else [5.0] * 4)
+        assert res["all_gather_object"] == [0, 1, 2, 3]
