@@ -125,6 +125,7 @@ def run(args) -> dict:
     env = {"PYTHONPATH": f"{REPO}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONWARNINGS": "ignore"}
     t0 = time.monotonic()
+    load_start = os.getloadavg()[0]
     log("compute profile: 4 single-rank trainings at once (no communication) ...")
     compute = e2e_compute.measure(shape.to_dict(), procs=4, rounds=args.compute_rounds, steps=3)
     stage_mb = (shape.num_layers // 2) * sum(compute["layer"]) + \
@@ -176,7 +177,8 @@ def run(args) -> dict:
         raise SystemExit(f"bench_e2e: ranks failed: {codes}")
     shutil.rmtree(handshake, ignore_errors=True)
     out = {"shape": shape.to_dict(), "real_job": REAL_JOB, "scale": parent.scale, "compute": parent.compute,
-           "wall_s": time.monotonic() - t0, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
+           "wall_s": time.monotonic() - t0, "load_average": [load_start, os.getloadavg()[0]],
+           "cores": os.cpu_count(), "quick": args.quick, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
            "configs": {k: v for k, v in CONFIGS.items() if k in args.configs}, "goals": GOALS,
            "latency": "not emulated (no netem in this kernel); bandwidth only",
            "ratios": []}

@@ -19,6 +19,12 @@ def results_markdown(out: dict, chart: Path | None) -> str:
              f"{out['rounds']} round(s) x {out['steps']} measured steps after {out['warmup']} warm-up, "
              "configurations interleaved within each round. Latency is not emulated (no netem): bandwidth only.",
              "",
+             f"Machine: {out.get('cores')} cores, 1-minute load average {out['load_average'][0]:.1f} at the start "
+             f"and {out['load_average'][1]:.1f} at the end"
+             + (" -- **the machine was busy with other work: these numbers are noise-dominated; rerun on an "
+                "idle machine**" if max(out["load_average"]) > (out.get("cores") or 1) + 1 else "")
+             + (" (a `--quick` smoke run)" if out.get("quick") else "") + ".",
+             "",
              f"**Scale**: real 25 GbE -> emulated {s['eth_mbit']:.1f} Mbit/s, i.e. 1/{s['scale']:.0f}. "
              f"Measured compute: {sum(out['compute']['layer']) * 1e3:.1f} ms per layer fwd+bwd "
              f"(micro-batch {out['compute']['micro_batch_size']}, all ranks computing at once).",
