@@ -62,11 +62,19 @@ def test_flag_on_an_unmodified_launch_applies_the_plan(tmp_path):
 
 
 def test_without_the_flag_the_hook_changes_nothing():
-    outs = run_ranks(SCRIPT, 1, MODEL_ARGS, timeout=120)
+    outs = run_ranks(SCRIPT, 1, MODEL_ARGS, env={"HET_TEST_PARSE_ONLY": "1"}, timeout=120)
     r = outs[0].result
     assert r["hook_installed"]
-    assert r["args"]["heterogeneous_nic"] is None and "plan" not in r
+    assert "heterogeneous_nic" not in r["args"], "Megatron's parser is exactly its own"
     assert r["args"]["pipeline_model_parallel_layout"] is None and r["args"]["overlap_grad_reduce"] is False
+    assert r["args"]["my_script_flag"] == 7
+    # the hook itself is all that was loaded of het_plugin
+    assert set(r["het_plugin_imported"]) <= {"het_plugin", "het_plugin.megatron", "het_plugin.megatron.hook"}
+    # and with the flag, the same parse gets it (strict parsing would reject it otherwise)
+    outs = run_ranks(SCRIPT, 1, MODEL_ARGS + ["--pipeline-model-parallel-size", "2", "--heterogeneous-nic", str(CLUSTER_2)],
+                     env={"HET_TEST_PARSE_ONLY": "1", "WORLD_SIZE": "2"}, timeout=120)
+    args = outs[0].result["args"]
+    assert args["heterogeneous_nic"] == str(CLUSTER_2) and args["pipeline_model_parallel_layout"]
 
 
 def test_degrees_that_cannot_be_placed_stop_every_rank_with_the_fix():

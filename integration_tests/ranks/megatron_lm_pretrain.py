@@ -27,6 +27,12 @@ def extra_args_provider(parser):
 def main() -> int:
     arm_watchdog()
     hooked = any(type(f).__name__ == "MegatronArgsFinder" for f in sys.meta_path)
+    if os.environ.get("HET_TEST_PARSE_ONLY"):      # only Megatron's argument parsing, nothing distributed
+        from megatron.training.arguments import parse_args
+        args = parse_args(extra_args_provider)
+        report({"hook_installed": hooked, "args": vars(args),
+                "het_plugin_imported": sorted(m for m in sys.modules if m.startswith("het_plugin"))})
+        return 0
     from megatron.training import get_args
     from megatron.training.initialize import initialize_megatron
     initialize_megatron(extra_args_provider=extra_args_provider)
