@@ -30,9 +30,13 @@ def _groups_of(plan: Plan, rank: int) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def hetero_run():
-    """8 ranks on 2 IB + 2 RoCE nodes (launched interleaved), tp=2 pp=2 dp=2, 5 layers."""
+    """8 ranks on 2 IB + 2 RoCE nodes (launched interleaved), tp=2 pp=2 dp=2, 5 layers.
+
+    Every gloo group is created with GLOO_SOCKET_IFNAME chosen per transport (all loopback here).
+    """
     return run_ranks(SCRIPT, 8, ["--tp", "2", "--pp", "2", "--cluster", str(HETERO_8), "--steps", str(STEPS)],
-                     ranks_per_node=2, timeout=240)
+                     ranks_per_node=2, timeout=240,
+                     env={"HET_PLUGIN_GLOO_IFNAMES": "ib=lo,roce=lo,socket=lo,local=lo"})
 
 
 @pytest.fixture(scope="module")

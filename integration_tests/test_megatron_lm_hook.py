@@ -50,7 +50,8 @@ def test_flag_on_an_unmodified_launch_applies_the_plan(tmp_path):
         assert args["my_script_flag"] == 7, "the script's own extra_args_provider still works"
         plan = Plan.from_dict(r["plan"])
         assert plan.hash == saved.hash
-        assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == (plan.tp, plan.pp) == (1, 2)
+        degrees = (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"])
+        assert degrees == (plan.tp, plan.pp) == (1, 2)
         assert args["pipeline_model_parallel_layout"] == layout_string(plan.layers_per_stage)
         assert args["virtual_pipeline_model_parallel_size"] is None
         assert args["overlap_grad_reduce"] == plan.overlap_grad_reduce
@@ -71,7 +72,8 @@ def test_without_the_flag_the_hook_changes_nothing():
     # the hook itself is all that was loaded of het_plugin
     assert set(r["het_plugin_imported"]) <= {"het_plugin", "het_plugin.megatron", "het_plugin.megatron.hook"}
     # and with the flag, the same parse gets it (strict parsing would reject it otherwise)
-    outs = run_ranks(SCRIPT, 1, MODEL_ARGS + ["--pipeline-model-parallel-size", "2", "--heterogeneous-nic", str(CLUSTER_2)],
+    outs = run_ranks(SCRIPT, 1, MODEL_ARGS + ["--pipeline-model-parallel-size", "2",
+                                              "--heterogeneous-nic", str(CLUSTER_2)],
                      env={"HET_TEST_PARSE_ONLY": "1", "WORLD_SIZE": "2"}, timeout=120)
     args = outs[0].result["args"]
     assert args["heterogeneous_nic"] == str(CLUSTER_2) and args["pipeline_model_parallel_layout"]

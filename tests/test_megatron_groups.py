@@ -101,3 +101,41 @@ def test_summary_names_clusters_layers_and_transports(plan8):
         assert f"stage {s}: {n} layers" in text
     assert "ib/H100" in text and "roce/A100-80" in text and "pp=socket" in text
     assert isinstance(Plan.from_dict(plan8.to_dict()), Plan)
+
+
+def test_create_group_wrapper_sets_network_order_and_backend(plan8, monkeypatch):
+    """Each creation: GLOO_SOCKET_IFNAME from the group's transport, sort_ranks=False, Megatron's own args."""
+    import os
+    import types
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    seen = []
+
+    def fake_new_group(**kwargs):
+        seen.append({"ifname": os.environ.get("GLOO_SOCKET_IFNAME"), **kwargs})
+        return object()
+
+    def megatron_create_group(ranks=None, timeout=None, backend=None, pg_options=None,
+                              use_local_synchronization=False, group_desc=None):
+        # what parallel_state.create_group does: call torch.distributed.new_group
+        return dist.new_group(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                              use_local_synchronization=use_local_synchronization, group_desc=group_desc)
+
+    monkeypatch.setattr(dist, "new_group", fake_new_group)
+    monkeypatch.setenv("HET_PLUGIN_GLOO_IFNAMES", "ib=fab0,roce=fab1,socket=eth0,local=lo")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    fake_ps = types.SimpleNamespace(RankGenerator=ps.RankGenerator, create_group=megatron_create_group)
+    pp = plan8.groups["pp"][2].ranks
+    dp_roce = next(g.ranks for g in plan8.groups["dp"] if g.transport == "roce")
+    with hgroups.planned_groups(plan8, parallel_state=fake_ps) as created:
+        fake_ps.create_group(pp, group_desc="PIPELINE_MODEL_PARALLEL_GROUP")
+        fake_ps.create_group(dp_roce, backend="gloo", group_desc="DATA_PARALLEL_GROUP_GLOO")
+        fake_ps.create_group(plan8.groups["tp"][0].ranks, group_desc="TENSOR_MODEL_PARALLEL_GROUP")
+    assert fake_ps.create_group is megatron_create_group and dist.new_group is fake_new_group
+    assert [s["ifname"] for s in seen] == ["eth0", "fab1", "lo"]
+    assert all(s["sort_ranks"] is False for s in seen)
+    assert seen[0]["ranks"] == pp and seen[1]["backend"] == "gloo"
+    assert [c["transport"] for c in created] == ["socket", "roce", "local"]
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
