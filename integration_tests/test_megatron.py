@@ -113,3 +113,12 @@ def test_ranks_with_different_cluster_files_all_stop_with_a_clear_error():
         assert "PlanMismatchError" in o.stderr
         assert "ranks 0-1" in o.stderr and "ranks 2-3" in o.stderr, o.stderr[-1500:]
         assert o.result is None      # no groups were reported: it stopped before building them
+
+
+def test_drop_in_without_a_file_discovers_the_cluster():
+    outs = run_ranks(SCRIPT, 2, ["--tp", "1", "--pp", "2", "--groups-only"], timeout=150,
+                     env={"HET_PLUGIN_ACCELERATOR": "H100", "HET_PLUGIN_ACCELERATOR_COUNT": "2"})
+    plans = [Plan.from_dict(o.result["plan"]) for o in outs]
+    assert plans[0].hash == plans[1].hash and plans[0].cluster_name == "discovered"
+    assert plans[0].is_identity, "one node: nothing to move"
+    assert all(o.result["groups"] == o.result["megatron_groups"] for o in outs)

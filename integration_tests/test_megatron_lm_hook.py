@@ -85,3 +85,18 @@ def test_degrees_that_cannot_be_placed_stop_every_rank_with_the_fix():
     for o in outs:
         assert o.returncode not in (0, None) and "killed after" not in o.stderr
         assert "cannot be placed" in o.stderr and "tp=1 pp=2" in o.stderr, o.stderr[-2000:]
+
+
+def test_bare_flag_discovers_the_cluster_at_initialisation():
+    """No FILE: the cluster is gathered over the store after init_process_group; the split still reaches args."""
+    from het_plugin.megatron.layout import layout_for_plan
+    model = [a if a != "3" else "4" for a in MODEL_ARGS]          # --num-layers 4: Megatron checks 4 % pp itself
+    outs = run_ranks(SCRIPT, 2, model + ["--pipeline-model-parallel-size", "2", "--heterogeneous-nic"],
+                     env={"HET_PLUGIN_ACCELERATOR": "H100", "HET_PLUGIN_ACCELERATOR_COUNT": "2"}, timeout=180)
+    plans = [Plan.from_dict(o.result["plan"]) for o in outs]
+    assert plans[0].hash == plans[1].hash and plans[0].cluster_name == "discovered"
+    for o, plan in zip(outs, plans):
+        args = o.result["args"]
+        assert args["heterogeneous_nic"] == "discover"
+        assert args["pipeline_model_parallel_layout"] == layout_for_plan(plan)
+        assert o.result["groups"]["pp"] == plan.group_of("pp", o.result["rank"]).ranks == [0, 1]

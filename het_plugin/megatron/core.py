@@ -227,7 +227,6 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, nccl_config_dir: Optional
         applied.nccl_config_path = str(path)
     if rank == 0:
         text = plan_summary(plan)
-        log.info(text)
         print(text, flush=True)
         if plan_out:
             plan.save(plan_out)
