@@ -50,7 +50,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             raise RuntimeError("call deepspeed.init_distributed() before building a PipelineModule "
                                "(as with DeepSpeed's own)")
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        pp, tp = _user_degrees(num_stages, topology)
+        pp, tp, topo_dp = _user_degrees(num_stages, topology)
         specs = list(layers)
         pattern = layer_pattern if layer_pattern is not None else section.layer_pattern
         counted = counted_layers([layer_name(s) for s in specs], pattern)
@@ -60,6 +60,10 @@ class PipelineModule(_DeepSpeedPipelineModule):
         def make() -> Plan:
             plan = resolve_plan(section, shape, source=source,
                                 derive_model=lambda: model_from_layers(specs, counted, batch, shape.dp, tp))
+            if topo_dp is not None and topo_dp != plan.dp:
+                raise ConfigError(f"the topology has data degree {topo_dp}, the plan (and the {world_size} launched "
+                                  f"ranks) {plan.dp}", source=source, field="topology",
+                                  fix=f"build the topology with num_dp={plan.dp}")
             if batch.dp is not None and batch.dp != plan.dp:
                 raise ConfigError(f"train_batch_size / (micro * accumulation) = {batch.dp} data-parallel replicas, "
                                   f"the plan has {plan.dp}", source=source, field="train_batch_size",
@@ -89,18 +93,19 @@ class PipelineModule(_DeepSpeedPipelineModule):
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
 
-def _user_degrees(num_stages, topology) -> tuple[int, int]:
-    """(pp, tp) of the model the user built."""
+def _user_degrees(num_stages, topology) -> tuple[int, int, Optional[int]]:
+    """(pp, tp, dp or None) of the model the user built."""
     if topology is not None:
         axes = topology.get_axis_names()
         extra = [a for a in axes if a not in ("pipe", "data", "model")]
         if extra:
             raise ConfigError(f"topology axes {axes}: het_plugin places pipe, data and model axes only",
                               field="topology", fix="use PipeModelDataParallelTopology or PipeDataParallelTopology")
-        return max(topology.get_dim("pipe"), 1), max(topology.get_dim("model"), 1)
+        return (max(topology.get_dim("pipe"), 1), max(topology.get_dim("model"), 1),
+                max(topology.get_dim("data"), 1))
     if num_stages is None:
         raise RuntimeError("must provide num_stages or topology")
-    return int(num_stages), 1
+    return int(num_stages), 1, None
 
 
 def layer_name(spec) -> Optional[str]:
