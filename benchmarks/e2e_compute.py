@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def direct_times(shape: dict, reps: int) -> dict:
@@ -64,6 +65,8 @@ def main() -> None:
     shape, rounds, steps = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     from integration_tests.support import megatron_tiny
     from megatron.core import parallel_state as ps
+    from e2e_setup import use_bucket_size
+    use_bucket_size()
     runs = {"t2": (2, 1), "t6": (6, 1), "t2x2": (2, 2), "t6x2": (6, 2)}     # (layers, batch multiple)
     times = {k: [] for k in runs}
     # a throw-away run first: the first model of a process pays one-off costs (imports, allocator, buffers)

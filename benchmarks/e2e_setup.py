@@ -58,6 +58,27 @@ class TinyShape:
 
 PP, DP = 2, 2
 
+# Megatron's default DDP bucket is max(40M, 1M x dp) parameters: the real job's rank (479M parameters of its
+# stage) reduces its gradients in ~12 buckets. The tiny stage (0.82M parameters) gets the same count.
+BUCKET_PARAMS = 68_000
+
+
+def use_bucket_size(params: int = BUCKET_PARAMS) -> None:
+    """Make the tiny trainer's DDP (integration_tests.support.megatron_tiny, bucket 10k when overlapping)
+    use ``params`` per bucket, so gradient reduction is split like the real job's."""
+    import megatron.core.distributed as md
+    orig = md.DistributedDataParallelConfig
+    if getattr(orig, "_bench_bucket", None) == params:
+        return
+    orig = getattr(orig, "_bench_orig", orig)
+
+    def config(*args, **kwargs):
+        if kwargs.get("bucket_size"):
+            kwargs["bucket_size"] = params
+        return orig(*args, **kwargs)
+    config._bench_bucket, config._bench_orig = params, orig
+    md.DistributedDataParallelConfig = config
+
 
 # ---- clusters (real units: Gbit/s per node) ---------------------------------------------------------
 
