@@ -85,6 +85,10 @@ def test_resolve_plan_respects_degrees_and_says_what_would_work(tmp_path):
         resolve_plan(path, world_size=4, pp=4)
     with pytest.raises(ConfigError, match="world_size"):
         resolve_plan(path, world_size=2)
+    other = MODEL.model_copy(update={"num_layers": 7})
+    with pytest.raises(ConfigError, match="num_layers=5, this run has 7"):
+        resolve_plan(path, model=other, world_size=4)
+    assert resolve_plan(path, model=MODEL, world_size=4).hash == plan.hash
 
 
 def test_placeable_degrees_hold_on_the_cluster():

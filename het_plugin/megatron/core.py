@@ -80,6 +80,19 @@ def _check_plan_degrees(plan: Plan, source: str, tp, pp, cp) -> None:
                               fix=f"pass {planned} (or drop it), or re-plan with `het-plugin plan --tp/--pp`")
 
 
+def _check_plan_model(plan: Plan, source: str, model: Optional[ModelSpec]) -> None:
+    """A plan file made for another model would split layers that do not exist."""
+    if model is None:
+        return
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        planned, given = plan.model.get(name), getattr(model, name)
+        if planned != given:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"the plan was made for {name}={planned}, this run has {given}", source=source,
+                              field=f"model.{name}", fix=f"re-plan for this model (`het-plugin plan` with its "
+                                                         f"model file), or pass {flag} {planned}")
+
+
 def resolve_plan(source: Union[Plan, Cluster, PathLike, None] = None, *, model: Union[ModelSpec, PathLike,
                  None] = None, world_size: int, rank: Optional[int] = None,
                  local_world_size: Optional[int] = None, tp: Optional[int] = None, pp: Optional[int] = None,
@@ -99,6 +112,7 @@ def resolve_plan(source: Union[Plan, Cluster, PathLike, None] = None, *, model: 
             raise ConfigError(f"the plan is for {plan.world_size} ranks, but {world_size} were launched",
                               source=where, field="world_size", fix=f"launch {plan.world_size} ranks, or re-plan")
         _check_plan_degrees(plan, where, tp, pp, cp)
+        _check_plan_model(plan, where, _as_model(model))
         return plan
 
     if isinstance(source, Cluster):
