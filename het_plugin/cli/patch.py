@@ -12,7 +12,6 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from ..errors import ConfigError
 
