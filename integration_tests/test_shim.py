@@ -40,3 +40,5 @@ def test_shim_as_the_default_group():
         assert res["half_backend"] == "het_shim" and res["half_subgroups"] == [[0, 1]]   # one vendor: native path
         assert res["half_all_reduce"] == ([1.0] * 4 if o.rank < 2 else [5.0] * 4)
         assert res["all_gather_object"] == [0, 1, 2, 3]
+        assert res["world_reduce"].startswith("ShimUnsupportedError: het_shim does not support reduce")
+    assert outs[0].result["half_reduce_at_root"] == [3.0, 3.0] and outs[2].result["half_reduce_at_root"] == [7.0, 7.0]

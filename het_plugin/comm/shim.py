@@ -13,6 +13,7 @@ follow the group's collective order).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -26,7 +27,7 @@ from ..netselect import gloo_network
 from .layout import ShimLayout, chunk_bounds, describe, stripe_pieces
 from .vendors import (ENV_AGREE_TIMEOUT, DEFAULT_AGREE_TIMEOUT_S, agree_on_vendors, declared_networks,
                       subgroup_transport)
-from .work import ShimWork, done_work
+from .work import ShimWork
 
 SHIM_BACKEND = "het_shim"
 ENV_NATIVE = "HET_PLUGIN_SHIM_NATIVE"   # 'gloo' forces gloo inside subgroups even where NCCL/RCCL exists
@@ -152,7 +153,6 @@ def _stripes(layout: ShimLayout) -> int:
 
 def _subgroup_network(global_ranks: Sequence[int]):
     """gloo_network() for a vendor subgroup, when the ranks' nodes were handed over; else a no-op."""
-    import contextlib
     networks = declared_networks()
     if networks is None or any(r not in networks for r in global_ranks):
         return contextlib.nullcontext()
@@ -576,24 +576,28 @@ class ShimProcessGroup(dist.ProcessGroup):
         if peer == self.rank():
             raise ValueError(f"het_shim {what}: peer {peer} is this rank itself")
 
-    # ---- everything else: a clear error ------------------------------------------------------
-    def _unsupported(name: str, fix: str):  # noqa: N805 - class-body helper
+    # ---- everything else: native in a one-vendor group, else a clear error --------------------
+    def _unsupported(name: str, native: str, fix: str):  # noqa: N805 - class-body helper
         def method(self, *args, **kwargs):
+            if self.layout.single_vendor:
+                pg = self._native["cuda" if _any_device_tensor(args) and "cuda" in self._native else "cpu"]
+                return getattr(pg, native)(*args, **kwargs)
             raise ShimUnsupportedError(f"het_shim does not support {name} (group {self.global_ranks} spans "
                                        f"vendors: {describe(self.layout, self.global_ranks)}); {fix}")
-        method.__name__ = name
+        method.__name__ = native
         return method
 
-    reduce = _unsupported("reduce", "use all_reduce (every rank gets the result)")
-    gather = _unsupported("gather", "use all_gather_into_tensor and keep the part you need")
-    scatter = _unsupported("scatter", "use broadcast of the whole tensor and slice it")
-    alltoall = _unsupported("all_to_all", "use all_gather_into_tensor and select, or keep expert-parallel "
-                                          "groups inside one vendor")
-    alltoall_base = all_to_all_single = _unsupported("all_to_all_single", "keep expert-parallel groups inside "
-                                                     "one vendor (the planner does this by default)")
-    allgather_coalesced = _unsupported("all_gather_coalesced", "call all_gather once per tensor")
-    recv_anysource = _unsupported("recv from any source", "receive from a named source rank")
-    monitored_barrier = _unsupported("monitored_barrier", "use barrier")
+    reduce = _unsupported("reduce", "reduce", "use all_reduce (every rank gets the result)")
+    gather = _unsupported("gather", "gather", "use all_gather_into_tensor and keep the part you need")
+    scatter = _unsupported("scatter", "scatter", "use broadcast of the whole tensor and slice it")
+    alltoall = _unsupported("all_to_all", "alltoall", "use all_gather_into_tensor and select, or keep "
+                            "expert-parallel groups inside one vendor")
+    all_to_all_single = _unsupported("all_to_all_single", "alltoall_base", "keep expert-parallel groups "
+                                     "inside one vendor (the planner does this by default)")
+    alltoall_base = all_to_all_single
+    allgather_coalesced = _unsupported("all_gather_coalesced", "allgather_coalesced",
+                                       "call all_gather once per tensor")
+    recv_anysource = _unsupported("recv from any source", "recv_anysource", "receive from a named source rank")
     del _unsupported
 
     # Coalesced forms (torch's _coalescing_manager, Megatron's distributed optimizer): one call each.
@@ -622,6 +626,14 @@ def _single(tensors, name: str, what: str = "tensors"):
         raise ShimUnsupportedError(f"het_shim {name}: exactly one {what[:-1]} per call (got {len(tensors)}); "
                                    "call once per tensor")
     return tensors[0]
+
+
+def _any_device_tensor(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type != "cpu"
+    if isinstance(obj, (list, tuple)):
+        return any(_any_device_tensor(x) for x in obj)
+    return False
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,15 @@ def main():
     x = torch.ones(4) * rank
     dist.all_reduce(x, group=mine)
     out["half_all_reduce"] = x.tolist()
+    # a one-vendor group hands operations the shim does not implement to the native communicator
+    y = torch.full((2,), float(rank + 1))
+    dist.reduce(y, dst=0 if rank < world // 2 else world // 2, group=mine)
+    out["half_reduce_at_root"] = y.tolist() if rank in (0, world // 2) else None
+    try:
+        dist.reduce(torch.ones(2), dst=0)
+        out["world_reduce"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        out["world_reduce"] = f"{type(exc).__name__}: {exc}"
     gathered = [None] * world
     dist.all_gather_object(gathered, rank)
     out["all_gather_object"] = gathered
