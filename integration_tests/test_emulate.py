@@ -106,12 +106,9 @@ def test_groups_use_the_interface_of_their_transport(emulator_ok):
     nbytes = 1_000_000
     cluster = load_cluster(CLUSTER)
     with Emulation(cluster, scale=1000, log=lambda s: None) as emu:
-        procs = emu.launch([sys.executable, str(ALLREDUCE), str(CLUSTER), str(nbytes)], env=ENV,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        codes = emu.wait(procs, timeout=120)
-        outs = [p.communicate() for p in procs]
-    assert codes == [0, 0, 0, 0], "\n".join(o[1][-3000:] for o in outs)
-    results = [json.loads(l[7:]) for o in outs for l in o[0].splitlines() if l.startswith("RESULT ")]
+        outs = emu.run_ranks([sys.executable, str(ALLREDUCE), str(CLUSTER), str(nbytes)], env=ENV, timeout=120)
+    assert [o.returncode for o in outs] == [0, 0, 0, 0], "\n".join(o.stderr[-3000:] for o in outs)
+    results = [json.loads(l[7:]) for o in outs for l in o.stdout.splitlines() if l.startswith("RESULT ")]
     assert len(results) == 4
     for r in results:
         assert r["ok_cluster"] and r["ok_world"]

@@ -7,8 +7,6 @@ the gradient traffic on the fabric and the pipeline traffic on Ethernet.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,12 +25,11 @@ def test_megatron_trains_across_two_emulated_clusters(emulator_ok):  # noqa: F81
     cluster = load_cluster(CLUSTER)
     env = dict(ENV, HET_TEST_TIMEOUT="170", PYTHONWARNINGS="ignore")
     with Emulation(cluster, scale=100, log=lambda s: None) as emu:       # fabric 2 Gbit/s, Ethernet 200-400 Mbit/s
-        procs = emu.launch([sys.executable, str(SCRIPT), str(CLUSTER), "2", "3", json.dumps(TINY)], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        codes = emu.wait(procs, timeout=200)
-        outs = [p.communicate() for p in procs]
-    assert codes == [0, 0, 0, 0], "\n".join(f"--- rank {r}\n{o[1][-3000:]}" for r, o in enumerate(outs))
-    res = [json.loads(l[7:]) for o in outs for l in o[0].splitlines() if l.startswith("RESULT ")]
+        outs = emu.run_ranks([sys.executable, str(SCRIPT), str(CLUSTER), "2", "3", json.dumps(TINY)], env=env,
+                             timeout=200)
+    assert [o.returncode for o in outs] == [0, 0, 0, 0], \
+        "\n".join(f"--- rank {o.rank} rc={o.returncode}\n{o.stderr[-3000:]}" for o in outs)
+    res = [json.loads(l[7:]) for o in outs for l in o.stdout.splitlines() if l.startswith("RESULT ")]
     assert len(res) == 4
     by_rank = {r["rank"]: r for r in res}
     node_cluster = {r: cluster.node_of(r).cluster for r in range(4)}

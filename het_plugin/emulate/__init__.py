@@ -4,9 +4,9 @@
 See docs/emulator.md. Latency is not emulated (no netem in the kernels we target); bandwidth is.
 """
 from .layout import ETH_IF, FAB_IF, EmuNode, ExtraNetwork, Interface, Layout, ShapedClass, make_layout
-from .network import Emulation, stream_prefixed, terminate_on_signals
+from .network import Emulation, RankOutput, collect, stream_prefixed, terminate_on_signals
 from .system import EmulatorUnavailable, check_preconditions, clean_leftovers, leftovers
 
-__all__ = ["Emulation", "EmulatorUnavailable", "ExtraNetwork", "Layout", "EmuNode", "Interface", "ShapedClass", "make_layout",
+__all__ = ["Emulation", "EmulatorUnavailable", "ExtraNetwork", "RankOutput", "collect", "Layout", "EmuNode", "Interface", "ShapedClass", "make_layout",
            "check_preconditions", "clean_leftovers", "leftovers", "stream_prefixed", "terminate_on_signals",
            "ETH_IF", "FAB_IF"]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import IO, Callable, Optional, Sequence
 
 from ..cluster import Cluster
@@ -171,6 +172,13 @@ class Emulation:
             procs.append(self.popen_in(self.layout.node_of_rank(r).index, argv, e, **kwargs))
         return procs
 
+    def run_ranks(self, argv: Sequence[str], *, env: Optional[dict] = None, timeout: float = 600,
+                  master_port: int = DEFAULT_PORT) -> list[RankOutput]:
+        """Run ``argv`` as every rank and return each rank's exit code and output (drained while running)."""
+        procs = self.launch(argv, env=env, master_port=master_port, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+        return collect(procs, self, timeout)
+
     def wait(self, procs: Sequence[subprocess.Popen], timeout: float, *, fail_fast: float = 10.0) -> list[Optional[int]]:
         """Wait for all; past ``timeout``, or ``fail_fast`` s after one failed, kill the rest (None: killed)."""
         deadline = time.monotonic() + timeout
@@ -195,6 +203,31 @@ class Emulation:
             time.sleep(0.05)
 
 
+@dataclass
+class RankOutput:
+    rank: int
+    returncode: Optional[int]        # None: killed (timeout, or a peer failed)
+    stdout: str
+    stderr: str
+
+
+def collect(procs: Sequence[subprocess.Popen], emu: "Emulation", timeout: float) -> list[RankOutput]:
+    """Wait for ``procs`` (started with text pipes) while draining their output, so no rank blocks on a full
+    pipe; returns each rank's exit code and output."""
+    outs = [([], []) for _ in procs]
+    pumps = []
+    for p, (so, se) in zip(procs, outs):
+        for stream, sink in ((p.stdout, so), (p.stderr, se)):
+            if stream is not None:
+                t = threading.Thread(target=lambda st=stream, sk=sink: sk.extend(st), daemon=True)
+                t.start()
+                pumps.append(t)
+    codes = emu.wait(procs, timeout)
+    for t in pumps:
+        t.join(timeout=5)
+    return [RankOutput(r, c, "".join(so), "".join(se)) for r, (c, (so, se)) in enumerate(zip(codes, outs))]
+
+
 def stream_prefixed(stream: IO[str], prefix: str, out: IO[str]) -> threading.Thread:
     """Copy ``stream`` to ``out`` line by line with ``prefix`` (the CLI's "[rank N]" output)."""
     def pump():
@@ -214,4 +247,4 @@ def terminate_on_signals() -> None:
         signal.signal(s, handler)
 
 
-__all__ = ["Emulation", "CommandFailed", "stream_prefixed", "terminate_on_signals"]
+__all__ = ["Emulation", "RankOutput", "CommandFailed", "collect", "stream_prefixed", "terminate_on_signals"]
