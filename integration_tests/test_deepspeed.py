@@ -132,17 +132,23 @@ def test_homogeneous_cluster_is_a_no_op(workdir, baseline_pp2_dp2):
     assert_same_losses(res, baseline_pp2_dp2)
 
 
-def test_zero_data_parallel_group_in_plan_order(workdir):
-    """Plain ZeRO-2, no pipeline, planning model derived at start-up: the data-parallel group's rank order
-    is the plan's (each cluster contiguous), losses equal DeepSpeed's own run."""
-    cfg = wrap(ZERO_CONFIG, DATA / "ds_hetero_4.yaml")
+def test_zero_data_parallel_group_in_plan_order_with_discovery(workdir):
+    """Plain ZeRO-2, no pipeline, cluster "auto": every rank discovers the cluster (four one-rank "nodes",
+    H100 and A100 alternating, named through the discovery overrides) and plans with a model derived at
+    start-up. The data-parallel group's member order is the plan's (each device type contiguous); losses
+    equal DeepSpeed's own run."""
+    cfg = wrap(ZERO_CONFIG, "auto")
+    assert cfg["heterogeneous"]["plan"] is None
     write_config(cfg, workdir / "zero.json")
+    nodes = [{"HET_PLUGIN_NODE_NAME": f"n{r}", "HET_PLUGIN_ACCELERATOR": "H100" if r % 2 == 0 else "A100-80"}
+             for r in range(4)]
     base = results(launch(ZERO, 4, ["--config", workdir / "zero.json", "--baseline"]))
-    res = results(launch(ZERO, 4, ["--config", workdir / "zero.json"]))
+    res = results(launch(ZERO, 4, ["--config", workdir / "zero.json"], rank_env=nodes, ranks_per_node=1))
     order = res[0]["plan_order"]
+    accelerators = res[0]["accelerators"]
+    assert accelerators == ["H100", "A100-80", "H100", "A100-80"]           # what discovery saw
     assert sorted(order) == [0, 1, 2, 3] and order != [0, 1, 2, 3]
-    cluster = load_cluster(DATA / "ds_hetero_4.yaml")
-    assert len({cluster.node_of(r).cluster for r in order[:2]}) == 1     # one cluster, then the other
+    assert accelerators[order[0]] == accelerators[order[1]] != accelerators[order[2]] == accelerators[order[3]]
     for r in res:
         assert r["dp_group"] == order and r["dp_rank"] == order.index(r["rank"]) and r["zero_stage"] == 2
     assert base[0]["dp_group"] == [0, 1, 2, 3]

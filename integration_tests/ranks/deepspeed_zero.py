@@ -60,6 +60,7 @@ def main() -> None:
             "dp_group": tdist.get_process_group_ranks(engine.optimizer.dp_process_group),
             "dp_rank": tdist.get_rank(engine.optimizer.dp_process_group),
             "plan_order": plan.groups["dp"][0].ranks if plan else None,
+            "accelerators": [plan.node_of(r).accelerator for r in range(plan.world_size)] if plan else None,
             "zero_stage": engine.zero_optimization_stage()})
 
 
