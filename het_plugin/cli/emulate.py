@@ -24,7 +24,8 @@ def register(sub) -> None:
     p.add_argument("--show", action="store_true", help="print the emulated network and exit without building it")
     p.add_argument("--cleanup", action="store_true",
                    help="only remove leftovers of crashed runs (namespaces, veths, bridges) and exit")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command each rank runs")
+    # dest "argv", not "command": the top-level parser keeps the subcommand's name in args.command
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="after --: the command each rank runs")
     p.set_defaults(func=run)
     global _PARSER
     _PARSER = p
@@ -32,7 +33,7 @@ def register(sub) -> None:
 
 def split_command(args) -> argparse.Namespace:
     """argparse hands options written after CLUSTER to the command; parse those, keep what follows ``--``."""
-    words = list(args.command or [])
+    words = list(args.argv or [])
     if "--" in words:
         i = words.index("--")
         options, words = words[:i], words[i + 1:]
@@ -42,7 +43,7 @@ def split_command(args) -> argparse.Namespace:
         options = []
     if options and _PARSER is not None:
         args = _PARSER.parse_args([*options, *([args.cluster] if args.cluster else [])])
-    args.command = words
+    args.argv = words
     return args
 
 
@@ -69,14 +70,14 @@ def run(args) -> int:
     if args.show:
         print(make_layout(cluster, "000000", args.scale).describe())
         return 0
-    if not args.command:
+    if not args.argv:
         raise ConfigError("no command to run", field="COMMAND",
                           fix=f"het-plugin emulate {args.cluster} -- python train.py")
     terminate_on_signals()
     try:
         with Emulation(cluster, scale=args.scale) as emu:
             print(emu.layout.describe(), file=sys.stderr, flush=True)
-            procs = emu.launch(args.command, master_port=args.port, stdout=subprocess.PIPE,
+            procs = emu.launch(args.argv, master_port=args.port, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1)
             pumps = [stream_prefixed(p.stdout, f"[rank {r}] ", sys.stdout) for r, p in enumerate(procs)]
             codes = emu.wait(procs, timeout=args.timeout or 10 ** 9)
