@@ -194,7 +194,7 @@ def test_cli_show_and_errors(emulator_ok):
     assert "400 Mbit/s" in out.stdout and "40 Mbit/s" in out.stdout     # 200 and 20 Gbit/s at 1/500
     bad = subprocess.run([*CLI, "emulate", str(CLUSTER)], env=ENV,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert bad.returncode == 2 and "no command to run" in bad.stderr
+    assert bad.returncode == 2 and "het-plugin emulate: error: COMMAND: no command to run" in bad.stderr
 
 
 def test_two_runs_coexist_and_a_live_run_is_never_cleaned(emulator_ok):
