@@ -191,3 +191,24 @@ def test_baseline_forces_sockets_on_mixed_fabrics(examples_dir):
     ib_ranks = list(range(0, 32, 8))
     assert transport(holmes, ib_ranks) == "ib" and baseline_transport(holmes, ib_ranks) == "socket"
     assert baseline_transport(homog, ib_ranks) == "ib"
+
+
+@pytest.mark.parametrize("tp,cp,pp,dp", [(1, 1, 1, 32), (8, 1, 4, 1), (2, 2, 2, 4), (4, 2, 1, 4), (1, 4, 8, 1),
+                                         (2, 1, 4, 4), (8, 1, 1, 4), (1, 1, 32, 1), (4, 1, 2, 4)])
+def test_homogeneous_placement_is_megatron_and_deepspeed_default(tp, cp, pp, dp):
+    ps = pytest.importorskip("megatron.core.parallel_state")
+    ds_topology = pytest.importorskip("deepspeed.runtime.pipe.topology")
+    cluster = cluster_from_dict({"clusters": [{"name": "ib", "fabric": {"type": "ib", "gbps": 800},
+                                               "nodes": [{"count": 4, "accelerator": "H100",
+                                                          "accelerators_per_node": 8}]}]})
+    assert cluster.is_homogeneous
+    p = place(cluster, ParallelDims(tp=tp, cp=cp, pp=pp, dp=dp))
+    assert p.is_identity
+    gen = ps.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    for kind in GROUP_KINDS:
+        assert p.physical_groups(kind) == gen.get_ranks(kind), kind
+    assert p.physical_groups("embedding") == [ps.default_embedding_ranks(g) for g in gen.get_ranks("pp")]
+    if cp == 1:
+        topo = ds_topology.PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+        for kind, axis in (("pp", "pipe"), ("dp", "data"), ("tp", "model")):
+            assert p.physical_groups(kind) == topo.get_axis_comm_lists(axis), kind
