@@ -212,3 +212,18 @@ def test_two_runs_coexist_and_a_live_run_is_never_cleaned(emulator_ok):
         assert _no_traces(second.layout.run_id) == []
         assert len(leftovers(first.layout.run_id)) == 15
     assert _no_traces(first.layout.run_id) == []
+
+
+def test_a_bridge_that_drops_traffic_is_reported_and_cleaned(emulator_ok):
+    """Hosts that filter bridged traffic (Docker's FORWARD DROP) must fail at start with the fix, not hang."""
+    from het_plugin.emulate.system import sh
+
+    class Broken(Emulation):
+        def _build(self):
+            super()._build()
+            sh(["ip", "link", "set", self.layout.bridges[1], "down"])      # the ib fabric drops everything
+
+    emu = Broken(load_cluster(CLUSTER), scale=1000, log=lambda s: None)
+    with pytest.raises(EmulatorUnavailable, match="cannot reach each other over bridge .*fix|Fix"):
+        emu.start()
+    assert _no_traces(emu.layout.run_id) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from typing import IO, Callable, Optional, Sequence
 
 from ..cluster import Cluster
 from .layout import ExtraNetwork, Interface, Layout, make_layout
-from .system import (CommandFailed, RunRecord, check_preconditions, clean_leftovers, kill_pids, namespace_pids,
+from .system import (CommandFailed, EmulatorUnavailable, RunRecord, check_preconditions, clean_leftovers, kill_pids, namespace_pids,
                      process_start_time, remove_run, sh)
 
 QUANTUM = "65536"          # htb quantum in bytes: >= one GSO frame, quiets the "quantum is big" warning
@@ -57,6 +58,7 @@ class Emulation:
         self._up = True
         try:
             self._build()
+            self._check_reachable()
         except BaseException:
             self.close()
             raise
@@ -82,6 +84,29 @@ class Emulation:
         self._up = False
 
     # ---- building ---------------------------------------------------------------------------------
+    def _check_reachable(self) -> None:
+        """One TCP connect per bridge between two of its nodes: refused = reachable; a timeout means the
+        host drops bridged traffic (iptables FORWARD policy with bridge-nf-call-iptables=1, e.g. Docker)."""
+        if shutil.which("bash") is None:
+            return
+        pairs: dict[str, tuple] = {}
+        for node in self.layout.nodes:
+            for itf in node.interfaces:
+                first = pairs.setdefault(itf.bridge, (node, itf, None))
+                if first[2] is None and first[0] is not node:
+                    pairs[itf.bridge] = (first[0], first[1], itf)
+        for bridge, (src, _, dst) in pairs.items():
+            if dst is None:
+                continue
+            p = sh(["timeout", "3", "bash", "-c", f"echo > /dev/tcp/{dst.address}/9"], ns=src.namespace,
+                   check=False)
+            if "refused" not in p.stderr.lower():
+                raise EmulatorUnavailable(
+                    f"emulated nodes cannot reach each other over bridge {bridge} ({src.name} -> {dst.address}: "
+                    f"{p.stderr.strip() or 'timed out'}). The host probably filters bridged traffic: "
+                    "net.bridge.bridge-nf-call-iptables=1 with a FORWARD policy that drops (Docker sets one). "
+                    "Fix: `iptables -I FORWARD -i hp+ -o hp+ -j ACCEPT` or `sysctl -w net.bridge.bridge-nf-call-iptables=0`")
+
     def _build(self) -> None:
         for br in self.layout.bridges:
             sh(["ip", "link", "add", br, "type", "bridge"])
