@@ -24,6 +24,35 @@ IB_ROCE_4_OTHER = DATA / "megatron-ib-roce-4-other.yaml"
 STEPS = 4
 
 
+# parallel_state's process groups -> the plan's group kind with the same members (ep = 1, so the expert
+# groups coincide with dense ones). A group Megatron adds later fails the test until it is mapped here.
+PROCESS_GROUP_KIND = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tp", "_PIPELINE_MODEL_PARALLEL_GROUP": "pp", "_MODEL_PARALLEL_GROUP": "tp-pp",
+    "_EMBEDDING_GROUP": "embedding", "_POSITION_EMBEDDING_GROUP": "position",
+    "_DATA_PARALLEL_GROUP": "dp", "_DATA_PARALLEL_GROUP_GLOO": "dp",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp-cp",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "dp-cp", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp-cp",
+    "_CONTEXT_PARALLEL_GROUP": "cp", "_TENSOR_AND_DATA_PARALLEL_GROUP": "tp-dp",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp-dp-cp", "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp-cp",
+    "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": "dist-opt-instance",
+    "_EXPERT_MODEL_PARALLEL_GROUP": "ep", "_EXPERT_TENSOR_PARALLEL_GROUP": "tp",
+    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp-pp",
+    "_EXPERT_DATA_PARALLEL_GROUP": "dp-cp", "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "dp-cp",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "dp-cp", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "dp-cp",
+}
+
+
+def _expected_members(plan: Plan, name: str, rank: int) -> list[int]:
+    kind = PROCESS_GROUP_KIND[name]
+    if kind == "ep":
+        return [rank]
+    if kind == "position":
+        return [plan.group_of("pp", rank).ranks[0]]
+    if kind == "dist-opt-instance":       # one instance: every model-parallel group, concatenated in order
+        return [r for g in plan.groups["tp-pp"] for r in g.ranks]
+    return plan.group_of(kind, rank).ranks
+
+
 def _groups_of(plan: Plan, rank: int) -> dict[str, list[int]]:
     return {kind: plan.group_of(kind, rank).ranks for kind in ("tp", "pp", "dp", "dp-cp", "cp", "tp-pp", "embedding")}
 
@@ -59,6 +88,12 @@ def test_hetero_groups_follow_the_plan(hetero_run):
     assert not plan.is_identity, "the test cluster must make het_plugin permute ranks"
     for r in results:
         assert r["groups"] == _groups_of(plan, r["rank"]), f"rank {r['rank']}"
+        # every process group torch.distributed built (gloo twins too), members in group-rank order
+        unmapped = set(r["process_groups"]) - set(PROCESS_GROUP_KIND)
+        assert not unmapped, f"Megatron built groups this test does not know: {unmapped}"
+        assert len(r["process_groups"]) >= 15
+        for name, members in r["process_groups"].items():
+            assert members == _expected_members(plan, name, r["rank"]), f"rank {r['rank']} {name}"
     # A pipeline group that runs from a higher rank to a lower one kept its order (sort_ranks=False).
     assert any(r["groups"]["pp"] != sorted(r["groups"]["pp"]) for r in results)
     # Stage s holds the plan's layers for s, and each stage sits on one cluster (TP and DP stay on a fabric).
@@ -95,6 +130,7 @@ def test_homogeneous_cluster_keeps_megatrons_own_groups():
         plan = Plan.from_dict(r["plan"])
         assert plan.is_identity and plan.homogeneous
         assert r["groups"] == r["megatron_groups"], f"rank {r['rank']}"
+        assert r["process_groups"] == r["megatron_process_groups"], f"rank {r['rank']}"
         # And those are Megatron's numbering (tp fastest, then pp).
         assert r["groups"]["tp"] in dims.groups("tp")
         assert r["groups"]["pp"] in dims.groups("pp")

@@ -35,7 +35,8 @@ def test_net_name_per_group_kind(plan8):
         assert len({cluster.node_of(r).cluster for r in plan8.group_of("dp", rank).ranks}) == 1
         # Megatron-Core accepts only these (get_nccl_options)
         assert all(v["net_name"].lower() in ("ib", "socket") for v in cfg.values())
-        assert set(cfg) <= set(PG_NAME_KIND)
+        assert set(cfg) <= set(PG_NAME_KIND) | {"intra_dist_opt_instance"}
+        assert cfg["intra_dist_opt_instance"] == {"net_name": "Socket"}, "the whole world crosses Ethernet"
 
 
 def test_user_entries_are_kept_and_file_is_megatron_yaml(plan8, tmp_path):

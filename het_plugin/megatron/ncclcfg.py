@@ -14,6 +14,7 @@ from typing import Optional
 
 from ..netselect import nccl_net_name
 from ..plan import Plan
+from .groups import transport_of
 
 # Megatron-Core 0.16 pg_name (get_nccl_options) -> the plan's group kind holding the same ranks.
 # With ep == 1 the expert groups coincide with dense ones: ep_tp == tp, tp_ep_mp/tp_ep_pp == tp-pp,
@@ -43,6 +44,10 @@ def nccl_config_for_rank(plan: Plan, rank: int, base: Optional[dict] = None) -> 
         if net is None:
             continue
         out.setdefault(pg_name, {})["net_name"] = net
+    # One distributed-optimizer instance spans every rank (Megatron's default); more instances are not planned.
+    net = nccl_net_name(transport_of(plan, range(plan.world_size)))
+    if net is not None:
+        out.setdefault("intra_dist_opt_instance", {})["net_name"] = net
     return out
 
 

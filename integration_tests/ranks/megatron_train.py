@@ -27,7 +27,8 @@ def main() -> int:
     p.add_argument("--groups-only", action="store_true", help="initialise the groups, report them, stop")
     a = p.parse_args()
 
-    from integration_tests.support.megatron_tiny import TinyGPT, init_distributed, my_groups, shutdown, train
+    from integration_tests.support.megatron_tiny import (TinyGPT, init_distributed, my_groups, process_group_ranks,
+                                                         shutdown, train)
     cfg = TinyGPT(num_layers=a.layers)
     if a.groups_only:
         # het_plugin's groups, then (after tearing them down) Megatron-Core's own for the same degrees.
@@ -37,10 +38,11 @@ def main() -> int:
                                          micro_batch_size=cfg.micro_batch_size)
         from megatron.core import parallel_state as ps
         applied = current_plan()
-        planned = my_groups()
+        planned, planned_pgs = my_groups(), process_group_ranks()
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(plan.tp, plan.pp)
         report({"rank": applied.rank, "plan": plan.to_dict(), "groups": planned, "megatron_groups": my_groups(),
+                "process_groups": planned_pgs, "megatron_process_groups": process_group_ranks(),
                 "created": applied.groups})
     else:
         result = train(cfg, tp=a.tp or 1, pp=a.pp or 1, steps=a.steps, cluster=a.cluster, plan=a.plan,

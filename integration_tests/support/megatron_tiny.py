@@ -60,6 +60,7 @@ class TrainResult:
     stage: int
     layer_numbers: list[int]            # global (1-based) transformer layers held by this rank
     groups: dict[str, list[int]] = field(default_factory=dict)   # this rank's Megatron groups
+    process_groups: dict[str, list[int]] = field(default_factory=dict)   # see process_group_ranks()
     plan_hash: Optional[str] = None
     overlap_grad_reduce: bool = False
 
@@ -84,6 +85,18 @@ def my_groups() -> dict[str, list[int]]:
              "cp": "_CONTEXT_PARALLEL_GLOBAL_RANKS", "tp-pp": "_MODEL_PARALLEL_GLOBAL_RANKS",
              "embedding": "_EMBEDDING_GLOBAL_RANKS"}
     return {k: list(getattr(ps, v) or []) for k, v in names.items()}
+
+
+def process_group_ranks() -> dict[str, list[int]]:
+    """Every process group parallel_state holds on this rank (gloo twins included), as its members in
+    group-rank order -- what torch.distributed actually built, not Megatron's bookkeeping lists."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    out = {}
+    for name, value in vars(ps).items():
+        if name.startswith("_") and isinstance(value, dist.ProcessGroup):
+            out[name] = list(dist.get_process_group_ranks(value))
+    return out
 
 
 def _full_tensor(key: str, shape, seed: int):
@@ -230,6 +243,7 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
         times.append(time.perf_counter() - t0)
     return TrainResult(losses=losses, step_times=times, rank=dist.get_rank(), tp=tp, pp=pp, dp=dp,
                        stage=ps.get_pipeline_model_parallel_rank(), layer_numbers=layer_numbers, groups=my_groups(),
+                       process_groups=process_group_ranks(),
                        plan_hash=plan_hash, overlap_grad_reduce=ddp_overlap)
 
 
