@@ -182,3 +182,72 @@ def test_planning_model_derived_from_the_layer_list():
     assert spec.num_layers == 6 and spec.global_batch_size == 24 and spec.micro_batch_size == 2
     assert spec.hidden_size % spec.num_attention_heads == 0 and spec.num_attention_heads == 4
     assert abs(spec.hidden_size - 14) <= 2          # 48*48+48 parameters ~ 12*h*h with h = 14
+
+
+class FakeDist:
+    """Records what PlannedGroups.new_group hands torch.distributed.new_group."""
+
+    def __init__(self, monkeypatch, backend: str):
+        import os
+
+        import torch.distributed as tdist
+        self.calls = []
+
+        def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                      group_desc=None, device_id=None, sort_ranks=True):
+            self.calls.append({"ranks": ranks, "backend": backend, "pg_options": pg_options, "sort_ranks": sort_ranks,
+                               "ifname": os.environ.get("GLOO_SOCKET_IFNAME")})
+            return object()
+
+        class FakeOptions:
+            def __init__(self):
+                self.config = types.SimpleNamespace(net_name=None)
+
+        monkeypatch.setattr(tdist, "new_group", new_group)
+        monkeypatch.setattr(tdist, "get_backend", lambda group=None: backend)
+        monkeypatch.setattr(tdist, "ProcessGroupNCCL", types.SimpleNamespace(Options=FakeOptions), raising=False)
+
+
+def test_new_group_on_nccl_sets_net_name_and_keeps_plan_order(monkeypatch):
+    fake = FakeDist(monkeypatch, "nccl")
+    plan = plan_for(interleaved(2), 2, 2, 2)
+    groups = PlannedGroups(plan)
+    planned = plan.groups["dp"] + plan.groups["pp"] + plan.groups["tp"]
+    for g in planned:
+        groups.new_group(g.ranks)
+    for call, g in zip(fake.calls, planned):
+        expected = {"ib": "IB", "roce": "IB", "socket": "Socket", "local": None}[g.transport]
+        assert call["ranks"] == g.ranks and call["backend"] is None
+        assert (call["pg_options"].config.net_name if call["pg_options"] else None) == expected
+        assert call["sort_ranks"] == (g.ranks == sorted(g.ranks))
+    assert {c["pg_options"].config.net_name for c in fake.calls if c["pg_options"]} == {"IB", "Socket"}
+    assert [r.transport for r in groups.records] == [g.transport for g in planned]
+
+
+def test_new_group_on_gloo_sets_the_interface_per_transport(monkeypatch):
+    fake = FakeDist(monkeypatch, "gloo")
+    monkeypatch.setenv("HET_PLUGIN_GLOO_IFNAMES", "ib=fab_ib,roce=fab_roce,socket=eth9,local=lo")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "before")
+    plan = plan_for(interleaved(2), 2, 2, 2)
+    groups = PlannedGroups(plan)
+    for g in plan.groups["dp"] + plan.groups["pp"]:
+        groups.new_group(g.ranks)
+    wanted = {"ib": "fab_ib", "roce": "fab_roce", "socket": "eth9", "local": "lo"}
+    assert [c["ifname"] for c in fake.calls] == [wanted[g.transport] for g in plan.groups["dp"] + plan.groups["pp"]]
+    assert all(c["pg_options"] is None for c in fake.calls)
+    import os
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "before"
+
+
+def test_new_group_across_vendors_uses_the_shim(monkeypatch):
+    pytest.importorskip("het_plugin.comm")
+    import het_plugin.comm.vendors as vendors
+    monkeypatch.setattr(vendors, "_declared", None)
+    fake = FakeDist(monkeypatch, "gloo")
+    plan = plan_for(interleaved(1, amd=True), 2, 1, 2)
+    groups = PlannedGroups(plan)
+    for g in plan.groups["pp"] + plan.groups["dp"]:
+        groups.new_group(g.ranks)
+    backends = [c["backend"] for c in fake.calls]
+    assert backends == ["het_shim"] * len(plan.groups["pp"]) + [None] * len(plan.groups["dp"])
+    assert vendors.declared_vendor_map() == {r: plan.vendor_of(r) for r in range(plan.world_size)}

@@ -86,7 +86,8 @@ class PlannedGroups:
             options = nccl_options(net_name)
             if options is not None:
                 kwargs["pg_options"] = options
-        with gloo_network(transport) if default_backend == "gloo" or backend else contextlib.nullcontext() as ifname:
+        uses_gloo = "gloo" in default_backend or backend is not None     # e.g. "gloo", "cpu:gloo,cuda:nccl"
+        with gloo_network(transport) if uses_gloo else contextlib.nullcontext() as ifname:
             group = tdist.new_group(ranks=ranks, **kwargs)
         self.records.append(GroupRecord(ranks, transport, backend, ifname, net_name))
         return group
