@@ -43,9 +43,10 @@ def interleaved(per_node: int, amd: bool = False) -> dict:
         "launch": {"node_order": ["i0", "r0", "i1", "r1"]}}
 
 
-def plan_for(data: dict, pp: int, tp: int, dp: int, layers=None):
+def plan_for(data: dict, pp: int, tp: int, dp: int, layers=None, reverse_domains: bool = False):
     cluster = cluster_from_dict(data)
-    placement = place(cluster, ParallelDims(tp=tp, pp=pp, dp=dp))
+    order = list(reversed(cluster.domains)) if reverse_domains else None
+    placement = place(cluster, ParallelDims(tp=tp, pp=pp, dp=dp), order)
     return assemble_plan(cluster, MODEL, placement, layers or uniform_layers(MODEL.num_layers, pp), 1)
 
 
@@ -210,7 +211,7 @@ class FakeDist:
 
 def test_new_group_on_nccl_sets_net_name_and_keeps_plan_order(monkeypatch):
     fake = FakeDist(monkeypatch, "nccl")
-    plan = plan_for(interleaved(2), 2, 2, 2)
+    plan = plan_for(interleaved(2), 2, 2, 2, reverse_domains=True)      # the RoCE nodes hold stage 0
     groups = PlannedGroups(plan)
     planned = plan.groups["dp"] + plan.groups["pp"] + plan.groups["tp"]
     for g in planned:
@@ -221,6 +222,7 @@ def test_new_group_on_nccl_sets_net_name_and_keeps_plan_order(monkeypatch):
         assert (call["pg_options"].config.net_name if call["pg_options"] else None) == expected
         assert call["sort_ranks"] == (g.ranks == sorted(g.ranks))
     assert {c["pg_options"].config.net_name for c in fake.calls if c["pg_options"]} == {"IB", "Socket"}
+    assert any(c["sort_ranks"] is False for c in fake.calls)            # pipeline groups run [roce, ib]
     assert [r.transport for r in groups.records] == [g.transport for g in planned]
 
 
