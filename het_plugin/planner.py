@@ -340,6 +340,10 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
                                           profile, transport, show)
                 if planned.best:
                     break
+            if not planned.best and planned.closest_overflow is None:
+                # No degree option has a pp that divides num_layers (Megatron's uniform default needs one):
+                # the exact split over identical stages, which the layout knob expresses, is the next best.
+                planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, show)
         else:
             planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, show)
         if not planned.best:
@@ -375,7 +379,11 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
 
 
 def _memory_error(cluster: Cluster, model: ModelSpec, found: _Search) -> ConfigError:
-    over, what = found.closest_overflow or (float("nan"), "any plan")
+    if found.closest_overflow is None:
+        return ConfigError(f"no plan of {model.name} could be evaluated for {cluster.world_size} accelerators",
+                           source=cluster.source, field="degrees",
+                           fix="drop the fixed degrees, or change num_layers / global_batch_size")
+    over, what = found.closest_overflow
     mem = sorted({n.accelerator.memory_gib for n in cluster.nodes})
     return ConfigError(
         f"memory cannot hold even the smallest plan of {model.name} ({model.total_params / 1e9:.1f}B parameters, "

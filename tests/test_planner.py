@@ -194,3 +194,17 @@ def test_a_measured_profile_changes_the_split():
     plan = make_plan(_two_device_cluster(), preset_model("gpt-7.5b"), tp=8, pp=2, micro_batch_size=1, profile=prof)
     by_device = _layers_by_device(plan)
     assert by_device["A100-80"][0] > by_device["H100"][0]
+
+
+def test_homogeneous_cluster_where_no_pp_divides_the_layers_still_gets_an_identity_plan():
+    # 40 ranks, 24 layers, batch 96: no (pp, dp) the degrees allow has a pp dividing 24, so Megatron's uniform
+    # default is impossible; this used to end in "memory cannot hold ... nan GiB".
+    from het_plugin.model import ModelSpec
+    cluster = cluster_from_dict({"clusters": [{"name": "c0", "fabric": {"type": "roce", "gbps": 100},
+                                               "nodes": [{"count": 5, "accelerator": "other-vendor",
+                                                          "accelerators_per_node": 8}]}]})
+    model = ModelSpec(num_layers=24, hidden_size=512, num_attention_heads=8, vocab_size=1000, seq_length=256,
+                      global_batch_size=96)
+    plan = make_plan(cluster, model)
+    assert plan.is_identity
+    assert sum(plan.layers_per_stage) == 24 and 24 % plan.pp != 0
