@@ -291,3 +291,29 @@ def test_report_names_the_links_and_what_crosses_them(examples_dir):
     line = next(ln for ln in render_text(plan, cluster).splitlines() if ln.startswith("  ib <-> roce"))
     assert "dp" in line.split("crossed by:")[1]
     assert "links between clusters" not in render_text(plan)     # without the cluster: no link speeds
+
+
+def test_profile_flag_feeds_measured_layer_times_to_the_planner(capsys, tmp_path):
+    import yaml
+    from het_plugin.profile import Profile
+    nodes = lambda acc: [{"count": 2, "accelerator": acc, "accelerators_per_node": 8,
+                          "nics": [{"type": "ethernet", "gbps": 100}]}]
+    cluster = tmp_path / "two-devices.yaml"
+    cluster.write_text(yaml.safe_dump({"clusters": [
+        {"name": "old", "fabric": {"type": "ib", "gbps": 800}, "nodes": nodes("A100-80")},
+        {"name": "new", "fabric": {"type": "ib", "gbps": 800}, "nodes": nodes("H100")}],
+        "links": [{"between": ["old", "new"], "gbps": 100}]}))
+    prof = Profile()
+    prof.add_compute("A100-80", "layer", 1, 8, 0.0001, 0.0002)   # "measured" far faster than the H100 estimate
+    profile = tmp_path / "profile.yaml"
+    prof.save(profile)
+    args = [cluster, "--model", "gpt-7.5b", "--tp", 8, "--pp", 2, "--micro-batch-size", 1, "--format", "json"]
+    _, plain, _ = run(capsys, *args)
+    _, profiled, _ = run(capsys, *args, "--profile", profile)
+
+    def a100_layers(text):
+        plan = Plan.from_dict(json.loads(text))
+        stage = plan.stage_of(next(n.first_rank for n in plan.nodes if n.accelerator == "A100-80"))
+        return plan.layers_per_stage[stage]
+
+    assert a100_layers(profiled) > a100_layers(plain)

@@ -23,6 +23,9 @@ def register(sub) -> None:
     p.add_argument("--dp", type=int)
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--profile", metavar="FILE",
+                   help="measured profile (layer times, link bandwidths) overriding the analytic estimates; "
+                        "format in docs/planner.md")
     p.add_argument("-o", "--output", help="write the plan to this file (.json or .yaml)")
     p.add_argument("--format", choices=["text", "json"], default="text",
                    help="text: a readable report; json: the plan itself on stdout")
@@ -59,8 +62,12 @@ def run(args) -> int:
     else:
         cluster = load_cluster(args.cluster)
         model = resolve_model(args.model)
+        profile = None
+        if args.profile:
+            from ..profile import load_profile
+            profile = load_profile(args.profile)
         plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
-                         micro_batch_size=args.micro_batch_size, progress=sys.stderr.isatty())
+                         micro_batch_size=args.micro_batch_size, progress=sys.stderr.isatty(), profile=profile)
     if args.output:
         plan.save(args.output)
     if args.svg:
