@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..errors import HetPluginError
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except HetPluginError as exc:
         print(f"het-plugin {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:            # `het-plugin plan | head`: the reader left; not an error
+        sys.stderr = open(os.devnull, "w")
+        return 0
 
 
 if __name__ == "__main__":
