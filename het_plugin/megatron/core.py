@@ -235,7 +235,8 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, nccl_config_dir: Optional
     kwargs.update(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
                   context_parallel_size=plan.cp)
     applied = AppliedPlan(plan, rank)
-    if dist.get_backend() == "nccl":
+    # A homogeneous cluster keeps Megatron's own setup, NCCL's network choice included.
+    if dist.get_backend() == "nccl" and not (plan.homogeneous and plan.is_identity):
         path = write_nccl_config(plan, rank, nccl_config_dir, kwargs.get("nccl_communicator_config_path"))
         kwargs["nccl_communicator_config_path"] = str(path)
         applied.nccl_config_path = str(path)
