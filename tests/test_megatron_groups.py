@@ -143,3 +143,46 @@ def test_create_group_wrapper_sets_network_order_and_backend(plan8, monkeypatch)
     assert seen[0]["ranks"] == pp and seen[1]["backend"] == "gloo"
     assert [c["transport"] for c in created] == ["socket", "roce", "local"]
     assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_build_groups_passes_plan_degrees_and_this_ranks_nccl_file(plan8, monkeypatch, tmp_path, capsys):
+    import torch.distributed as dist
+    import yaml
+
+    from het_plugin.megatron import core
+
+    calls = []
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 5)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(core, "original_initialize_model_parallel", lambda: lambda **kw: calls.append(kw))
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("dp: {max_ctas: 4}\n")
+    applied = core.build_groups(plan8, {"tensor_model_parallel_size": 1, "nccl_communicator_config_path": str(mine),
+                                        "distributed_timeout_minutes": 7}, nccl_config_dir=tmp_path)
+    (kw,) = calls
+    assert (kw["tensor_model_parallel_size"], kw["pipeline_model_parallel_size"]) == (plan8.tp, plan8.pp)
+    assert kw["distributed_timeout_minutes"] == 7
+    cfg = yaml.safe_load(Path(kw["nccl_communicator_config_path"]).read_text())
+    assert cfg["dp"] == {"max_ctas": 4, "net_name": "IB"} and cfg["pp"] == {"net_name": "Socket"}
+    assert core.current_plan() is applied and applied.rank == 5
+    assert "het_plugin: plan" not in capsys.readouterr().out, "only rank 0 prints the summary"
+    with pytest.raises(ConfigError, match="order"):
+        core.build_groups(plan8, {"order": "tp-cp-ep-pp-dp"})
+    with pytest.raises(ConfigError, match="virtual"):
+        core.build_groups(plan8, {"virtual_pipeline_model_parallel_size": 2})
+
+
+def test_build_groups_on_a_homogeneous_cluster_passes_megatrons_settings_through(monkeypatch, tmp_path, capsys):
+    import torch.distributed as dist
+
+    from het_plugin.megatron import core
+
+    plan = make_plan(load_cluster(DATA / "megatron-homogeneous-4.yaml"), MODEL, tp=2, pp=2)
+    calls = []
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(core, "original_initialize_model_parallel", lambda: lambda **kw: calls.append(kw))
+    core.build_groups(plan, {"nccl_communicator_config_path": None}, plan_out=tmp_path / "p.json")
+    assert calls[0]["nccl_communicator_config_path"] is None
+    assert Plan.load(tmp_path / "p.json").hash == plan.hash
+    assert capsys.readouterr().out.count("homogeneous: Megatron's own groups") == 1
