@@ -7,7 +7,7 @@ STAMP := $(VENV)/.het_plugin-installed
 
 .PHONY: plan test unit integration bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

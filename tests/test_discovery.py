@@ -287,10 +287,13 @@ def test_ib_pair_and_roce_pair_form_two_clusters_joined_by_their_ethernet(holmes
     assert roce_nic["interfaces"] == ["ens1f0", "ens1f1", "ens2f0", "ens2f1"]
 
 
-def test_discovered_holmes_shape_matches_the_hand_written_example(holmes_views, examples_dir):
-    """Same fabrics, links and devices as examples/clusters/holmes-ib-roce.yaml (cut to 2+2 nodes)."""
+def test_discovered_holmes_shape_matches_the_hand_written_example(tmp_path, examples_dir):
+    """Same fabrics, links and devices as examples/clusters/holmes-ib-roce.yaml (cut to 2+2 nodes; its RoCE
+    nodes have two 200 Gbit/s ports, its IB nodes four HCAs)."""
     ref = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
-    got = build_cluster(holmes_views)
+    views = [node(ib_node(tmp_path / "i0"), "ib-0"), node(ib_node(tmp_path / "i1"), "ib-1"),
+             node(roce_node(tmp_path / "r0", hcas=2), "roce-0"), node(roce_node(tmp_path / "r1", hcas=2), "roce-1")]
+    got = build_cluster(views)
     ref_ib, ref_roce = ref.nodes[0], ref.nodes[-1]
     for mine, theirs in ((got.nodes[0], ref_ib), (got.nodes[-1], ref_roce)):
         assert (mine.fabric.type, mine.fabric.gbps) == (theirs.fabric.type, theirs.fabric.gbps)
