@@ -76,13 +76,19 @@ def error_value(exc: BaseException) -> str:
 
 
 def agree_on_plan(make, *, rank: int, world_size: int, store=None, timeout_s: float = 300.0):
-    """Call ``make()`` (returns a Plan), then check every rank got the same one; raise on any failure."""
+    """Call ``make()`` (returns a Plan), then check every rank got the same one; raise on any failure.
+
+    A rank whose own planning failed tells the others first, then raises *its* error (the file, field
+    and fix of its problem); the other ranks raise PlanMismatchError naming it.
+    """
     try:
         plan = make()
-        value = plan.hash
     except Exception as exc:
-        # Tell the other ranks first; the agreement check then raises the same message everywhere.
-        check_plan_agreement(error_value(exc), rank=rank, world_size=world_size, store=store, timeout_s=timeout_s)
+        try:
+            check_plan_agreement(error_value(exc), rank=rank, world_size=world_size, store=store,
+                                 timeout_s=timeout_s)
+        except PlanMismatchError:
+            pass                # expected: this rank's own error is the clearer message
         raise
-    check_plan_agreement(value, rank=rank, world_size=world_size, store=store, timeout_s=timeout_s)
+    check_plan_agreement(plan.hash, rank=rank, world_size=world_size, store=store, timeout_s=timeout_s)
     return plan

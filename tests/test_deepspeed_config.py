@@ -237,17 +237,3 @@ def test_resolve_cluster_for_another_world_size(cluster_file):
     with pytest.raises(ConfigError) as err:
         resolve_plan(section, RunShape(world_size=2, pp=2, num_layers=8), derive_model=lambda: TINY)
     assert "4 accelerators but 2 ranks were launched" in str(err.value)
-
-
-def test_agree_reraises_this_ranks_own_config_error(uneven_plan):
-    import torch.distributed as tdist
-
-    from het_plugin.deepspeed.agree import agree
-    store = tdist.HashStore()
-    assert agree(lambda: uneven_plan, rank=0, world_size=1, store=store).hash == uneven_plan.hash
-
-    def bad():
-        raise ConfigError("cluster file not found", source="x.yaml", field="cluster")
-
-    with pytest.raises(ConfigError, match="x.yaml: cluster: cluster file not found"):
-        agree(bad, rank=0, world_size=1, store=store)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import inspect
 
-from .agree import agree
+from ..agreement import agree_on_plan
 from ..errors import ConfigError
 from .config import SECTION, BatchSettings, check_plan, load_ds_config, section_of, strip_section
 from .groups import PlannedGroups
@@ -100,7 +100,7 @@ def _data_parallel_setup(arguments, section, batch, source):
         check_plan(plan, dp=batch.dp, source=source)
         return plan
 
-    plan = agree(make, rank=rank, world_size=world_size)
+    plan = agree_on_plan(make, rank=rank, world_size=world_size)
     if not plan.is_identity:
         groups = PlannedGroups(plan)
         with groups.installed():

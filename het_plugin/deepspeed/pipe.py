@@ -20,7 +20,7 @@ import torch
 from deepspeed.pipe import LayerSpec
 from deepspeed.pipe import PipelineModule as _DeepSpeedPipelineModule
 
-from .agree import agree
+from ..agreement import agree_on_plan
 from ..errors import ConfigError
 from ..model import ModelSpec
 from ..plan import Plan
@@ -72,7 +72,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             plan_parts(len(specs), counted, plan.layers_per_stage, source)
             return plan
 
-        plan = agree(make, rank=rank, world_size=world_size)
+        plan = agree_on_plan(make, rank=rank, world_size=world_size)
         object.__setattr__(self, "_het_parts", plan_parts(len(specs), counted, plan.layers_per_stage, source))
         groups = PlannedGroups(plan)
         kwargs.pop("partition_method", None)
