@@ -24,7 +24,7 @@ unit: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(VENV)/bin/het-plugin bench $(ARGS)
+	$(PY) benchmarks/bench_planner.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
