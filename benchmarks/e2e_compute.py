@@ -61,8 +61,27 @@ def direct_times(shape: dict, reps: int) -> dict:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+class Barrier:
+    """The profile's processes are separate one-rank jobs; a shared TCPStore lines them up before each run,
+    so all of them train the same configuration at the same time (the same CPU sharing as in training)."""
+
+    def __init__(self, index: int, count: int, port: int):
+        from torch.distributed import TCPStore
+        self.store = TCPStore("127.0.0.1", port, count, index == 0, wait_for_workers=True)
+        self.count, self.n = count, 0
+
+    def wait(self) -> None:
+        self.n += 1
+        key = f"barrier{self.n}"
+        self.store.add(key, 1)
+        while int(self.store.add(key, 0)) < self.count:
+            time.sleep(0.01)
+
+
 def main() -> None:
     shape, rounds, steps = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    index, count, port = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+    barrier = Barrier(index, count, port)
     from integration_tests.support import megatron_tiny
     from megatron.core import parallel_state as ps
     from e2e_setup import use_bucket_size
@@ -75,6 +94,7 @@ def main() -> None:
     ps.destroy_model_parallel()
     for _ in range(rounds):
         for key, (layers, mult) in runs.items():
+            barrier.wait()
             cfg = dict(shape, num_layers=layers, global_batch_size=shape["global_batch_size"] * mult)
             res = megatron_tiny.train(megatron_tiny.TinyGPT(**cfg), tp=1, pp=1, steps=steps + 1, use_plugin=False,
                                       overlap_grad_reduce=True)
@@ -82,6 +102,25 @@ def main() -> None:
             ps.destroy_model_parallel()
     direct = direct_times(shape, 10)
     print("RESULT " + json.dumps({**{k: statistics.median(v) for k, v in times.items()}, **direct}), flush=True)
+
+
+def nonnegative_lstsq(a, b) -> list[float]:
+    """Least squares with every coefficient >= 0 (a handful of unknowns: try each set of zeroed ones)."""
+    import itertools
+    import numpy as np
+    n = a.shape[1]
+    best, best_res = [0.0] * n, float("inf")
+    for k in range(n + 1):
+        for free in itertools.combinations(range(n), k):
+            x = np.zeros(n)
+            if free:
+                x[list(free)] = np.linalg.lstsq(a[:, list(free)], b, rcond=None)[0]
+            if (x < 0).any():
+                continue
+            res = float(((a @ x - b) ** 2).sum())
+            if res < best_res:
+                best, best_res = [float(v) for v in x], res
+    return best
 
 
 def combine(results: list[dict], shape: dict) -> dict:
@@ -94,8 +133,7 @@ def combine(results: list[dict], shape: dict) -> dict:
     m = shape["global_batch_size"] // shape["micro_batch_size"]          # micro-batches per step (DP=1)
     runs = {"t2": (2, m), "t6": (6, m), "t2x2": (2, 2 * m), "t6x2": (6, 2 * m)}
     rows = np.array([[1.0, mm, mm * layers] for layers, mm in runs.values()])
-    (per_step, per_mb, layer), *_ = np.linalg.lstsq(rows, np.array([med[k] for k in runs]), rcond=None)
-    per_step, layer = max(0.0, float(per_step)), max(0.0, float(layer))
+    per_step, per_mb, layer = nonnegative_lstsq(rows, np.array([med[k] for k in runs]))
     bwd_share = 2 / 3                                                    # split fwd:bwd as 1:2
     overhead = max(0.0, float(per_mb) - med["ef"] - med["eb"] - med["of"] - med["ob"])
     return {"layer": [layer * (1 - bwd_share), layer * bwd_share],
@@ -113,9 +151,11 @@ def measure(shape: dict, procs: int = 4, rounds: int = 2, steps: int = 3, timeou
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", PYTHONPATH=str(repo))
-    ps = [subprocess.Popen([sys.executable, __file__, json.dumps(shape), str(rounds), str(steps)],
+    barrier_port = free_port()
+    ps = [subprocess.Popen([sys.executable, __file__, json.dumps(shape), str(rounds), str(steps), str(i), str(procs),
+                            str(barrier_port)],
                            env=dict(env, MASTER_PORT=str(free_port())), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True) for _ in range(procs)]
+                           stderr=subprocess.PIPE, text=True, start_new_session=True) for i in range(procs)]
     results = []
     for p in ps:
         try:
