@@ -28,10 +28,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 import e2e_compute  # noqa: E402
-from e2e_plans import CONFIGS, FAST_LINKS, LINKS, setup_ratio  # noqa: E402
+from e2e_plans import (CONFIGS, FAST_LINKS, LINKS, calibrate_pipeline_overhead, setup_ratio,  # noqa: E402
+                       with_pipeline_overhead)
 from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
 from het_plugin.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
 
+CALIBRATION_MBIT = 20_000      # the reference network "unshaped" for the calibration run
 GOALS = {"4/3": 0.60, "4/1": 1.15, "4/2": 0.55}
 PAIRS = {"4/3": ("4-het_plugin", "3-mixed-today"), "4/1": ("4-het_plugin", "1-all-fast"),
          "4/2": ("4-het_plugin", "2-all-eth"), "4p/3": ("4p-placement", "3-mixed-today"),
@@ -57,6 +59,23 @@ class Parent:
         self.losses = {}
 
     def handle(self, name: str, payload):
+        if name == "calibrate":
+            if self.args.no_calibration:
+                return {}
+            self.emu.set_rate("ref0", CALIBRATION_MBIT)
+            log(f"calibration: PP{2}xDP{2} on an unshaped reference network ({CALIBRATION_MBIT} Mbit/s) ...")
+            config = dict(pp=2, overlap=True, micro_batch_size=self.shape.micro_batch_size, layers=None, plan=None,
+                          ifname="ref0", ifnames=None, name="calibration")
+            return {"config": config, "rounds": self.args.calibration_rounds}
+        if name == "calibration":
+            steps = [t for r in payload["step_times"] for t in r[self.args.warmup:]]
+            measured = statistics.median(steps)
+            x = calibrate_pipeline_overhead(self.shape, self.compute, payload["link"], measured)
+            self.compute = with_pipeline_overhead(self.compute, x)
+            self.compute["calibration_step_s"] = measured
+            log(f"calibration step {measured * 1e3:.0f} ms -> pipelined code path costs {x * 1e3:+.1f} ms per "
+                "micro-batch and stage beyond the single-rank profile")
+            return {}
         if name == "next":
             if not self.ratios:
                 return {"done": True}
@@ -71,8 +90,8 @@ class Parent:
             if "eth" in payload:
                 self.eth_links = {k: payload[k] for k in ("eth", "inter")}
             links = dict(payload, **self.eth_links)
-            log("links (Gbit/s at largest size): " + ", ".join(f"{k} {v[-1][1] * 1e3:.0f} Mbit/s"
-                                                              for k, v in links.items()))
+            log("links (largest message; latency): " + ", ".join(
+                f"{k} {v['bandwidth'][-1][1] * 1e3:.0f} Mbit/s, {v['latency_us']:.0f} us" for k, v in links.items()))
             st = setup_ratio(self.current, self.shape, self.compute, links, self.results_dir)
             st.links = links
             self.setups[self.current] = st
@@ -186,7 +205,7 @@ def run(args) -> dict:
         st = parent.setups[ratio]
         row = summarize(ratio, parent.measured[ratio], st, args.warmup)
         row["plan"] = st.plan_summary
-        row["links_gbps"] = st.links
+        row["links"] = st.links
         row["losses"] = parent.losses[ratio]
         out["ratios"].append(row)
     (results_dir / "e2e.json").write_text(json.dumps(out, indent=1))
@@ -202,6 +221,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="measured steps per configuration and round")
     p.add_argument("--compute-rounds", type=int, default=2, help="rounds of the compute profile")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--calibration-rounds", type=int, default=2)
+    p.add_argument("--no-calibration", action="store_true",
+                   help="predict from the single-rank compute profile alone (no calibration run)")
     p.add_argument("--eth-mbit", type=float, help="override the derived emulated Ethernet rate (Mbit/s)")
     p.add_argument("--results", help="raw results folder (default benchmarks/results, quick: a temp folder)")
     p.add_argument("--docs", help="docs folder for the table and chart (default docs/, quick: the results folder)")
@@ -209,6 +231,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.ratios, args.rounds, args.warmup, args.steps, args.compute_rounds = [10], 1, 1, 2, 1
+        args.calibration_rounds = 1
     quick_dir = Path(tempfile.gettempdir()) / "het_e2e_quick"
     args.results = args.results or str(quick_dir if args.quick else HERE / "results")
     args.docs = args.docs or (str(quick_dir) if args.quick else str(REPO / "docs"))

@@ -47,15 +47,53 @@ def build_profile(compute: dict, links: dict, fabric_key: str) -> Profile:
     for kind in ("layer", "embedding", "output"):
         f, b = compute[kind]
         prof.add_compute(DEVICE, kind, mb, 1, max(f, 0.0), max(b, 0.0))
+    def add(tier: str, key: str) -> None:
+        prof.add_link(tier, links[key]["bandwidth"], latency_us=links[key]["latency_us"])
+
     if fabric_key == "ref":
-        prof.add_link("ib", links["ref"])
+        add("ib", "ref")
     else:
-        prof.add_link("ib", links["ib"])
-        prof.add_link("roce", links["roce"])
-        prof.add_link("ib/roce", links["inter"])
-    prof.add_link("socket", links["eth"])
-    prof.add_link("ethernet", links["eth"])
+        add("ib", "ib")
+        add("roce", "roce")
+        add("ib/roce", "inter")
+    add("socket", "eth")
+    add("ethernet", "eth")
     return prof
+
+
+def with_pipeline_overhead(compute: dict, x: float) -> dict:
+    """The compute entries with ``x`` seconds more per micro-batch on each of the two stages."""
+    out = dict(compute)
+    out["embedding"] = [compute["embedding"][0] + x / 3, compute["embedding"][1] + 2 * x / 3]
+    out["output"] = [compute["output"][0] + x / 3, compute["output"][1] + 2 * x / 3]
+    out["pipeline_overhead_per_micro_batch"] = x
+    return out
+
+
+def calibrate_pipeline_overhead(shape: TinyShape, compute: dict, ref_link: dict, measured_s: float) -> float:
+    """Per-micro-batch cost of the pipelined code path that the single-rank compute profile cannot see
+    (p2p calls, schedule, gradient-reduction threads sharing the CPU): the ``x`` for which the predictor
+    matches a calibration run on an unshaped reference network (PP x DP, uniform layers). Bisection:
+    the prediction grows with x."""
+    spec = shape.spec()
+    dims = ParallelDims(tp=1, cp=1, pp=PP, dp=DP)
+    fast = fast_cluster(20)
+    uniform = uniform_layers(spec.num_layers, PP)
+    links = {"ref": ref_link, "eth": ref_link}
+
+    def predicted(x: float) -> float:
+        prof = build_profile(with_pipeline_overhead(compute, x), links, "ref")
+        p = predict(fast, spec, default_placement(fast, dims), uniform, spec.micro_batch_size, profile=prof)
+        return p.iteration_s + compute.get("overhead_per_step", 0.0)
+
+    lo = -min(sum(compute["embedding"]), sum(compute["output"]))
+    hi = measured_s
+    if predicted(lo) >= measured_s:
+        return lo
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) < measured_s else (lo, mid)
+    return (lo + hi) / 2
 
 
 def _plan(cluster, spec, profile: Optional[Profile]):

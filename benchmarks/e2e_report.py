@@ -44,8 +44,9 @@ def results_markdown(out: dict, chart: Path | None) -> str:
     lines.append("")
     for row in _rows(out):
         plan = row["plan"]
-        lines += [f"**{row['ratio']:g}:1** (links measured, largest message: " + ", ".join(
-            f"{k} {v[-1][1] * 1e3:.0f} Mbit/s" for k, v in row["links_gbps"].items()) + "); "
+        lines += [f"**{row['ratio']:g}:1** (links measured, largest message and latency: " + ", ".join(
+            f"{k} {v['bandwidth'][-1][1] * 1e3:.0f} Mbit/s / {v['latency_us']:.0f} us"
+            for k, v in row["links"].items()) + "); "
             f"plan: ranks {plan['rank_of_logical']}, layers {plan['layers_per_stage']}, "
             f"micro-batch {plan['micro_batch_size']} x {plan['num_micro_batches']}, "
             f"overlap {plan['overlap_grad_reduce']}, pp transport {plan['transports'].get('pp')}, "

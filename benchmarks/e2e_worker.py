@@ -81,11 +81,24 @@ def new_pair_group(ranks: list[int], ifname: str):
         os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
 
 
-def measure_pair(group, a: int, b: int, sizes: list[int], reps: int) -> list[list[float]]:
-    """Gbit/s from ``a`` to ``b`` per message size: a send, then a 4-byte ack (its time subtracted)."""
+def measure_pair(group, a: int, b: int, sizes: list[int], reps: int) -> dict:
+    """From ``a`` to ``b``: latency (half the round trip of a 4-byte message) and, per message size, the
+    Gbit/s of a send followed by a 4-byte ack (the ack's round trip subtracted)."""
     me = dist.get_rank()
-    points = []
     ack = torch.zeros(1)
+    rtt = []
+    if me in (a, b):
+        for _ in range(8):
+            t0 = time.perf_counter()
+            if me == a:
+                dist.send(ack, b, group=group)
+                dist.recv(ack, b, group=group)
+            else:
+                dist.recv(ack, a, group=group)
+                dist.send(ack, a, group=group)
+            rtt.append(time.perf_counter() - t0)
+    t_rtt = statistics.median(rtt[2:]) if rtt else 0.0
+    points = []
     for nbytes in sizes:
         buf = torch.zeros(nbytes // 4)
         times = []
@@ -99,25 +112,12 @@ def measure_pair(group, a: int, b: int, sizes: list[int], reps: int) -> list[lis
                     dist.recv(buf, a, group=group)
                     dist.send(ack, a, group=group)
                 times.append(time.perf_counter() - t0)
-        if me in (a, b):
-            t_ack = 0.0
-            if me == a:
-                small = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    dist.send(ack, b, group=group)
-                    dist.recv(ack, b, group=group)
-                    small.append(time.perf_counter() - t0)
-                t_ack = statistics.median(small) / 2
-            else:
-                for _ in range(3):
-                    dist.recv(ack, a, group=group)
-                    dist.send(ack, a, group=group)
-            t = max(1e-6, statistics.median(times[1:]) - t_ack)
+        if me == a:
+            t = max(1e-6, statistics.median(times[1:]) - t_rtt)
             points.append([nbytes, nbytes * 8 / t / 1e9])
         dist.barrier()
-    box = [points]
-    dist.broadcast_object_list(box, src=a)      # the sender's numbers (it subtracted the ack)
+    box = [{"latency_us": t_rtt / 2 * 1e6, "bandwidth": points}]
+    dist.broadcast_object_list(box, src=a)      # the sender's numbers
     return box[0]
 
 
@@ -158,6 +158,12 @@ def main() -> int:
     hs = Handshake(job["handshake"])
     shape = job["shape"]
     pairs = {name: (new_pair_group(ranks, ifname), ranks) for name, ranks, ifname in job["links"]}
+    cal = hs.ask("calibrate", {})          # the parent opened the reference network wide
+    if cal.get("config"):
+        group, (a, b) = pairs["ref"]
+        link = measure_pair(group, a, b, job["link_sizes"], job["link_reps"])
+        runs = [run_config(shape, cal["config"], job["warmup"] + job["steps"])[0] for _ in range(cal["rounds"])]
+        hs.ask("calibration", {"link": link, "step_times": runs})
     while True:
         step = hs.ask("next", {})
         if step.get("done"):
