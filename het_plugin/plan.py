@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .errors import ConfigError
 from .topology import ParallelDims
@@ -105,11 +106,39 @@ class Plan:
     def stage_of(self, physical_rank: int) -> int:
         return self.coord(physical_rank)["pp"]
 
+    @cached_property
+    def _rank_nodes(self) -> list[NodePlan]:
+        return [n for n in sorted(self.nodes, key=lambda n: n.first_rank) for _ in range(n.num_ranks)]
+
     def node_of(self, physical_rank: int) -> NodePlan:
-        for n in self.nodes:
-            if n.first_rank <= physical_rank < n.first_rank + n.num_ranks:
-                return n
-        raise IndexError(physical_rank)
+        if not 0 <= physical_rank < len(self._rank_nodes):
+            raise IndexError(physical_rank)
+        return self._rank_nodes[physical_rank]
+
+    @cached_property
+    def _transport_by_members(self) -> dict[frozenset, str]:
+        out: dict[frozenset, str] = {}
+        for groups in self.groups.values():
+            for g in groups:
+                out.setdefault(frozenset(g.ranks), g.transport)
+        return out
+
+    def transport_of(self, ranks: Sequence[int]) -> str:
+        """Transport of a group of physical ranks: the plan's own entry when it lists the group, else (the
+        world group, groups a framework adds) from the node table: one node 'local', several vendors
+        'host-staged', one RDMA cluster its fabric, otherwise 'socket' (the node table does not carry the
+        links between clusters, so RDMA across clusters is never assumed)."""
+        found = self._transport_by_members.get(frozenset(ranks))
+        if found is not None:
+            return found
+        members = {n.name: n for n in (self.node_of(r) for r in ranks)}.values()
+        if len(members) <= 1:
+            return "local"
+        if len({n.vendor for n in members}) > 1:
+            return "host-staged"
+        if len({n.cluster for n in members}) == 1 and next(iter(members)).fabric in ("ib", "roce"):
+            return next(iter(members)).fabric
+        return "socket"
 
     def vendor_of(self, physical_rank: int) -> str:
         return self.node_of(physical_rank).vendor

@@ -12,7 +12,7 @@ pytest.importorskip("deepspeed")
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
 
 from het_plugin.cluster import cluster_from_dict  # noqa: E402
-from het_plugin.deepspeed.groups import PlannedGroups, nccl_options, transport_from_nodes  # noqa: E402
+from het_plugin.deepspeed.groups import PlannedGroups, nccl_options  # noqa: E402
 from het_plugin.deepspeed.partition import counted_layers, layers_in_parts, plan_parts  # noqa: E402
 from het_plugin.deepspeed.topology import PlanTopology  # noqa: E402
 from het_plugin.errors import ConfigError  # noqa: E402
@@ -151,7 +151,7 @@ def test_group_transports_come_from_the_plan():
 
 def test_groups_spanning_vendors_are_host_staged():
     plan = plan_for(interleaved(1, amd=True), 2, 1, 2)
-    assert transport_from_nodes(plan, range(4)) == "host-staged"
+    assert plan.transport_of(range(4)) == "host-staged"
     assert {g.transport for g in plan.groups["pp"]} == {"host-staged"}
     assert PlannedGroups(plan).transport_of(plan.groups["pp"][0].ranks) == "host-staged"
 

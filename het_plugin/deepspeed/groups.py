@@ -38,36 +38,15 @@ class GroupRecord:
     net_name: Optional[str]
 
 
-def transport_from_nodes(plan: Plan, ranks: Sequence[int]) -> str:
-    """Transport of a group the plan does not list (the world group, DeepSpeed's model group), from the
-    plan's node table: one node 'local'; several vendors 'host-staged'; one cluster on RDMA its fabric;
-    otherwise 'socket' (node tables do not carry inter-cluster link types, so RDMA between clusters is
-    not assumed)."""
-    nodes = {plan.node_of(r).name: plan.node_of(r) for r in ranks}
-    if len(nodes) <= 1:
-        return "local"
-    members = list(nodes.values())
-    if len({n.vendor for n in members}) > 1:
-        return "host-staged"
-    if len({n.cluster for n in members}) == 1 and members[0].fabric in ("ib", "roce"):
-        return members[0].fabric
-    return "socket"
-
-
 class PlannedGroups:
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.by_members: dict[frozenset, str] = {}
-        for groups in plan.groups.values():
-            for g in groups:
-                self.by_members.setdefault(frozenset(g.ranks), g.transport)
         self.records: list[GroupRecord] = []
         self._warned_shim = False
         self._vendors_declared = False
 
     def transport_of(self, ranks: Sequence[int]) -> str:
-        found = self.by_members.get(frozenset(ranks))
-        return found if found is not None else transport_from_nodes(self.plan, ranks)
+        return self.plan.transport_of(ranks)
 
     def new_group(self, ranks):
         import torch.distributed as tdist

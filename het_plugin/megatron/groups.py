@@ -33,21 +33,7 @@ _warned_no_shim = False
 
 
 def transport_of(plan: Plan, ranks: Sequence[int]) -> str:
-    """Transport of a group of physical ranks: the plan's own entry, else derived from the node table."""
-    key = frozenset(ranks)
-    for groups in plan.groups.values():
-        for g in groups:
-            if frozenset(g.ranks) == key:
-                return g.transport
-    nodes = {plan.node_of(r).name: plan.node_of(r) for r in ranks}
-    if len(nodes) <= 1:
-        return "local"
-    members = list(nodes.values())
-    if len({n.vendor for n in members}) > 1:
-        return "host-staged"
-    if len({n.cluster for n in members}) == 1 and members[0].fabric in ("ib", "roce"):
-        return members[0].fabric
-    return "socket"
+    return plan.transport_of(ranks)
 
 
 def shim_backend() -> Optional[str]:
