@@ -75,6 +75,10 @@ class Parent:
             self.compute["calibration_step_s"] = measured
             log(f"calibration step {measured * 1e3:.0f} ms -> pipelined code path costs {x * 1e3:+.1f} ms per "
                 "micro-batch and stage beyond the single-rank profile")
+            if not self.args.eth_mbit:        # the proportions hold for the compute the pipeline really has
+                self.scale = scale_for(self.shape, self.compute)
+                self.emu.set_rate("eth0", self.scale["eth_mbit"])
+                log(f"Ethernet -> {self.scale['eth_mbit']:.1f} Mbit/s (scale 1/{self.scale['scale']:.0f})")
             return {}
         if name == "next":
             if not self.ratios:
@@ -131,6 +135,13 @@ def summarize(ratio: float, measured: dict, setup, warmup: int) -> dict:
     return {"ratio": ratio, "configs": configs, "ratios": ratios}
 
 
+def scale_for(shape: TinyShape, compute: dict) -> dict:
+    """The emulated Ethernet rate that gives the tiny job the real job's dp_eth (see e2e_setup)."""
+    stage_mb = (shape.num_layers // 2) * sum(compute["layer"]) + \
+        max(sum(compute["embedding"]), sum(compute["output"]))
+    return derive_scale(shape, stage_mb)
+
+
 def run(args) -> dict:
     shape = TinyShape()
     results_dir = Path(args.results)
@@ -147,9 +158,7 @@ def run(args) -> dict:
     load_start = os.getloadavg()[0]
     log("compute profile: 4 single-rank trainings at once (no communication) ...")
     compute = e2e_compute.measure(shape.to_dict(), procs=4, rounds=args.compute_rounds, steps=3)
-    stage_mb = (shape.num_layers // 2) * sum(compute["layer"]) + \
-        max(sum(compute["embedding"]), sum(compute["output"]))
-    scale = derive_scale(shape, stage_mb)
+    scale = scale_for(shape, compute)
     if args.eth_mbit:
         scale["eth_mbit"] = args.eth_mbit
         scale["scale"] = ETH_GBPS * 1e3 / args.eth_mbit
