@@ -15,7 +15,8 @@ def _rows(out: dict) -> list[dict]:
 def results_markdown(out: dict, chart: Path | None) -> str:
     s = out["scale"]
     lines = [START, "",
-             f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {out['wall_s'] / 60:.1f} min wall; "
+             f"Run {out.get('started_utc') or time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+             f"{out['wall_s'] / 60:.1f} min wall; "
              f"{out['rounds']} round(s) x {out['steps']} measured steps after {out['warmup']} warm-up, "
              "configurations interleaved within each round. Latency is not emulated (no netem): bandwidth only.",
              "",
@@ -27,7 +28,13 @@ def results_markdown(out: dict, chart: Path | None) -> str:
              "",
              f"**Scale**: real 25 GbE -> emulated {s['eth_mbit']:.1f} Mbit/s, i.e. 1/{s['scale']:.0f}. "
              f"Measured compute: {sum(out['compute']['layer']) * 1e3:.1f} ms per layer fwd+bwd "
-             f"(micro-batch {out['compute']['micro_batch_size']}, all ranks computing at once).",
+             f"(micro-batch {out['compute']['micro_batch_size']}, all ranks computing at once), framework overhead "
+             f"{out['compute'].get('overhead_per_micro_batch', 0) * 1e3:.1f} ms per micro-batch and "
+             f"{out['compute'].get('overhead_per_step', 0) * 1e3:.0f} ms per step"
+             + (f"; the calibration run ({out['compute']['calibration_step_s'] * 1e3:.0f} ms per step on the "
+                f"unshaped reference network) adds "
+                f"{out['compute']['pipeline_overhead_per_micro_batch'] * 1e3:.1f} ms per micro-batch and stage"
+                if "calibration_step_s" in out["compute"] else "; no calibration run") + ".",
              "",
              "| proportion | real job | this benchmark |", "|---|---|---|",
              f"| gradient all-reduce on Ethernet / compute (dp_eth) | {s['real']['dp_eth']:.2f} | {s['tiny']['dp_eth']:.2f} |",
