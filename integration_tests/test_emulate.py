@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from het_plugin.cluster import load_cluster
-from het_plugin.emulate import Emulation, EmulatorUnavailable, check_preconditions, leftovers, make_layout
+from het_plugin.emulate import Emulation, EmulatorUnavailable, check_preconditions, leftovers
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "data" / "emu_two_clusters.yaml"
