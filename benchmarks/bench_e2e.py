@@ -156,6 +156,8 @@ def run(args) -> dict:
            "PYTHONWARNINGS": "ignore"}
     t0 = time.monotonic()
     load_start = os.getloadavg()[0]
+    # Runnable tasks right now, less this process: unlike the load average, not an echo of earlier work.
+    others_runnable_start = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     log("compute profile: 4 single-rank trainings at once (no communication) ...")
     compute = e2e_compute.measure(shape.to_dict(), procs=4, rounds=args.compute_rounds, steps=3)
@@ -207,6 +209,7 @@ def run(args) -> dict:
     shutil.rmtree(handshake, ignore_errors=True)
     out = {"shape": shape.to_dict(), "real_job": REAL_JOB, "scale": parent.scale, "compute": parent.compute,
            "wall_s": time.monotonic() - t0, "load_average": [load_start, os.getloadavg()[0]],
+           "others_runnable_start": others_runnable_start,
            "started_utc": started,
            "cores": os.cpu_count(), "quick": args.quick, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
            "configs": {k: v for k, v in CONFIGS.items() if k in args.configs}, "goals": GOALS,

@@ -20,10 +20,12 @@ def results_markdown(out: dict, chart: Path | None) -> str:
              f"{out['rounds']} round(s) x {out['steps']} measured steps after {out['warmup']} warm-up, "
              "configurations interleaved within each round. Latency is not emulated (no netem): bandwidth only.",
              "",
-             f"Machine: {out.get('cores')} cores, 1-minute load average {out['load_average'][0]:.1f} at the start "
-             f"and {out['load_average'][1]:.1f} at the end"
-             + (" -- **the machine was busy with other work: these numbers are noise-dominated; rerun on an "
-                "idle machine**" if max(out["load_average"]) > (out.get("cores") or 1) + 1 else "")
+             f"Machine: {out.get('cores')} cores; other programs' runnable tasks at the start: "
+             f"{out.get('others_runnable_start', 'not recorded')}; 1-minute load average {out['load_average'][0]:.1f} "
+             f"at the start (a decaying average: it remembers earlier work) and {out['load_average'][1]:.1f} at the "
+             "end (that one counts the benchmark's own ranks)"
+             + (" -- **other programs were running: these numbers are noise-dominated; rerun on an idle machine**"
+                if (out.get("others_runnable_start") or 0) > (out.get("cores") or 1) else "")
              + (" (a `--quick` smoke run)" if out.get("quick") else "") + ".",
              "",
              f"**Scale**: real 25 GbE -> emulated {s['eth_mbit']:.1f} Mbit/s, i.e. 1/{s['scale']:.0f}. "
