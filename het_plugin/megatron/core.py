@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -58,7 +59,8 @@ def placeable_degrees(cluster: Cluster, num_layers: int, cp: int = 1) -> list[tu
     """(tp, pp) pairs whose groups this cluster can hold (what a ConfigError suggests instead)."""
     out = []
     world = cluster.world_size
-    for tp in range(1, world + 1):
+    per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])   # TP and CP stay inside a node
+    for tp in (t for t in range(1, per_node + 1) if per_node % t == 0):
         for pp in range(1, min(world, num_layers) + 1):
             if world % (tp * cp * pp):
                 continue
