@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python benchmarks/bench_e2e.py            # full run (~12 min on an idle 2-core machine)
     sudo .venv/bin/python benchmarks/bench_e2e.py --quick    # smoke run (one ratio, one round)
+    sudo .venv/bin/python benchmarks/bench_e2e.py --framework both --ratios 10 --rounds 2   # + DeepSpeed
 
 Two clusters (IB, RoCE; two nodes each, one rank per node), each with its own fast fabric, joined only by
 Ethernet. Six configurations run side by side in one launch, several rounds interleaved, per fast:slow
@@ -28,7 +29,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 import e2e_compute  # noqa: E402
-from e2e_plans import (CONFIGS, FAST_LINKS, LINKS, calibrate_pipeline_overhead, setup_ratio,  # noqa: E402
+from e2e_plans import (ALL_CONFIGS, CONFIGS, DS_CONFIGS, FAST_LINKS, LINKS, calibrate_pipeline_overhead, setup_ratio,  # noqa: E402
                        with_pipeline_overhead)
 from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
 from het_plugin.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
@@ -37,7 +38,10 @@ CALIBRATION_MBIT = 20_000      # the reference network "unshaped" for the calibr
 GOALS = {"4/3": 0.60, "4/1": 1.15, "4/2": 0.55}
 PAIRS = {"4/3": ("4-het_plugin", "3-mixed-today"), "4/1": ("4-het_plugin", "1-all-fast"),
          "4/2": ("4-het_plugin", "2-all-eth"), "4p/3": ("4p-placement", "3-mixed-today"),
-         "4t/3": ("4t-place+transport", "3-mixed-today")}
+         "4t/3": ("4t-place+transport", "3-mixed-today"), "4-ds/3-ds": ("4-ds", "3-ds"),
+         "3-ds/3": ("3-ds", "3-mixed-today"), "4-ds/4": ("4-ds", "4-het_plugin")}
+FRAMEWORK_CONFIGS = {"megatron": list(CONFIGS), "deepspeed": list(DS_CONFIGS),
+                     "both": ["3-mixed-today", "4-het_plugin", "3-ds", "4-ds"]}
 
 
 def log(msg: str) -> None:
@@ -212,7 +216,8 @@ def run(args) -> dict:
            "others_runnable_start": others_runnable_start,
            "started_utc": started,
            "cores": os.cpu_count(), "quick": args.quick, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
-           "configs": {k: v for k, v in CONFIGS.items() if k in args.configs}, "goals": GOALS,
+           "configs": {k: v for k, v in ALL_CONFIGS.items() if k in args.configs}, "goals": GOALS,
+           "framework": args.framework,
            "latency": "not emulated (no netem in this kernel); bandwidth only",
            "ratios": []}
     for ratio in args.ratios:
@@ -222,7 +227,8 @@ def run(args) -> dict:
         row["links"] = st.links
         row["losses"] = parent.losses[ratio]
         out["ratios"].append(row)
-    (results_dir / "e2e.json").write_text(json.dumps(out, indent=1))
+    name = "e2e.json" if args.framework == "megatron" else f"e2e-{args.framework}.json"
+    (results_dir / name).write_text(json.dumps(out, indent=1))
     return out
 
 
@@ -234,7 +240,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="measured steps per configuration and round")
     p.add_argument("--compute-rounds", type=int, default=2, help="rounds of the compute profile")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--framework", choices=list(FRAMEWORK_CONFIGS), default="megatron",
+                   help="megatron: configurations 1-4 (default); deepspeed: 3-ds and 4-ds; both: 3, 4, 3-ds, 4-ds "
+                        "interleaved. The DeepSpeed runs print a side-by-side table and leave the docs alone")
+    p.add_argument("--configs", nargs="+", choices=list(ALL_CONFIGS),
+                   help="default: the --framework's configurations")
     p.add_argument("--calibration-rounds", type=int, default=2)
     p.add_argument("--no-calibration", action="store_true",
                    help="predict from the single-rank compute profile alone (no calibration run)")
@@ -243,17 +253,24 @@ def main(argv=None) -> int:
     p.add_argument("--docs", help="docs folder for the table and chart (default docs/, quick: the results folder)")
     p.add_argument("--timeout", type=float, default=1500)
     args = p.parse_args(argv)
+    args.configs = args.configs or FRAMEWORK_CONFIGS[args.framework]
     if args.quick:
         args.ratios, args.rounds, args.warmup, args.steps, args.compute_rounds = [10], 1, 1, 2, 1
         args.calibration_rounds = 1
     quick_dir = Path(tempfile.gettempdir()) / "het_e2e_quick"
-    args.results = args.results or str(quick_dir if args.quick else HERE / "results")
+    # a DeepSpeed run keeps its plans and profiles apart from the recorded Megatron sweep's
+    full_dir = HERE / "results" if args.framework == "megatron" else HERE / "results" / args.framework
+    args.results = args.results or str(quick_dir if args.quick else full_dir)
     args.docs = args.docs or (str(quick_dir) if args.quick else str(REPO / "docs"))
     try:
         out = run(args)
     except EmulatorUnavailable as exc:
         print(f"bench_e2e: {exc}", file=sys.stderr)
         return 3
+    if any(c in DS_CONFIGS for c in args.configs):
+        from e2e_report import side_by_side
+        print(side_by_side(out))
+        return 0
     from e2e_report import write_chart, write_markdown
     chart = write_chart(out, Path(args.docs) / "img" / "e2e.png")
     md = write_markdown(out, Path(args.docs) / "benchmark-e2e.md", chart)

@@ -29,6 +29,11 @@ CONFIGS = {   # name -> what it is
     "4t-place+transport": "het_plugin's placement and per-group transport, uniform layers",
     "4-het_plugin": "het_plugin's plan: placement, layer split, per-group transport",
 }
+DS_CONFIGS = {   # run with --framework deepspeed|both (e2e_deepspeed.py)
+    "3-ds": "DeepSpeed as run today: default topology (launch order), uniform partition, every group on Ethernet",
+    "4-ds": "DeepSpeed through het_plugin.deepspeed: the plan's placement, layer split, per-group transport",
+}
+ALL_CONFIGS = {**CONFIGS, **DS_CONFIGS}
 
 
 @dataclass
@@ -142,6 +147,9 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
         dict(base, name="4t-place+transport", plan=str(place_transport_path)),
         dict(base, name="4-het_plugin", plan=str(plan_path), overlap=plan.overlap_grad_reduce,
              micro_batch_size=plan.micro_batch_size),
+        dict(base, name="3-ds", framework="deepspeed", overlap=False, ifnames=eth_only),
+        dict(base, name="4-ds", framework="deepspeed", overlap=False, plan=str(plan_path),
+             micro_batch_size=plan.micro_batch_size),
     ]
     fast = fast_cluster(ratio)
     slow = slow_cluster()
@@ -155,10 +163,15 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
         "4-het_plugin": predict(mixed, spec, placed, plan.layers_per_stage, plan.micro_batch_size,
                                 transport_fn=transport, overlap_grad_reduce=plan.overlap_grad_reduce,
                                 profile=prof),
+        # DeepSpeed's pipeline engine reduces gradients after the last micro-batch: no overlap
+        "3-ds": predict(mixed, spec, default_placement(mixed, dims), uniform, mb, transport_fn=baseline_transport,
+                        overlap_grad_reduce=False, profile=prof),
+        "4-ds": predict(mixed, spec, placed, plan.layers_per_stage, plan.micro_batch_size, transport_fn=transport,
+                        overlap_grad_reduce=False, profile=prof),
     }
     # het_plugin.cost has no CPU per-step overhead (update, zero-grad, loss sync): add the measured one
     step_overhead = compute.get("overhead_per_step", 0.0)
-    m = {k: spec.global_batch_size // (DP * (plan.micro_batch_size if k == "4-het_plugin" else mb)) for k in preds}
+    m = {k: spec.global_batch_size // (DP * (plan.micro_batch_size if k in ("4-het_plugin", "4-ds") else mb)) for k in preds}
     share = {k: m[k] * max(p.stage_compute_s) / (p.iteration_s + step_overhead) for k, p in preds.items()}
     summary = {"layers_per_stage": plan.layers_per_stage, "rank_of_logical": plan.rank_of_logical,
                "micro_batch_size": plan.micro_batch_size, "num_micro_batches": plan.num_micro_batches,

@@ -127,3 +127,28 @@ def write_chart(out: dict, path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def side_by_side(out: dict) -> str:
+    """A plain table for a run that includes the DeepSpeed configurations (printed, not written to docs)."""
+    lines = [f"Run {out['started_utc']}, {out['wall_s'] / 60:.1f} min wall; framework {out['framework']}; "
+             f"{out['rounds']} round(s) x {out['steps']} measured steps after {out['warmup']} warm-up; "
+             f"Ethernet {out['scale']['eth_mbit']:.1f} Mbit/s (scale 1/{out['scale']['scale']:.0f}); "
+             f"other runnable tasks at the start: {out.get('others_runnable_start')}", ""]
+    for row in _rows(out):
+        lines.append(f"ratio {row['ratio']:g}:1  plan: layers {row['plan']['layers_per_stage']}, "
+                     f"ranks {row['plan']['rank_of_logical']}, micro-batch {row['plan']['micro_batch_size']}")
+        lines.append(f"  {'configuration':<20} {'median ms':>10} {'per round ms':>24} {'predicted ms':>13}")
+        for c in row["configs"]:
+            rounds = ", ".join(f"{t * 1e3:.0f}" for t in c["rounds_s"])
+            lines.append(f"  {c['name']:<20} {c['median_s'] * 1e3:10.1f} {rounds:>24} {c['predicted_s'] * 1e3:13.1f}")
+        lines.append("  " + "  ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items()))
+        for name, loss in row["losses"].items():
+            values = loss["losses"] if isinstance(loss, dict) else loss
+            lines.append(f"  {name:<20} losses {', '.join(f'{v:.3f}' for v in values)}")
+            for r, lay in enumerate(loss.get("ranks", []) if isinstance(loss, dict) else []):
+                groups = "; ".join(f"{g[0]} {g[1]}->{g[2]}" for g in lay["groups"]) or "DeepSpeed's own"
+                lines.append(f"    rank {r}: stage {lay['stage']}, parts {lay['parts']}, "
+                             f"dp group {lay['dp_group']}, groups: {groups}")
+        lines.append("")
+    return "\n".join(lines)

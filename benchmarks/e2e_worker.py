@@ -125,6 +125,8 @@ def measure_pair(group, a: int, b: int, sizes: list[int], reps: int) -> dict:
 
 def run_config(shape: dict, cfg: dict, steps: int) -> list[float]:
     """Train ``steps`` steps of one configuration; per-step time = the slowest rank's."""
+    if cfg.get("framework") == "deepspeed":
+        return run_deepspeed_config(shape, cfg, steps)
     from integration_tests.support import megatron_tiny
     from megatron.core import parallel_state as ps
     from e2e_setup import use_bucket_size
@@ -149,6 +151,26 @@ def run_config(shape: dict, cfg: dict, steps: int) -> list[float]:
     times = [None] * dist.get_world_size()
     dist.all_gather_object(times, res.step_times)
     return [max(t[i] for t in times) for i in range(steps)], res.losses
+
+
+def run_deepspeed_config(shape: dict, cfg: dict, steps: int) -> tuple[list[float], dict]:
+    """The DeepSpeed configurations (e2e_deepspeed.py); same interfaces and group clean-up as above."""
+    import e2e_deepspeed
+
+    os.environ["GLOO_SOCKET_IFNAME"] = cfg["ifname"]
+    os.environ["HET_PLUGIN_GLOO_IFNAMES"] = cfg.get("ifnames") or os.environ["HET_PLUGIN_GLOO_IFNAMES_DEFAULT"]
+    created = track_groups()
+    try:
+        step_times, losses, layout = e2e_deepspeed.train(shape, cfg, steps)
+    finally:
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+        destroy_groups(created)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (step_times, layout))
+    times = [t for t, _ in gathered]
+    # for DeepSpeed the losses entry also says where every rank ran (checked in the printed table)
+    return [max(t[i] for t in times) for i in range(steps)], {"losses": losses,
+                                                               "ranks": [lay for _, lay in gathered]}
 
 
 def main() -> int:
