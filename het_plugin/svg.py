@@ -110,7 +110,7 @@ def layout(plan: Plan, cluster=None) -> tuple[list[Shape], float, float]:
     title = (f"het_plugin plan {plan.hash}: {plan.model.get('name', 'model')} on {plan.cluster_name}  "
              f"tp={plan.tp} cp={plan.cp} pp={plan.pp} dp={plan.dp}")
     shapes.append(Text(10, 20, title, 14, bold=True))
-    width = 20 + 8.5 * len(title)
+    width = 20 + 9.6 * len(title)          # DejaVu Sans Bold at 14 px averages ~9.5 px a character
     y = 40.0
     spans_y: dict[str, tuple[float, float]] = {}
     for cname in names:
