@@ -84,8 +84,6 @@ def main() -> None:
     barrier = Barrier(index, count, port)
     from integration_tests.support import megatron_tiny
     from megatron.core import parallel_state as ps
-    from e2e_setup import use_bucket_size
-    use_bucket_size()
     runs = {"t2": (2, 1), "t6": (6, 1), "t2x2": (2, 2), "t6x2": (6, 2)}     # (layers, batch multiple)
     times = {k: [] for k in runs}
     # a throw-away run first: the first model of a process pays one-off costs (imports, allocator, buffers)

@@ -80,7 +80,7 @@ def calibrate_pipeline_overhead(shape: TinyShape, compute: dict, ref_link: dict,
     (p2p calls, schedule, gradient-reduction threads sharing the CPU): the ``x`` for which the predictor
     matches a calibration run on an unshaped reference network (PP x DP, uniform layers). Bisection:
     the prediction grows with x."""
-    spec = shape.spec()
+    spec = shape.model_spec()
     dims = ParallelDims(tp=1, cp=1, pp=PP, dp=DP)
     fast = fast_cluster(20)
     uniform = uniform_layers(spec.num_layers, PP)
@@ -109,7 +109,7 @@ def _plan(cluster, spec, profile: Optional[Profile]):
 
 
 def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_dir: Path) -> RatioSetup:
-    spec = shape.spec()
+    spec = shape.model_spec()
     mixed = mixed_cluster(ratio)
     prof = build_profile(compute, links, "fabric")
     prof_ref = build_profile(compute, links, "ref")

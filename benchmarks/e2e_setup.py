@@ -25,15 +25,23 @@ if str(REPO) not in sys.path:
 
 from het_plugin import catalog  # noqa: E402
 from het_plugin.cluster import Cluster, cluster_from_dict  # noqa: E402
-from het_plugin.model import ModelSpec, preset_model  # noqa: E402
+from het_plugin.model import preset_model  # noqa: E402
+from integration_tests.support.megatron_tiny import TinyGPT  # noqa: E402
 
 ETH_GBPS = 25.0                 # the real job's Ethernet, per node
 NODE_ORDER = ["ib-0", "roce-0", "ib-1", "roce-1"]   # a launch order that mixes the clusters (hostfile order)
 
 
-@dataclass(frozen=True)
-class TinyShape:
-    """Fields of integration_tests.support.megatron_tiny.TinyGPT."""
+PP, DP = 2, 2
+
+# Megatron's default DDP bucket is max(40M, 1M x dp) parameters: the real job's rank (479M parameters of its
+# stage) reduces its gradients in ~12 buckets. The tiny stage (0.82M parameters) gets the same count.
+BUCKET_PARAMS = 68_000
+
+
+@dataclass
+class TinyShape(TinyGPT):
+    """The benchmark's tiny GPT: TinyGPT (integration_tests/support/megatron_tiny.py) with these sizes."""
     num_layers: int = 8
     hidden_size: int = 128
     num_attention_heads: int = 4
@@ -44,40 +52,10 @@ class TinyShape:
     micro_batch_size: int = 1
     seed: int = 1234
     lr: float = 0.01
-
-    def spec(self) -> ModelSpec:
-        return ModelSpec(name="tiny-gpt", num_layers=self.num_layers, hidden_size=self.hidden_size,
-                         num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size,
-                         vocab_size=self.vocab_size, seq_length=self.seq_length,
-                         global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
-                         dtype="fp32", activation="gelu", tie_embeddings=True)
+    bucket_size: int = BUCKET_PARAMS
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-PP, DP = 2, 2
-
-# Megatron's default DDP bucket is max(40M, 1M x dp) parameters: the real job's rank (479M parameters of its
-# stage) reduces its gradients in ~12 buckets. The tiny stage (0.82M parameters) gets the same count.
-BUCKET_PARAMS = 68_000
-
-
-def use_bucket_size(params: int = BUCKET_PARAMS) -> None:
-    """Make the tiny trainer's DDP (integration_tests.support.megatron_tiny, bucket 10k when overlapping)
-    use ``params`` per bucket, so gradient reduction is split like the real job's."""
-    import megatron.core.distributed as md
-    orig = md.DistributedDataParallelConfig
-    if getattr(orig, "_bench_bucket", None) == params:
-        return
-    orig = getattr(orig, "_bench_orig", orig)
-
-    def config(*args, **kwargs):
-        if kwargs.get("bucket_size"):
-            kwargs["bucket_size"] = params
-        return orig(*args, **kwargs)
-    config._bench_bucket, config._bench_orig = params, orig
-    md.DistributedDataParallelConfig = config
 
 
 # ---- clusters (real units: Gbit/s per node) ---------------------------------------------------------
@@ -154,7 +132,7 @@ def real_job() -> Proportions:
 
 def tiny_job(shape: TinyShape, stage_s_per_micro_batch: float) -> tuple[float, float]:
     """(dp_bytes, pp_bytes) per node and iteration for the tiny job (fp32, PP x DP, 1 rank per node)."""
-    spec = shape.spec()
+    spec = shape.model_spec()
     micro_batches = shape.global_batch_size // (DP * shape.micro_batch_size)
     stage_params = shape.num_layers // PP * spec.params_per_layer + spec.embedding_params
     dp_bytes = 2 * (DP - 1) / DP * stage_params * 4

@@ -129,9 +129,6 @@ def run_config(shape: dict, cfg: dict, steps: int) -> list[float]:
         return run_deepspeed_config(shape, cfg, steps)
     from integration_tests.support import megatron_tiny
     from megatron.core import parallel_state as ps
-    from e2e_setup import use_bucket_size
-
-    use_bucket_size()
     os.environ["GLOO_SOCKET_IFNAME"] = cfg["ifname"]
     os.environ["HET_PLUGIN_GLOO_IFNAMES"] = cfg.get("ifnames") or os.environ["HET_PLUGIN_GLOO_IFNAMES_DEFAULT"]
     created = track_groups()

@@ -39,6 +39,7 @@ class TinyGPT:
     micro_batch_size: int = 2
     seed: int = 1234
     lr: float = 0.5
+    bucket_size: int = 10_000      # DDP bucket (parameters) when gradient reduction overlaps backward
 
     def model_spec(self):
         from het_plugin.model import ModelSpec
@@ -209,7 +210,7 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
     deterministic_init(model, cfg.seed)
     layer_numbers = [layer.layer_number for layer in model.decoder.layers]
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=ddp_overlap, use_distributed_optimizer=False,
-                                               bucket_size=None if not ddp_overlap else 10_000)
+                                               bucket_size=cfg.bucket_size if ddp_overlap else None)
     ddp = DistributedDataParallel(config, ddp_config, module=model)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
