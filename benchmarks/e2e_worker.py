@@ -86,32 +86,26 @@ def measure_pair(group, a: int, b: int, sizes: list[int], reps: int) -> dict:
     Gbit/s of a send followed by a 4-byte ack (the ack's round trip subtracted)."""
     me = dist.get_rank()
     ack = torch.zeros(1)
-    rtt = []
-    if me in (a, b):
-        for _ in range(8):
+
+    def round_trips(payload, count: int) -> list[float]:
+        """``a`` sends ``payload``, ``b`` answers with the 4-byte ack; seconds per round trip."""
+        out = []
+        for _ in range(count):
             t0 = time.perf_counter()
             if me == a:
-                dist.send(ack, b, group=group)
+                dist.send(payload, b, group=group)
                 dist.recv(ack, b, group=group)
             else:
-                dist.recv(ack, a, group=group)
+                dist.recv(payload, a, group=group)
                 dist.send(ack, a, group=group)
-            rtt.append(time.perf_counter() - t0)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    rtt = round_trips(ack, 8) if me in (a, b) else []
     t_rtt = statistics.median(rtt[2:]) if rtt else 0.0
     points = []
     for nbytes in sizes:
-        buf = torch.zeros(nbytes // 4)
-        times = []
-        for _ in range(reps + 1):
-            if me in (a, b):
-                t0 = time.perf_counter()
-                if me == a:
-                    dist.send(buf, b, group=group)
-                    dist.recv(ack, b, group=group)
-                else:
-                    dist.recv(buf, a, group=group)
-                    dist.send(ack, a, group=group)
-                times.append(time.perf_counter() - t0)
+        times = round_trips(torch.zeros(nbytes // 4), reps + 1) if me in (a, b) else []
         if me == a:
             t = max(1e-6, statistics.median(times[1:]) - t_rtt)
             points.append([nbytes, nbytes * 8 / t / 1e9])
