@@ -9,3 +9,12 @@ EXAMPLES = REPO / "examples"
 @pytest.fixture
 def examples_dir() -> Path:
     return EXAMPLES
+
+
+@pytest.fixture(scope="module")
+def plan8():
+    """2 IB + 2 RoCE nodes of 2 ranks, tp=2 pp=2: tp inside a node, dp inside a cluster, pp across 25 GbE."""
+    from het_plugin.cluster import load_cluster
+    from het_plugin.planner import make_plan
+    from megatron_common import DATA, MODEL
+    return make_plan(load_cluster(DATA / "megatron-ib-roce-8.yaml"), MODEL, tp=2, pp=2)

@@ -9,18 +9,10 @@ from het_plugin.cluster import load_cluster
 from het_plugin.megatron import groups as hgroups
 from het_plugin.megatron.core import plan_summary, placeable_degrees, resolve_plan
 from het_plugin.errors import ConfigError
-from het_plugin.model import ModelSpec
 from het_plugin.planner import make_plan
 from het_plugin.plan import Plan
 
-DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
-MODEL = ModelSpec(name="t", num_layers=5, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
-                  global_batch_size=8, micro_batch_size=2)
-
-
-@pytest.fixture(scope="module")
-def plan8():
-    return make_plan(load_cluster(DATA / "megatron-ib-roce-8.yaml"), MODEL, tp=2, pp=2)
+from megatron_common import DATA, MODEL
 
 
 def test_rank_generator_returns_the_plans_groups(plan8):

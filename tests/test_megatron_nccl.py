@@ -1,25 +1,14 @@
 """The per-communicator NCCL config (nccl_communicator_config_path) written from the plan's transports."""
 from __future__ import annotations
 
-from pathlib import Path
 
-import pytest
 import yaml
 
 from het_plugin.cluster import load_cluster
 from het_plugin.megatron.ncclcfg import PG_NAME_KIND, nccl_config_for_rank, write_nccl_config
-from het_plugin.model import ModelSpec
 from het_plugin.planner import make_plan
 
-DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
-MODEL = ModelSpec(name="t", num_layers=5, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
-                  global_batch_size=8, micro_batch_size=2)
-
-
-@pytest.fixture(scope="module")
-def plan8():
-    # 2 IB + 2 RoCE nodes of 2 ranks: tp=2 inside a node, dp inside a cluster, pp across 25 GbE.
-    return make_plan(load_cluster(DATA / "megatron-ib-roce-8.yaml"), MODEL, tp=2, pp=2)
+from megatron_common import DATA, MODEL
 
 
 def test_net_name_per_group_kind(plan8):
