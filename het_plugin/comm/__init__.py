@@ -4,6 +4,8 @@ Groups whose plan transport is ``host-staged`` are created with
 ``torch.distributed.new_group(ranks, backend=het_plugin.comm.SHIM_BACKEND)``; hand the plan's vendors
 over first with :func:`set_vendor_map` (or :func:`set_vendor_map_from_plan`). See docs/shim.md.
 """
+import torch.distributed as dist
+
 from .layout import ShimLayout, chunk_bounds
 from .shim import SHIM_BACKEND, ShimProcessGroup, ShimUnsupportedError, create_shim_group, register
 from .vendors import (ENV_AGREE_TIMEOUT, ENV_VENDOR, ENV_VENDOR_MAP, RankNetwork, VendorMapError,
@@ -12,6 +14,12 @@ from .work import ShimWork
 
 register()
 
+
+def registered_backend():
+    """``SHIM_BACKEND`` when this torch accepted the registration above, else None (the adapters then
+    create cross-vendor groups with the default backend and say so)."""
+    return SHIM_BACKEND if SHIM_BACKEND in getattr(dist.Backend, "backend_list", []) else None
+
 __all__ = ["SHIM_BACKEND", "ShimProcessGroup", "ShimUnsupportedError", "ShimWork", "ShimLayout", "VendorMapError", "RankNetwork",
            "set_vendor_map", "set_vendor_map_from_plan", "declared_vendor_map", "detect_vendor", "parse_vendor_map",
-           "chunk_bounds", "create_shim_group", "register", "ENV_VENDOR", "ENV_VENDOR_MAP", "ENV_AGREE_TIMEOUT"]
+           "chunk_bounds", "create_shim_group", "register", "registered_backend", "ENV_VENDOR", "ENV_VENDOR_MAP", "ENV_AGREE_TIMEOUT"]

@@ -15,17 +15,16 @@ in the plan and creates it:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import logging
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
+from ..comm import SHIM_BACKEND, registered_backend, set_vendor_map_from_plan
 from ..netselect import gloo_network, nccl_net_name
 from ..plan import Plan
 
 log = logging.getLogger(__name__)
-SHIM_BACKEND = "het_shim"
 
 
 @dataclass
@@ -74,9 +73,8 @@ class PlannedGroups:
     def _backend_for(self, transport: str) -> Optional[str]:
         if transport != "host-staged":
             return None
-        if shim_available():
+        if registered_backend() is not None:
             if not self._vendors_declared:
-                from het_plugin.comm import set_vendor_map_from_plan
                 set_vendor_map_from_plan(self.plan)
                 self._vendors_declared = True
             return SHIM_BACKEND
@@ -96,16 +94,6 @@ class PlannedGroups:
             yield self
         finally:
             ds_comm.new_group = original
-
-
-def shim_available() -> bool:
-    """True when ``import het_plugin.comm`` registers the cross-vendor backend."""
-    try:
-        importlib.import_module("het_plugin.comm")
-    except ImportError:
-        return False
-    import torch.distributed as tdist
-    return SHIM_BACKEND in getattr(tdist.Backend, "backend_list", [])
 
 
 def nccl_options(net_name: Optional[str]):

@@ -11,7 +11,7 @@ group through ``parallel_state.create_group``. While :func:`planned_groups` is a
   seen with PP=4 and tied embeddings) and would shuffle TP shards between stages;
 * each creation runs inside ``netselect.gloo_network(transport)`` (gloo picks its interface per group
   from GLOO_SOCKET_IFNAME), and groups whose transport is 'host-staged' (spanning vendors) use the
-  cross-vendor backend ``het_shim`` when ``het_plugin.comm`` provides it.
+  cross-vendor backend ``het_shim`` (het_plugin.comm).
 
 The global rank itself is never relabelled: logs, checkpoints and LOCAL_RANK -> device stay the launcher's.
 """
@@ -22,12 +22,12 @@ import logging
 import threading
 from typing import Iterator, Optional, Sequence
 
+from ..comm import SHIM_BACKEND, registered_backend  # noqa: F401  (SHIM_BACKEND: re-exported)
 from ..netselect import gloo_network
 from ..plan import Plan
 
 log = logging.getLogger("het_plugin.megatron")
 
-SHIM_BACKEND = "het_shim"
 _lock = threading.Lock()
 _warned_no_shim = False
 
@@ -37,20 +37,14 @@ def transport_of(plan: Plan, ranks: Sequence[int]) -> str:
 
 
 def shim_backend() -> Optional[str]:
-    """'het_shim' when the cross-vendor backend is registered (``import het_plugin.comm``), else None."""
+    """'het_shim' when the cross-vendor backend is registered, else None (warned once)."""
     global _warned_no_shim
-    try:
-        import het_plugin.comm  # noqa: F401  (registers the backend)
-        import torch.distributed as dist
-        registered = SHIM_BACKEND in getattr(dist.Backend, "backend_list", []) or hasattr(dist.Backend,
-                                                                                        SHIM_BACKEND.upper())
-    except ImportError:
-        registered = False
-    if not registered and not _warned_no_shim:
+    registered = registered_backend()
+    if registered is None and not _warned_no_shim:
         _warned_no_shim = True
         log.warning("a group spans accelerator vendors but the het_shim backend is not available; "
                     "creating it with the default backend")
-    return SHIM_BACKEND if registered else None
+    return registered
 
 
 def backend_for(transport: str, backend: Optional[str]) -> Optional[str]:
