@@ -82,6 +82,8 @@ def main() -> None:
         loss = engine.train_batch(data)
         if engine.global_rank == 0:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
+    # Leave no communicator threads running at interpreter exit (gloo can abort the process there otherwise).
+    torch.distributed.destroy_process_group()
 
 
 def skip_cpu_shm_build() -> None:
