@@ -107,3 +107,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as _dist
+    if _dist.is_initialized():      # no gloo threads left at interpreter exit (they can abort the process)
+        _dist.destroy_process_group()
