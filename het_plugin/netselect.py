@@ -17,6 +17,10 @@ from typing import Iterator, Optional
 
 ENV_GLOO_IFNAMES = "HET_PLUGIN_GLOO_IFNAMES"
 
+# Groups whose transport is 'host-staged' (spanning vendors) are created with this backend, which
+# ``import het_plugin.comm`` registers (imported only when such a group exists).
+SHIM_BACKEND = "het_shim"
+
 NCCL_NET_NAME = {"ib": "IB", "roce": "IB", "socket": "Socket", "host-staged": "Socket"}
 
 

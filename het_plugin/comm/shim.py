@@ -23,13 +23,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HetPluginError
-from ..netselect import gloo_network
+from ..netselect import SHIM_BACKEND, gloo_network
 from .layout import ShimLayout, chunk_bounds, describe, stripe_pieces
 from .vendors import (ENV_AGREE_TIMEOUT, DEFAULT_AGREE_TIMEOUT_S, agree_on_vendors, declared_networks,
                       subgroup_transport)
 from .work import ShimWork
 
-SHIM_BACKEND = "het_shim"
 ENV_NATIVE = "HET_PLUGIN_SHIM_NATIVE"   # 'gloo' forces gloo inside subgroups even where NCCL/RCCL exists
 ENV_MAX_STRIPES = "HET_PLUGIN_SHIM_MAX_STRIPES"
 

@@ -20,8 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
-from ..comm import SHIM_BACKEND, registered_backend, set_vendor_map_from_plan
-from ..netselect import gloo_network, nccl_net_name
+from ..netselect import SHIM_BACKEND, gloo_network, nccl_net_name
 from ..plan import Plan
 
 log = logging.getLogger(__name__)
@@ -73,6 +72,7 @@ class PlannedGroups:
     def _backend_for(self, transport: str) -> Optional[str]:
         if transport != "host-staged":
             return None
+        from ..comm import registered_backend, set_vendor_map_from_plan   # only for cross-vendor groups
         if registered_backend() is not None:
             if not self._vendors_declared:
                 set_vendor_map_from_plan(self.plan)

@@ -22,8 +22,7 @@ import logging
 import threading
 from typing import Iterator, Optional, Sequence
 
-from ..comm import SHIM_BACKEND, registered_backend  # noqa: F401  (SHIM_BACKEND: re-exported)
-from ..netselect import gloo_network
+from ..netselect import SHIM_BACKEND, gloo_network  # noqa: F401  (SHIM_BACKEND: part of this module's API)
 from ..plan import Plan
 
 log = logging.getLogger("het_plugin.megatron")
@@ -39,6 +38,7 @@ def transport_of(plan: Plan, ranks: Sequence[int]) -> str:
 def shim_backend() -> Optional[str]:
     """'het_shim' when the cross-vendor backend is registered, else None (warned once)."""
     global _warned_no_shim
+    from ..comm import registered_backend     # registers the backend; imported only for cross-vendor groups
     registered = registered_backend()
     if registered is None and not _warned_no_shim:
         _warned_no_shim = True
