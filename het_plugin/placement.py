@@ -20,13 +20,10 @@ from .cluster import RDMA, Cluster
 from .errors import ConfigError
 from .yamlio import with_line
 from .topology import ParallelDims
+from .transport import Member, transport_rule
 
 Domain = tuple[str, str]   # (cluster name, accelerator name)
 
-# What a communicator should use. 'local': all members on one node (NVLink/xGMI/shared memory);
-# 'ib'/'roce': one RDMA fabric; 'socket': crosses Ethernet or mixes IB with RoCE; 'host-staged':
-# spans vendors (NCCL and RCCL cannot share a communicator), so it goes through het_plugin's shim.
-TRANSPORTS = ("local", "ib", "roce", "socket", "host-staged")
 
 
 @dataclass(frozen=True)
@@ -165,20 +162,10 @@ def stage_domains(cluster: Cluster, placement: Placement) -> list[list[Domain]]:
 
 
 def transport(cluster: Cluster, ranks: Sequence[int]) -> str:
-    """The transport a communicator over ``ranks`` should use (see TRANSPORTS)."""
-    nodes = {cluster.rank_node[r] for r in ranks}
-    if len(nodes) == 1:
-        return "local"
-    members = [cluster.nodes[i] for i in nodes]
-    if len({n.vendor for n in members}) > 1:
-        return "host-staged"
-    clusters = sorted({n.cluster for n in members})
-    kinds = {cluster.cluster_link(c, c).kind for c in clusters}
-    for a, b in itertools.combinations(clusters, 2):
-        kinds.add(cluster.cluster_link(a, b).kind)
-    if len(kinds) == 1 and next(iter(kinds)) in RDMA:
-        return next(iter(kinds))
-    return "socket"
+    """The transport a communicator over ``ranks`` should use (het_plugin.transport's rule)."""
+    members = (cluster.nodes[i] for i in {cluster.rank_node[r] for r in ranks})
+    return transport_rule((Member(n.name, n.cluster, n.vendor) for n in members),
+                          lambda a, b: cluster.cluster_link(a, b).kind)
 
 
 def baseline_transport(cluster: Cluster, ranks: Sequence[int]) -> str:

@@ -1,9 +1,14 @@
 """The Plan: plain, serializable data that every adapter consumes.
 
 It holds the degrees, the placement (logical rank -> physical launch rank), every group with its
-transport, the layers per pipeline stage, and the predictor's numbers for the plan and for the
+transport, the layers per pipeline stage, the node table and the link kinds between clusters (what the
+transport rule reads at run time), and the predictor's numbers for the plan and for the
 framework-default baseline. ``Plan.hash`` is a stable content hash: every rank computes (or loads)
 a plan and the adapters compare hashes across ranks before building any group.
+
+The groups are stored for readers of the file, but they are derived data: the degrees and the
+permutation fix every group's members, the node table and links fix its transport. Loading a plan
+checks both (a hand-edited group list is refused), and look-ups are indexed once.
 """
 from __future__ import annotations
 
@@ -16,14 +21,23 @@ from typing import Any, Optional, Sequence
 
 from .errors import ConfigError
 from .topology import ParallelDims
+from .transport import Member, transport_rule
 
-FORMAT_VERSION = 1
+# 2: the plan carries the link kinds between clusters ('links'); 'order' dropped (nothing read it).
+FORMAT_VERSION = 2
 
 
 @dataclass
 class GroupPlan:
     ranks: list[int]          # physical launch ranks, in the framework's order (pipeline order for 'pp')
-    transport: str            # one of placement.TRANSPORTS
+    transport: str            # one of transport.TRANSPORTS
+
+
+@dataclass
+class LinkPlan:
+    """The link between two clusters, as the transport rule needs it (kind only: ib, roce, ethernet)."""
+    between: list[str]
+    kind: str
 
 
 @dataclass
@@ -74,7 +88,7 @@ class Plan:
     groups: dict[str, list[GroupPlan]]
     nodes: list[NodePlan]
     ep: int = 1
-    order: str = "tp-cp-ep-dp-pp"
+    links: list[LinkPlan] = field(default_factory=list)
     overlap_grad_reduce: bool = True
     distributed_optimizer: bool = False
     homogeneous: bool = False
@@ -89,7 +103,7 @@ class Plan:
     def dims(self) -> ParallelDims:
         return ParallelDims(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep)
 
-    @property
+    @cached_property
     def logical_of_physical(self) -> list[int]:
         inv = [0] * self.world_size
         for logical, phys in enumerate(self.rank_of_logical):
@@ -106,6 +120,11 @@ class Plan:
     def stage_of(self, physical_rank: int) -> int:
         return self.coord(physical_rank)["pp"]
 
+    def stage_ranks(self, stage: int) -> list[int]:
+        """Physical ranks holding pipeline stage ``stage`` (all its TP, CP and DP replicas)."""
+        size = self.dims.stage_size
+        return list(self.rank_of_logical[stage * size:(stage + 1) * size])
+
     @cached_property
     def _rank_nodes(self) -> list[NodePlan]:
         return [n for n in sorted(self.nodes, key=lambda n: n.first_rank) for _ in range(n.num_ranks)]
@@ -116,6 +135,17 @@ class Plan:
         return self._rank_nodes[physical_rank]
 
     @cached_property
+    def _link_kinds(self) -> dict[frozenset, str]:
+        kinds = {frozenset((n.cluster,)): n.fabric for n in self.nodes}
+        kinds.update({frozenset(link.between): link.kind for link in self.links})
+        return kinds
+
+    def link_kind(self, a: str, b: str) -> str:
+        """Kind of the link between clusters a and b (a == b: the cluster's fabric). A pair the plan does
+        not list is Ethernet, as in cluster files."""
+        return self._link_kinds.get(frozenset((a, b)), "ethernet")
+
+    @cached_property
     def _transport_by_members(self) -> dict[frozenset, str]:
         out: dict[frozenset, str] = {}
         for groups in self.groups.values():
@@ -124,30 +154,57 @@ class Plan:
         return out
 
     def transport_of(self, ranks: Sequence[int]) -> str:
-        """Transport of a group of physical ranks: the plan's own entry when it lists the group, else (the
-        world group, groups a framework adds) from the node table: one node 'local', several vendors
-        'host-staged', one RDMA cluster its fabric, otherwise 'socket' (the node table does not carry the
-        links between clusters, so RDMA across clusters is never assumed)."""
+        """Transport of a communicator over physical ``ranks``: the plan's entry when it lists the group,
+        else (the world group, groups a framework adds) the transport rule over the node table and links."""
         found = self._transport_by_members.get(frozenset(ranks))
         if found is not None:
             return found
-        members = {n.name: n for n in (self.node_of(r) for r in ranks)}.values()
-        if len(members) <= 1:
-            return "local"
-        if len({n.vendor for n in members}) > 1:
-            return "host-staged"
-        if len({n.cluster for n in members}) == 1 and next(iter(members)).fabric in ("ib", "roce"):
-            return next(iter(members)).fabric
-        return "socket"
+        return self.rule_transport(ranks)
+
+    def rule_transport(self, ranks: Sequence[int]) -> str:
+        """het_plugin.transport's rule over this plan's nodes (what the planner used for every group)."""
+        members = (self.node_of(r) for r in ranks)
+        return transport_rule((Member(n.name, n.cluster, n.vendor) for n in members), self.link_kind)
 
     def vendor_of(self, physical_rank: int) -> str:
         return self.node_of(physical_rank).vendor
 
+    @cached_property
+    def _group_index(self) -> dict[tuple[str, int], GroupPlan]:
+        return {(kind, r): g for kind, groups in self.groups.items() for g in groups for r in g.ranks}
+
     def group_of(self, kind: str, physical_rank: int) -> GroupPlan:
-        for g in self.groups[kind]:
-            if physical_rank in g.ranks:
-                return g
-        raise KeyError(f"rank {physical_rank} is in no {kind!r} group")
+        try:
+            return self._group_index[(kind, physical_rank)]
+        except KeyError:
+            raise KeyError(f"rank {physical_rank} is in no {kind!r} group") from None
+
+    def derived_groups(self, kind: str) -> list[list[int]]:
+        """Members of every ``kind`` group as the degrees and the permutation make them."""
+        perm = self.rank_of_logical
+        return [[perm[r] for r in g] for g in self.dims.groups(kind)]
+
+    def check_consistent(self, source: str = "<plan>") -> None:
+        """The stored groups and transports must be what the degrees, permutation, nodes and links say."""
+        if sorted(self.rank_of_logical) != list(range(self.world_size)):
+            raise ConfigError("rank_of_logical is not a permutation of the ranks", source=source,
+                              field="rank_of_logical", fix="re-create the plan with `het-plugin plan -o`")
+        if sum(n.num_ranks for n in self.nodes) != self.world_size:
+            raise ConfigError(f"the node table holds {sum(n.num_ranks for n in self.nodes)} ranks, the plan "
+                              f"{self.world_size}", source=source, field="nodes",
+                              fix="re-create the plan with `het-plugin plan -o`")
+        for kind, groups in self.groups.items():
+            want = self.derived_groups(kind)
+            if [g.ranks for g in groups] != want:
+                raise ConfigError(f"the {kind!r} groups do not follow from the degrees and rank_of_logical",
+                                  source=source, field=f"groups.{kind}",
+                                  fix="re-create the plan with `het-plugin plan -o` (do not edit groups by hand)")
+            for g in groups:
+                rule = self.rule_transport(g.ranks)
+                if g.transport != rule:
+                    raise ConfigError(f"group {g.ranks} says transport {g.transport!r}, its nodes and links "
+                                      f"give {rule!r}", source=source, field=f"groups.{kind}",
+                                      fix="re-create the plan with `het-plugin plan -o`")
 
     @property
     def speedup(self) -> Optional[float]:
@@ -168,8 +225,10 @@ class Plan:
                               fix="write one with `het-plugin plan -o plan.json`")
         version = data.get("format_version")
         if version != FORMAT_VERSION:
-            raise ConfigError(f"plan format_version {version}, this het_plugin reads {FORMAT_VERSION}",
-                              source=source, field="format_version", fix="re-create the plan with this version")
+            raise ConfigError(f"the plan has format_version {version}, this het_plugin reads format_version "
+                              f"{FORMAT_VERSION}", source=source, field="format_version",
+                              fix="re-plan with this het_plugin: `het-plugin plan CLUSTER --model MODEL -o PLAN` "
+                                  "(or re-wrap the DeepSpeed config)")
         data = dict(data)
         stored_hash = data.pop("hash", None)
         known = {f.name for f in fields(cls)}
@@ -178,6 +237,7 @@ class Plan:
             raise ConfigError(f"unknown plan keys {unknown}", source=source, fix="re-create the plan")
         data["groups"] = {k: [GroupPlan(**g) for g in v] for k, v in data["groups"].items()}
         data["nodes"] = [NodePlan(**n) for n in data["nodes"]]
+        data["links"] = [LinkPlan(**link) for link in data.get("links", [])]
         for key in ("prediction", "baseline"):
             if data.get(key) is not None:
                 data[key] = Prediction(**data[key])
@@ -185,6 +245,7 @@ class Plan:
         if stored_hash is not None and stored_hash != plan.hash:
             raise ConfigError("the plan's content does not match its hash (edited by hand?)", source=source,
                               field="hash", fix="re-create the plan with `het-plugin plan -o`, or delete the hash key")
+        plan.check_consistent(source)
         return plan
 
     def canonical_json(self) -> str:

@@ -23,7 +23,7 @@ from .partition import bottleneck, exact_partition
 from .placement import (Placement, baseline_transport, default_placement, domain_orders, place,
                         stage_domains, transport)
 from .profile import Profile
-from .plan import GroupPlan, NodePlan, Plan, Prediction
+from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction
 from .topology import GROUP_KINDS, ParallelDims
 
 
@@ -49,6 +49,7 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         groups[kind] = [GroupPlan(g, net.transport([rank_node[r] for r in g])) for g in placement.physical_groups(kind)]
     nodes = [NodePlan(n.name, n.cluster, n.fabric.type, n.accelerator.name, n.vendor,
                       cluster.node_first_rank[n.index], n.num_accelerators) for n in cluster.nodes]
+    links = [LinkPlan(sorted(pair), link.kind) for pair, link in sorted(cluster.links.items(), key=lambda kv: sorted(kv[0]))]
     warnings = list(extra_warnings)
     for s, doms in enumerate(stage_domains(cluster, placement)):
         if len(doms) > 1:
@@ -65,7 +66,7 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         world_size=dims.world_size, tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, ep=dims.ep,
         micro_batch_size=micro_batch_size, num_micro_batches=model.global_batch_size // per_mb,
         rank_of_logical=list(placement.rank_of_logical), layers_per_stage=list(layers_per_stage),
-        groups=groups, nodes=nodes, overlap_grad_reduce=overlap_grad_reduce,
+        groups=groups, nodes=nodes, links=links, overlap_grad_reduce=overlap_grad_reduce,
         distributed_optimizer=distributed_optimizer, homogeneous=cluster.is_homogeneous,
         prediction=prediction, baseline=baseline, alternatives=list(alternatives), warnings=warnings)
 
@@ -204,29 +205,22 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
                     layers: Optional[list[int]], search: _Search, order_index: int, dist_opt: bool,
                     overlap: bool, profile: Optional[Profile], label: str) -> None:
     """Partition (when ``layers`` is None) and predict one candidate; offer it or record why not."""
-    m = model.global_batch_size // (dims.dp * mb)
-    sts = cost.stage_models(model, analysis, mb, m, profile)
-    L = model.num_layers
-    caps = [cost.max_layers_fitting(st, L, dims.dp, dist_opt) for st in sts]
+    split = cost.SplitCosts(model, analysis, mb, overlap_grad_reduce=overlap, distributed_optimizer=dist_opt,
+                            profile=profile)
+    caps = split.max_layers()
     if layers is None:
-        tables = cost.stage_costs(sts, L, m, dims.dp, overlap, dist_opt, profile)
-        layers = exact_partition(L, tables, caps)
+        tables = split.tables()
+        layers = exact_partition(model.num_layers, tables, caps)
         if layers is None:
-            even = uniform_layers(L, dims.pp)
-            over = max(cost.memory_bytes(st, n, dims.dp, dist_opt) / cost.GIB - st.capacity_gib
-                       for st, n in zip(sts, even))
-            search.miss(over, f"{label} mb={mb}")
+            search.miss(split.overflow_gib(uniform_layers(model.num_layers, dims.pp)), f"{label} mb={mb}")
             return
         lower = bottleneck(tables, layers)
         if lower >= search.bound():
             return
     elif any(n > c for n, c in zip(layers, caps)):
-        over = max(cost.memory_bytes(st, n, dims.dp, dist_opt) / cost.GIB - st.capacity_gib
-                   for st, n in zip(sts, layers))
-        search.miss(over, f"{label} mb={mb}")
+        search.miss(split.overflow_gib(layers), f"{label} mb={mb}")
         return
-    pred = cost.evaluate(model, analysis, layers, mb, overlap_grad_reduce=overlap, distributed_optimizer=dist_opt,
-                         profile=profile, sts=sts)
+    pred = split.predict(layers)
     if not pred.fits:
         search.miss(max(m_ - c for m_, c in zip(pred.memory_gib_per_stage, pred.capacity_gib_per_stage)),
                     f"{label} mb={mb}")
@@ -244,9 +238,9 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
     most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
     for i, dims in enumerate(options):
         dist_opts = [d for d in (False, True) if not (d and dims.dp == 1)]
-        dist_opts = [d for d in dist_opts if _states_lower_bound_gib(model, dims, d) <= most_memory]
+        dist_opts = [d for d in dist_opts if cost.params_memory_gib(model, dims, d) <= most_memory]
         if not dist_opts:
-            found.miss(_states_lower_bound_gib(model, dims, True) - most_memory, _label(dims))
+            found.miss(cost.params_memory_gib(model, dims, True) - most_memory, _label(dims))
             continue
         seen: set = set()
         for k, order in enumerate(orders):
@@ -285,7 +279,7 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
         uneven = model.num_layers % dims.pp != 0
         if uneven and not fixed_pp:
             continue
-        states = _states_lower_bound_gib(model, dims, dist_opt)
+        states = cost.params_memory_gib(model, dims, dist_opt)
         most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
         if states > most_memory:
             found.miss(states - most_memory, _label(dims))
@@ -301,13 +295,6 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
 
 def _label(dims: ParallelDims) -> str:
     return f"tp={dims.tp} pp={dims.pp} dp={dims.dp}" + (f" cp={dims.cp}" if dims.cp > 1 else "")
-
-
-def _states_lower_bound_gib(model: ModelSpec, dims: ParallelDims, dist_opt: bool) -> float:
-    """Weights, gradients and optimizer state per device if the model split perfectly over tp*pp."""
-    opt = cost.OPTIMIZER_STATE_BYTES / dims.dp if dist_opt else cost.OPTIMIZER_STATE_BYTES
-    per_param = cost.WEIGHT_BYTES + cost.GRAD_BYTES + opt
-    return model.total_params * per_param / (dims.tp * dims.pp) / cost.GIB
 
 
 def _describe(cand: Candidate, what: str) -> str:

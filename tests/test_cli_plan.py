@@ -11,7 +11,7 @@ from het_plugin.cli import main
 from het_plugin.cluster import load_cluster
 from het_plugin.model import preset_model
 from het_plugin.placement import place
-from het_plugin.plan import Plan, Prediction
+from het_plugin.plan import FORMAT_VERSION, Plan, Prediction
 from het_plugin.planner import assemble_plan
 from het_plugin.report import node_rows, render_text, spans
 from het_plugin.svg import PALETTE, draw_plan
@@ -81,7 +81,7 @@ def plan_cluster_path():
 def test_json_output_is_the_plan(capsys, holmes_json):
     plan = Plan.from_dict(holmes_json)
     assert holmes_json["hash"] == plan.hash
-    assert holmes_json["format_version"] == 1
+    assert holmes_json["format_version"] == FORMAT_VERSION
     assert sorted(holmes_json["rank_of_logical"]) == list(range(64))
 
 

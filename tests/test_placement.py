@@ -34,7 +34,8 @@ def clusters(draw, max_clusters: int = 3):
                       "fabric": {"type": draw(st.sampled_from(["ib", "roce", "ethernet"])),
                                  "gbps": draw(st.sampled_from([100, 400, 800]))},
                       "nodes": groups})
-    links = [{"between": [a["name"], b["name"]], "gbps": draw(st.sampled_from([10, 25, 100]))}
+    links = [{"between": [a["name"], b["name"]], "gbps": draw(st.sampled_from([10, 25, 100])),
+              "type": draw(st.sampled_from(["ethernet", "ethernet", "ib", "roce"]))}
              for i, a in enumerate(specs) for b in specs[i + 1:]]
     return cluster_from_dict({"name": "random", "clusters": specs, "links": links})
 

@@ -120,9 +120,17 @@ def test_hand_edited_plan_is_refused(saved):
     with pytest.raises(ConfigError) as info:
         Plan.load(path)
     assert info.value.field == "hash" and "het-plugin plan -o" in info.value.fix
-    del data["hash"]                      # without the hash the edit is accepted (documented escape hatch)
+    del data["hash"]                      # without the hash, an edit must still be consistent
     path.write_text(json.dumps(data))
-    assert Plan.load(path).rank_of_logical[:2] == plan.rank_of_logical[:2][::-1]
+    with pytest.raises(ConfigError) as info:
+        Plan.load(path)
+    assert info.value.field.startswith("groups.") and "het-plugin plan -o" in info.value.fix
+    data = json.loads(json.dumps(plan.to_dict()))
+    del data["hash"]                      # a consistent edit is accepted (documented escape hatch)
+    data["layers_per_stage"] = [n + (1 if s == 0 else -1 if s == 1 else 0)
+                                for s, n in enumerate(data["layers_per_stage"])]
+    path.write_text(json.dumps(data))
+    assert Plan.load(path).layers_per_stage[0] == plan.layers_per_stage[0] + 1
 
 
 def test_other_format_version_is_refused(saved):
@@ -132,7 +140,7 @@ def test_other_format_version_is_refused(saved):
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError) as info:
         Plan.load(path)
-    assert info.value.field == "format_version" and "re-create" in info.value.fix
+    assert info.value.field == "format_version" and "het-plugin plan" in info.value.fix
 
 
 def test_unknown_keys_and_non_plans_are_refused(saved, examples_dir):
