@@ -1,19 +1,16 @@
 """Every rank must use the same plan: compare plan hashes across ranks before any group is built.
 
-Uses the default process group's key-value store, not a collective: a rank whose plan computation
-failed publishes its error instead of a hash, so every rank stops with the same clear message instead
-of some ranks waiting forever in a collective.
+Runs over :class:`het_plugin.runtime.exchange.Exchange` (the default store, not a collective): a rank
+whose plan computation failed publishes its error instead of a hash, so every rank stops with the same
+clear message, and a rank that never arrives is named after one bounded wait (``HET_PLUGIN_TIMEOUT``).
 """
 from __future__ import annotations
 
-import itertools
-from datetime import timedelta
-from .errors import PlanMismatchError
+from typing import Optional
 
-# One call sequence per (label, rank): every rank's n-th check uses the same keys. Keyed by rank too, so
-# ranks simulated as threads of one process (tests) do not advance each other's sequence.
-_calls: dict[tuple[str, int], itertools.count] = {}
-ERROR_PREFIX = "error:"
+from .errors import PlanMismatchError
+from .runtime.exchange import Entry, Exchange, ExchangeTimeout
+from .topology import format_ranks
 
 
 def _default_store():
@@ -22,60 +19,43 @@ def _default_store():
 
 
 def check_plan_agreement(value: str, *, rank: int, world_size: int, store=None, label: str = "plan",
-                         timeout_s: float = 300.0) -> None:
-    """Publish ``value`` (a plan hash, or ``"error: <message>"``) and compare with every other rank.
+                         timeout_s: Optional[float] = None, error: Optional[BaseException] = None) -> None:
+    """Publish ``value`` (a plan hash) or ``error`` and compare with every other rank.
 
-    Raises PlanMismatchError on every rank, naming the ranks that differ (or that failed).
+    Raises PlanMismatchError on every rank, naming the ranks that differ, failed, or never reported.
     """
-    store = store or _default_store()
-    call = next(_calls.setdefault((label, rank), itertools.count()))
-    prefix = f"het_plugin/agree/{label}/{call}"
-    store.set(f"{prefix}/{rank}", value)
-    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    ex = Exchange(store or _default_store(), f"agree/{label}", index=rank, members=range(world_size),
+                  what=f"the {label} check", timeout=timeout_s)
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except Exception as exc:  # a rank never published: it died before computing a plan
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise PlanMismatchError(f"ranks {missing} never reported a {label} within {timeout_s:.0f}s "
-                                f"(crashed before planning?): {exc}") from None
-    values = [store.get(k).decode() for k in keys]
-    describe_disagreement(values, label)
+        entries = ex.all_gather(value, error=error)
+    except ExchangeTimeout as exc:
+        raise PlanMismatchError(f"{exc} (crashed before planning?)") from None
+    describe_disagreement(entries, label)
 
 
-def describe_disagreement(values: list[str], label: str = "plan") -> None:
-    """Raise PlanMismatchError when the per-rank values are not all the same valid hash."""
-    failed = {r: v for r, v in enumerate(values) if v.startswith(ERROR_PREFIX)}
+def describe_disagreement(entries: list[Entry], label: str = "plan") -> None:
+    """Raise PlanMismatchError when the entries are not all the same value."""
+    failed = [e for e in entries if e.error is not None]
     if failed:
-        first = min(failed)
-        raise PlanMismatchError(f"rank(s) {sorted(failed)} could not compute the {label}; rank {first}: "
-                                f"{failed[first][len(ERROR_PREFIX):].strip()}")
+        first = failed[0]
+        raise PlanMismatchError(f"rank(s) {format_ranks([e.rank for e in failed])} could not compute the {label}; "
+                                f"rank {first.rank}: {_error_text(first.error)}")
     by_value: dict[str, list[int]] = {}
-    for r, v in enumerate(values):
-        by_value.setdefault(v, []).append(r)
+    for e in entries:
+        by_value.setdefault(e.value, []).append(e.rank)
     if len(by_value) > 1:
-        parts = "; ".join(f"ranks {_ranges(rs)} have {v}" for v, rs in sorted(by_value.items(), key=lambda kv: kv[1][0]))
+        parts = "; ".join(f"ranks {format_ranks(rs)} have {v}"
+                          for v, rs in sorted(by_value.items(), key=lambda kv: kv[1][0]))
         raise PlanMismatchError(f"ranks computed different {label}s ({parts}); give every rank the same "
                                 "cluster file (or plan file) and the same arguments")
 
 
-def _ranges(ranks: list[int]) -> str:
-    out, start = [], ranks[0]
-    prev = start
-    for r in ranks[1:] + [None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ",".join(out)
+def _error_text(err: dict) -> str:
+    where = "".join(f"{err[k]}: " for k in ("source", "field") if err.get(k))
+    return where + err.get("problem", "?") + (f" (fix: {err['fix']})" if err.get("fix") else "")
 
 
-def error_value(exc: BaseException) -> str:
-    return f"{ERROR_PREFIX} {exc}"
-
-
-def agree_on_plan(make, *, rank: int, world_size: int, store=None, timeout_s: float = 300.0):
+def agree_on_plan(make, *, rank: int, world_size: int, store=None, timeout_s: Optional[float] = None):
     """Call ``make()`` (returns a Plan), then check every rank got the same one; raise on any failure.
 
     A rank whose own planning failed tells the others first, then raises *its* error (the file, field
@@ -85,8 +65,7 @@ def agree_on_plan(make, *, rank: int, world_size: int, store=None, timeout_s: fl
         plan = make()
     except Exception as exc:
         try:
-            check_plan_agreement(error_value(exc), rank=rank, world_size=world_size, store=store,
-                                 timeout_s=timeout_s)
+            check_plan_agreement("", rank=rank, world_size=world_size, store=store, timeout_s=timeout_s, error=exc)
         except PlanMismatchError:
             pass                # expected: this rank's own error is the clearer message
         raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Sequence
 
 ORDER = ("tp", "cp", "ep", "dp", "pp")
 
@@ -95,3 +96,20 @@ def _offset(index: int, dims: list[tuple[int, int]]) -> int:
         off += (index % size) * stride
         index //= size
     return off
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8": runs of consecutive ranks, for messages and summaries."""
+    ranks = sorted(set(ranks))
+    if not ranks:
+        return "none"
+    out, start = [], ranks[0]
+    prev = start
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)

@@ -10,6 +10,7 @@ import pytest
 torch_dist = pytest.importorskip("torch.distributed")
 
 from het_plugin import agreement  # noqa: E402
+from het_plugin.runtime import exchange  # noqa: E402
 from het_plugin.agreement import agree_on_plan, check_plan_agreement  # noqa: E402
 from het_plugin.errors import ConfigError, PlanMismatchError  # noqa: E402
 
@@ -34,11 +35,11 @@ def tcp_stores(world_size):
 
 @pytest.fixture(autouse=True)
 def fresh_call_sequence(monkeypatch):
-    monkeypatch.setattr(agreement, "_calls", {})
+    exchange.reset_call_counts()
 
 
-def run_ranks(world_size, body, stores, join_s=20.0):
-    """Run ``body(rank, store)`` on one thread per rank; return {rank: result or exception}."""
+def run_rank_threads(world_size, body, stores, join_s=20.0):
+    """Simulated ranks, no processes: ``body(rank, store)`` on one thread each; {rank: result or exception}."""
     results: dict[int, object] = {}
 
     def target(rank):
@@ -60,16 +61,16 @@ def run_ranks(world_size, body, stores, join_s=20.0):
 @pytest.mark.parametrize("make_stores", [hash_store, tcp_stores])
 def test_same_hash_everywhere_passes(make_stores):
     plans = {r: FakePlan("abc123") for r in range(4)}
-    results = run_ranks(4, lambda r, s: agree_on_plan(lambda: plans[r], rank=r, world_size=4, store=s,
-                                                      timeout_s=10), make_stores(4))
+    results = run_rank_threads(4, lambda r, s: agree_on_plan(lambda: plans[r], rank=r, world_size=4, store=s,
+                                                             timeout_s=10), make_stores(4))
     assert all(results[r] is plans[r] for r in range(4))
 
 
 @pytest.mark.parametrize("make_stores", [hash_store, tcp_stores])
 def test_mismatch_names_the_ranks_on_every_rank(make_stores):
     hashes = ["aaaa", "aaaa", "bbbb", "aaaa"]
-    results = run_ranks(4, lambda r, s: check_plan_agreement(hashes[r], rank=r, world_size=4, store=s,
-                                                             timeout_s=10), make_stores(4))
+    results = run_rank_threads(4, lambda r, s: check_plan_agreement(hashes[r], rank=r, world_size=4, store=s,
+                                                                    timeout_s=10), make_stores(4))
     for r in range(4):
         exc = results[r]
         assert isinstance(exc, PlanMismatchError), (r, exc)
@@ -85,39 +86,42 @@ def test_a_failing_rank_stops_everyone_with_its_message():
             return FakePlan("abc")
         return agree_on_plan(make, rank=rank, world_size=3, store=store, timeout_s=10)
 
-    results = run_ranks(3, body, hash_store(3))
+    results = run_rank_threads(3, body, hash_store(3))
     assert isinstance(results[2], ConfigError) and results[2].field == "clusters[0].nodes[0]"
     for r in range(2):
         exc = results[r]
         assert isinstance(exc, PlanMismatchError), (r, exc)
-        assert "rank(s) [2] could not compute the plan" in str(exc)
+        assert "rank(s) 2 could not compute the plan" in str(exc)
         assert "cluster.yaml: clusters[0].nodes[0]: unknown accelerator 'X'" in str(exc)
 
 
 def test_a_rank_that_never_reports_times_out_instead_of_hanging():
     started = time.monotonic()
     # world of 3, but rank 2 never runs (crashed before planning)
-    results = run_ranks(2, lambda r, s: check_plan_agreement("abc", rank=r, world_size=3, store=s, timeout_s=1.0),
-                        hash_store(2))
+    results = run_rank_threads(2, lambda r, s: check_plan_agreement("abc", rank=r, world_size=3, store=s,
+                                                                    timeout_s=1.0), hash_store(2))
     elapsed = time.monotonic() - started
     for r in range(2):
         exc = results[r]
         assert isinstance(exc, PlanMismatchError), (r, exc)
-        assert "ranks [2] never reported a plan within 1s" in str(exc)
+        assert "rank(s) 2 never reached the plan check within 1s" in str(exc)
     assert elapsed < 10
 
 
 def test_repeated_checks_use_fresh_keys():
     stores = hash_store(2)
-    first = run_ranks(2, lambda r, s: check_plan_agreement("one", rank=r, world_size=2, store=s, timeout_s=5), stores)
+    first = run_rank_threads(2, lambda r, s: check_plan_agreement("one", rank=r, world_size=2, store=s, timeout_s=5),
+                             stores)
     assert first == {0: None, 1: None}
     # the second round must not see the first round's values: a mismatch now is reported
-    second = run_ranks(2, lambda r, s: check_plan_agreement(["one", "two"][r], rank=r, world_size=2, store=s,
-                                                            timeout_s=5), stores)
+    second = run_rank_threads(2, lambda r, s: check_plan_agreement(["one", "two"][r], rank=r, world_size=2, store=s,
+                                                                   timeout_s=5), stores)
     assert all(isinstance(e, PlanMismatchError) for e in second.values())
 
 
 def test_describe_disagreement_directly():
-    agreement.describe_disagreement(["h", "h", "h"])
+    def entries(values):
+        return [exchange.Entry(i, i, v) for i, v in enumerate(values)]
+    agreement.describe_disagreement(entries(["h", "h", "h"]))
     with pytest.raises(PlanMismatchError, match="ranks 0,2 have h1; ranks 1 have h2"):
-        agreement.describe_disagreement(["h1", "h2", "h1"])
+        agreement.describe_disagreement(entries(["h1", "h2", "h1"]))

@@ -1,0 +1,167 @@
+"""Publish-wait-collect over a torch.distributed key-value store: the one primitive every cross-rank
+check of het_plugin uses (plan agreement, vendor agreement, discovery).
+
+A store, not a collective: a rank that failed publishes its error instead of a value, so every rank
+stops with the same message, and a rank that never arrives is named after one bounded wait instead of
+leaving the others in a collective forever. Keys carry the elastic restart count
+(``TORCHELASTIC_RESTART_COUNT``), so a restarted job never reads the previous attempt's keys from
+torchrun's long-lived agent store, and a per-(label, rank) call count, so the n-th exchange of a label
+on every rank uses the same keys.
+
+One timeout rule: an explicit ``timeout_s``, else ``HET_PLUGIN_TIMEOUT`` (seconds), else
+:data:`DEFAULT_TIMEOUT_S`.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping, Optional, Sequence
+
+from ..errors import ConfigError, HetPluginError
+from ..topology import format_ranks
+
+ENV_TIMEOUT = "HET_PLUGIN_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class ExchangeTimeout(HetPluginError, RuntimeError):
+    """Some ranks never published within the timeout (crashed, hung, or never started)."""
+
+    def __init__(self, message: str, missing: Sequence[int]):
+        super().__init__(message)
+        self.missing = list(missing)
+
+
+class RemoteError(HetPluginError, RuntimeError):
+    """Another rank published an error that is not a ConfigError (those are re-raised as ConfigError)."""
+
+
+def timeout_s(explicit: Optional[float] = None, env: Optional[Mapping[str, str]] = None) -> float:
+    """The bound on every wait het_plugin owns (see the module docstring)."""
+    if explicit is not None:
+        return float(explicit)
+    text = (os.environ if env is None else env).get(ENV_TIMEOUT, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{ENV_TIMEOUT}={text!r} is not a positive number of seconds", source="environment",
+                          field=ENV_TIMEOUT, fix=f"set {ENV_TIMEOUT} to e.g. 300, or unset it")
+    return value
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What one member published: a JSON-able value, or the error it hit."""
+    index: int              # position among the members (group rank)
+    rank: int               # global rank, for messages
+    value: Any = None
+    error: Optional[dict] = None
+
+    def raise_error(self, prefix: Optional[str] = None) -> None:
+        """Re-raise a published error here: a ConfigError keeps its source, field and fix. ``prefix``
+        starts the message (default: "rank N: ")."""
+        err = self.error or {}
+        problem = (f"rank {self.rank}: " if prefix is None else prefix) + err.get("problem", "?")
+        if err.get("config"):
+            raise ConfigError(problem, source=err.get("source"), field=err.get("field"), fix=err.get("fix"))
+        raise RemoteError(problem)
+
+
+def encode_error(exc: BaseException) -> dict:
+    if isinstance(exc, ConfigError):
+        return {"config": True, "problem": exc.problem, "source": exc.source, "field": exc.field, "fix": exc.fix}
+    return {"config": False, "problem": f"{type(exc).__name__}: {exc}"}
+
+
+_calls: dict[tuple[str, int], itertools.count] = {}
+_calls_lock = threading.Lock()
+
+
+def reset_call_counts() -> None:
+    """Forget the per-label call counts (tests that reuse one store)."""
+    with _calls_lock:
+        _calls.clear()
+
+
+class Exchange:
+    """One exchange among ``members`` (global ranks, in member order) through ``store``.
+
+    ``index`` is this process's position among the members. Use one Exchange per round; its keys are
+    ``het_plugin/<restart>/<label>/<call>/...``.
+    """
+
+    def __init__(self, store, label: str, *, index: int, members: Sequence[int], what: str,
+                 timeout: Optional[float] = None, env: Optional[Mapping[str, str]] = None,
+                 key: Optional[str] = None):
+        env = os.environ if env is None else env
+        self.store, self.index, self.members, self.what = store, index, list(members), what
+        self.timeout_s = timeout_s(timeout, env)
+        if key is None:
+            with _calls_lock:
+                key = str(next(_calls.setdefault((label, self.members[index]), itertools.count())))
+        self.prefix = f"het_plugin/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{label}/{key}"
+
+    # ---- the two shapes: everyone sees everything, or one root collects and answers -------------
+    def all_gather(self, value: Any = None, *, error: Optional[BaseException] = None) -> list[Entry]:
+        """Publish (value or error) and return every member's entry. Raises ExchangeTimeout naming the
+        members that never published."""
+        self._publish("v", self.index, value, error)
+        return self._collect("v")
+
+    def gather(self, value: Any = None, *, error: Optional[BaseException] = None,
+               root: int = 0) -> Optional[list[Entry]]:
+        """Publish; the root (a member index) waits for and returns every entry, the others get None."""
+        self._publish("v", self.index, value, error)
+        return self._collect("v") if self.index == root else None
+
+    def broadcast(self, value: Any = None, *, error: Optional[BaseException] = None, root: int = 0) -> Entry:
+        """The root publishes one answer (value or error); every member returns it (the root too)."""
+        if self.index == root:
+            self._publish("answer", 0, value, error)
+        return self._collect("answer", indices=[0], who=[self.members[root]])[0]
+
+    def done(self, *, root: int = 0, wait_s: float = 60.0) -> None:
+        """Every member says it has read the answer; the root waits for that (best effort, at most
+        ``wait_s``): the root may host the store, and leaving early would take it from the others."""
+        self.store.set(f"{self.prefix}/done/{self.index}", "1")
+        if self.index == root:
+            keys = [f"{self.prefix}/done/{i}" for i in range(len(self.members))]
+            try:
+                self.store.wait(keys, timedelta(seconds=min(wait_s, self.timeout_s)))
+            except Exception:
+                pass
+
+    # ---- plumbing ---------------------------------------------------------------------------------
+    def _publish(self, kind: str, slot: int, value: Any, error: Optional[BaseException]) -> None:
+        payload = {"error": encode_error(error)} if error is not None else {"value": value}
+        self.store.set(f"{self.prefix}/{kind}/{slot}", json.dumps(payload, default=str))
+
+    def _collect(self, kind: str, indices: Optional[Sequence[int]] = None,
+                 who: Optional[Sequence[int]] = None) -> list[Entry]:
+        indices = list(range(len(self.members))) if indices is None else list(indices)
+        who = [self.members[i] for i in indices] if who is None else list(who)
+        keys = [f"{self.prefix}/{kind}/{i}" for i in indices]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception:       # the store's own timeout error; say who is missing instead
+            missing = [r for r, k in zip(who, keys) if not self.store.check([k])]
+            raise ExchangeTimeout(
+                f"rank(s) {format_ranks(missing)} never reached {self.what} within {self.timeout_s:g}s "
+                f"(crashed, hung, or not started?); every rank waits at most {ENV_TIMEOUT} seconds", missing) from None
+        out = []
+        for i, r, k in zip(indices, who, keys):
+            payload = json.loads(self.store.get(k))
+            out.append(Entry(i, r, payload.get("value"), payload.get("error")))
+        return out
+
+
+def first_error(entries: Sequence[Entry]) -> Optional[Entry]:
+    return next((e for e in entries if e.error is not None), None)
