@@ -18,8 +18,13 @@ The model, in short (details and constants in docs/planner.md):
 * Memory per rank: bf16 weights, fp32 gradients, fp32 master + Adam moments (divided by DP with the
   distributed optimizer), activations of the in-flight micro-batches, logits on the last stage.
 
-The expensive part (walking every group of a placement) is :func:`analyze`; :func:`evaluate` is cheap, so
-the planner analyzes a placement once and evaluates it for many micro-batch sizes and layer splits.
+The expensive part (walking every group of a placement) is :func:`analyze`; the rest is cheap, so the
+planner analyzes a placement once and evaluates it for many micro-batch sizes and layer splits.
+
+What the planner uses: :class:`Network` and :func:`analyze` (once per placement), :class:`SplitCosts` (per
+micro-batch size and optimizer setting: the exact partition's cost tables and memory caps, a split's memory
+excess, its prediction) and :func:`params_memory_gib` (a lower bound to skip degrees that cannot fit).
+:func:`predict` is the one-call form for everyone else.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from .model import ModelSpec
 from .placement import Placement, transport as placement_transport
 from .plan import Prediction
 from .profile import Profile
+from .topology import ParallelDims
 
 TransportFn = Callable[[Cluster, Sequence[int]], str]
 
@@ -338,15 +344,15 @@ def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, 
     return fwd, bwd
 
 
-def activation_bytes_per_layer(model: ModelSpec, mb: int, tp: int, cp: int) -> float:
+def _activation_bytes_per_layer(model: ModelSpec, mb: int, tp: int, cp: int) -> float:
     """Saved activations of one layer and micro-batch (Korthikanti et al. 2022, flash attention, SP)."""
     h = model.hidden_size
     ffn_mult = model.ffn * (1.5 if model.activation == "swiglu" else 1.0) / (4 * h)
     return mb * model.seq_length * h * (15 + 19 * ffn_mult) / (tp * cp)
 
 
-def stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batches: int,
-                 profile: Optional[Profile] = None) -> list[StageModel]:
+def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batches: int,
+                  profile: Optional[Profile] = None) -> list[StageModel]:
     dims = analysis.placement.dims
     tp, cp, pp = dims.tp, dims.cp, dims.pp
     act_msg = mb * model.seq_length * model.hidden_size * model.dtype_bytes / (tp * cp)
@@ -379,12 +385,12 @@ def stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batche
                 t += 2 * act_msg * 8 / (HOST_COPY_GBPS * 1e9)
             send = max(send, t)
         out.append(StageModel(layer[0], layer[1], ff, fb_, send, model.params_per_layer / tp, fixed_params,
-                              activation_bytes_per_layer(model, mb, tp, cp), fixed_mem, in_flight,
+                              _activation_bytes_per_layer(model, mb, tp, cp), fixed_mem, in_flight,
                               info.capacity_gib, info.dp_paths))
     return out
 
 
-def memory_bytes(st: StageModel, n_layers: int, dp: int, distributed_optimizer: bool) -> float:
+def _memory_bytes(st: StageModel, n_layers: int, dp: int, distributed_optimizer: bool) -> float:
     params = st.fixed_params + n_layers * st.params_per_layer
     opt = OPTIMIZER_STATE_BYTES / dp if distributed_optimizer else OPTIMIZER_STATE_BYTES
     states = params * (WEIGHT_BYTES + GRAD_BYTES + opt)
@@ -392,20 +398,20 @@ def memory_bytes(st: StageModel, n_layers: int, dp: int, distributed_optimizer: 
     return states + acts + FRAMEWORK_OVERHEAD_GIB * GIB
 
 
-def max_layers_fitting(st: StageModel, num_layers: int, dp: int, distributed_optimizer: bool) -> int:
+def _max_layers_fitting(st: StageModel, num_layers: int, dp: int, distributed_optimizer: bool) -> int:
     """Most layers the stage's memory holds (-1: not even its fixed part fits)."""
     cap = st.capacity_gib * GIB
-    base = memory_bytes(st, 0, dp, distributed_optimizer)
+    base = _memory_bytes(st, 0, dp, distributed_optimizer)
     if base > cap:
         return -1
-    per = memory_bytes(st, 1, dp, distributed_optimizer) - base
+    per = _memory_bytes(st, 1, dp, distributed_optimizer) - base
     n = num_layers if per <= 0 else min(num_layers, int((cap - base) // per))
-    while n > 0 and memory_bytes(st, n, dp, distributed_optimizer) > cap:   # guard rounding
+    while n > 0 and _memory_bytes(st, n, dp, distributed_optimizer) > cap:   # guard rounding
         n -= 1
     return n
 
 
-def dp_reduce_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: bool,
+def _dp_reduce_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: bool,
                 profile: Optional[Profile]) -> float:
     """Gradient reduction of the stage (plus the parameter all-gather of the distributed optimizer)."""
     if dp <= 1:
@@ -421,8 +427,8 @@ def dp_reduce_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: b
     return worst
 
 
-def stage_costs(sts: list[StageModel], num_layers: int, num_micro_batches: int, dp: int, overlap: bool,
-                distributed_optimizer: bool, profile: Optional[Profile]) -> list[list[float]]:
+def _stage_costs(sts: list[StageModel], num_layers: int, num_micro_batches: int, dp: int, overlap: bool,
+                 distributed_optimizer: bool, profile: Optional[Profile]) -> list[list[float]]:
     """Cost tables for the exact partition: one stage's busy time in an iteration with n layers."""
     m = num_micro_batches
     tables = []
@@ -430,15 +436,15 @@ def stage_costs(sts: list[StageModel], num_layers: int, num_micro_batches: int, 
         recv_side = sts[s - 1].send_s if s > 0 else 0.0      # this stage sends gradients back over it
         row = []
         if profile is None:     # the analytic reduction is affine in the layer count: two points suffice
-            red0 = dp_reduce_s(st, 0, dp, distributed_optimizer, None)
-            red_step = dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0
+            red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
+            red_step = _dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0
         for n in range(num_layers + 1):
             fwd = st.fixed_fwd_s + n * st.layer_fwd_s
             bwd = st.fixed_bwd_s + n * st.layer_bwd_s
             if profile is None:
                 red = red0 + n * red_step
             else:
-                red = dp_reduce_s(st, n, dp, distributed_optimizer, profile)
+                red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
             exposed = max(0.0, red - bwd) if overlap else red
             row.append(m * (fwd + bwd + st.send_s + recv_side) + exposed)
         tables.append(row)
@@ -510,12 +516,17 @@ def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[flo
 
 def evaluate(model: ModelSpec, analysis: Analysis, layers_per_stage: Sequence[int], micro_batch_size: int, *,
              overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
-             profile: Optional[Profile] = None, sts: Optional[list[StageModel]] = None,
-             description: str = "") -> Prediction:
+             profile: Optional[Profile] = None, description: str = "") -> Prediction:
+    """Predict one layer split of an analyzed placement."""
+    return SplitCosts(model, analysis, micro_batch_size, overlap_grad_reduce=overlap_grad_reduce,
+                      distributed_optimizer=distributed_optimizer, profile=profile).predict(layers_per_stage,
+                                                                                             description)
+
+
+def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: int, layers_per_stage: Sequence[int],
+              overlap_grad_reduce: bool, distributed_optimizer: bool, profile: Optional[Profile],
+              description: str) -> Prediction:
     dims = analysis.placement.dims
-    m = model.global_batch_size // (dims.dp * micro_batch_size)
-    if sts is None:
-        sts = stage_models(model, analysis, micro_batch_size, m, profile)
     fwd = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers_per_stage)]
     bwd = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers_per_stage)]
     send = [st.send_s for st in sts]
@@ -524,7 +535,7 @@ def evaluate(model: ModelSpec, analysis: Analysis, layers_per_stage: Sequence[in
     ends = []
     opt = 0.0
     for s, (st, n) in enumerate(zip(sts, layers_per_stage)):
-        red = dp_reduce_s(st, n, dims.dp, distributed_optimizer, profile)
+        red = _dp_reduce_s(st, n, dims.dp, distributed_optimizer, profile)
         exposed = max(0.0, red - bwd[s]) if overlap_grad_reduce else red
         ends.append(finish[s] + exposed)
         params = st.fixed_params + n * st.params_per_layer
@@ -539,7 +550,7 @@ def evaluate(model: ModelSpec, analysis: Analysis, layers_per_stage: Sequence[in
     tokens = model.global_batch_size * model.seq_length
     flops = 3.0 * model.global_batch_size * (model.num_layers * model.layer_flops_fwd(1) + model.logits_flops_fwd(1))
     busiest = max(m * (f + b) for f, b in zip(fwd, bwd))
-    memory = [memory_bytes(st, n, dims.dp, distributed_optimizer) / GIB for st, n in zip(sts, layers_per_stage)]
+    memory = [_memory_bytes(st, n, dims.dp, distributed_optimizer) / GIB for st, n in zip(sts, layers_per_stage)]
     capacity = [st.capacity_gib for st in sts]
     pred = Prediction(
         iteration_s=iteration, tokens_per_s=tokens / iteration,
@@ -552,6 +563,53 @@ def evaluate(model: ModelSpec, analysis: Analysis, layers_per_stage: Sequence[in
     if problem:
         pred.description = (pred.description + "; " if pred.description else "") + problem
     return pred
+
+
+class SplitCosts:
+    """The layer split's side of the predictor, for one analyzed placement, micro-batch size and optimizer
+    setting: what the exact partition needs (:meth:`tables`, :meth:`max_layers`), how far a split misses
+    memory (:meth:`overflow_gib`), and the prediction of a split (:meth:`predict`)."""
+
+    def __init__(self, model: ModelSpec, analysis: Analysis, micro_batch_size: int, *,
+                 overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
+                 profile: Optional[Profile] = None):
+        dims = analysis.placement.dims
+        self.model, self.analysis, self.micro_batch_size = model, analysis, micro_batch_size
+        self.overlap_grad_reduce, self.distributed_optimizer, self.profile = (overlap_grad_reduce,
+                                                                              distributed_optimizer, profile)
+        self.dp = dims.dp
+        self.num_micro_batches = model.global_batch_size // (dims.dp * micro_batch_size)
+        #: per stage: its times per micro-batch and bytes per rank, linear in its layer count
+        self.stages: list[StageModel] = _stage_models(model, analysis, micro_batch_size, self.num_micro_batches,
+                                                      profile)
+
+    def max_layers(self) -> list[int]:
+        """Per stage, the most layers its memory holds (-1: not even its fixed part fits)."""
+        return [_max_layers_fitting(st, self.model.num_layers, self.dp, self.distributed_optimizer)
+                for st in self.stages]
+
+    def tables(self) -> list[list[float]]:
+        """Per stage, its busy time in one iteration with 0..num_layers layers (the exact partition's costs)."""
+        return _stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.dp,
+                            self.overlap_grad_reduce, self.distributed_optimizer, self.profile)
+
+    def overflow_gib(self, layers_per_stage: Sequence[int]) -> float:
+        """GiB per device by which the fullest stage of this split exceeds its devices' memory (<= 0: fits)."""
+        return max(_memory_bytes(st, n, self.dp, self.distributed_optimizer) / GIB - st.capacity_gib
+                   for st, n in zip(self.stages, layers_per_stage))
+
+    def predict(self, layers_per_stage: Sequence[int], description: str = "") -> Prediction:
+        """The prediction of one split (``fits == False`` and the reason in its description if it does not fit)."""
+        return _evaluate(self.model, self.analysis, self.stages, self.num_micro_batches, layers_per_stage,
+                         self.overlap_grad_reduce, self.distributed_optimizer, self.profile, description)
+
+
+def params_memory_gib(model: ModelSpec, dims: ParallelDims, distributed_optimizer: bool) -> float:
+    """Weights, gradients and optimizer state per device if the model split perfectly over tp*pp: a lower
+    bound of any stage's memory with these degrees."""
+    opt = OPTIMIZER_STATE_BYTES / dims.dp if distributed_optimizer else OPTIMIZER_STATE_BYTES
+    per_param = WEIGHT_BYTES + GRAD_BYTES + opt
+    return model.total_params * per_param / (dims.tp * dims.pp) / GIB
 
 
 def memory_problem(pred: Prediction) -> Optional[str]:

@@ -10,10 +10,8 @@ the plan *is* that default. ``assemble_plan`` and ``make_plan``'s signature are 
 from __future__ import annotations
 
 import math
-import sys
-import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from . import cost
 from .cluster import Cluster
@@ -25,6 +23,11 @@ from .placement import (Placement, baseline_transport, default_placement, domain
 from .profile import Profile
 from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction
 from .topology import GROUP_KINDS, ParallelDims
+
+
+#: ``progress(done, total, best_iteration_s)``: called after each degree combination of a search (``done`` of
+#: ``total``; ``best_iteration_s`` None until a candidate fits). A plan may run more than one search.
+Progress = Callable[[int, int, Optional[float]], None]
 
 
 def uniform_layers(num_layers: int, pp: int) -> list[int]:
@@ -73,7 +76,6 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
 
 MICRO_BATCH_CHOICES = (1, 2, 4, 8)
 NUM_ALTERNATIVES = 5
-PROGRESS_AFTER_S = 1.0
 
 
 @dataclass
@@ -118,29 +120,6 @@ class _Search:
     def miss(self, overflow_gib: float, what: str) -> None:
         if self.closest_overflow is None or overflow_gib < self.closest_overflow[0]:
             self.closest_overflow = (overflow_gib, what)
-
-
-class _Progress:
-    """A one-line progress display on stderr, shown only once a search has run for a second."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total, self.start, self.shown, self.last = enabled, total, time.monotonic(), False, 0.0
-
-    def update(self, done: int, best: Optional[Candidate]) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self.start < PROGRESS_AFTER_S or now - self.last < 0.2:
-            return
-        self.last, self.shown = now, True
-        tail = f", best so far {best.prediction.iteration_s:.3f} s/iteration" if best else ""
-        sys.stderr.write(f"\rplanning: {done}/{self.total} degree combinations{tail}   ")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.shown:
-            sys.stderr.write(f"\rplanning: done in {time.monotonic() - self.start:.1f} s" + " " * 40 + "\n")
-            sys.stderr.flush()
 
 
 def _divisors(n: int) -> list[int]:
@@ -229,7 +208,7 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
 
 
 def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
-                    overlap: bool, profile: Optional[Profile], show: Optional[_Progress] = None) -> _Search:
+                    overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None) -> _Search:
     """Het-aware search: every domain order, the exact partition, with and without the distributed
     optimizer, for each degree combination."""
     found = _Search(keep=NUM_ALTERNATIVES + 1)
@@ -253,8 +232,8 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                 for dist_opt in dist_opts:
                     _evaluate_split(model, analysis, dims, mb, None, found, k, dist_opt, overlap, profile,
                                     _label(dims))
-        if show is not None:
-            show.update(i + 1, found.best[0] if found.best else None)
+        if progress is not None:
+            progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
 
 
@@ -270,7 +249,7 @@ def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = N
 
 def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
                     fixed_pp: bool, dist_opt: bool, overlap: bool, profile: Optional[Profile],
-                    transport_fn, show: Optional[_Progress] = None) -> _Search:
+                    transport_fn, progress: Optional[Progress] = None) -> _Search:
     """The frameworks' default: identity placement, uniform layers (pp must divide the layers, as
     Megatron-Core requires without a layout, unless the user fixed such a pp), ``transport_fn``."""
     found = _Search(keep=NUM_ALTERNATIVES + 1)
@@ -288,8 +267,8 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
         for mb in _micro_batches(model, dims, fixed_mb):
             layers = None if uneven else uniform_layers(model.num_layers, dims.pp)
             _evaluate_split(model, analysis, dims, mb, layers, found, 0, dist_opt, overlap, profile, _label(dims))
-        if show is not None:
-            show.update(i + 1, found.best[0] if found.best else None)
+        if progress is not None:
+            progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
 
 
@@ -307,10 +286,11 @@ def _describe(cand: Candidate, what: str) -> str:
 
 def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
               dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
-              progress: bool = False, profile: Optional[Profile] = None) -> Plan:
+              progress: Optional[Progress] = None, profile: Optional[Profile] = None) -> Plan:
     """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected.
 
-    ``profile`` (measured layer times and link bandwidths) overrides the analytic estimates. Raises a
+    ``profile`` (measured layer times and link bandwidths) overrides the analytic estimates. ``progress``
+    (see :data:`Progress`) hears how far the search is; the planner itself prints nothing. Raises a
     ConfigError naming the field when no plan is possible (degrees, memory).
     """
     fixed_mb = micro_batch_size or model.micro_batch_size
@@ -319,32 +299,28 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
                           f"{fixed_mb}", field="micro_batch_size", fix="use a divisor of global_batch_size")
     options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb)
     overlap = True
-    show = _Progress(progress, len(options))
-    try:
-        if cluster.is_homogeneous:
-            for dist_opt in (False, True):      # Megatron's default first; the distributed optimizer if needed
-                planned = _search_default(cluster, model, options, fixed_mb, pp is not None, dist_opt, overlap,
-                                          profile, transport, show)
-                if planned.best:
-                    break
-            if not planned.best and planned.closest_overflow is None:
-                # No degree option has a pp that divides num_layers (Megatron's uniform default needs one):
-                # the exact split over identical stages, which the layout knob expresses, is the next best.
-                planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, show)
-        else:
-            planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, show)
-        if not planned.best:
-            raise _memory_error(cluster, model, planned)
-        base_best = planned.best[0] if cluster.is_homogeneous else None
-        if not cluster.is_homogeneous:
-            # What a user gets today, at its best: either optimizer setting, the best degrees for it.
-            for base_dist_opt in (False, True):
-                found = _search_default(cluster, model, options, fixed_mb, pp is not None, base_dist_opt, overlap,
-                                        profile, baseline_transport)
-                if found.best and (base_best is None or found.best[0].key < base_best.key):
-                    base_best = found.best[0]
-    finally:
-        show.close()
+    if cluster.is_homogeneous:
+        for dist_opt in (False, True):      # Megatron's default first; the distributed optimizer if needed
+            planned = _search_default(cluster, model, options, fixed_mb, pp is not None, dist_opt, overlap,
+                                      profile, transport, progress)
+            if planned.best:
+                break
+        if not planned.best and planned.closest_overflow is None:
+            # No degree option has a pp that divides num_layers (Megatron's uniform default needs one):
+            # the exact split over identical stages, which the layout knob expresses, is the next best.
+            planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress)
+    else:
+        planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress)
+    if not planned.best:
+        raise _memory_error(cluster, model, planned)
+    base_best = planned.best[0] if cluster.is_homogeneous else None
+    if not cluster.is_homogeneous:
+        # What a user gets today, at its best: either optimizer setting, the best degrees for it.
+        for base_dist_opt in (False, True):
+            found = _search_default(cluster, model, options, fixed_mb, pp is not None, base_dist_opt, overlap,
+                                    profile, baseline_transport)
+            if found.best and (base_best is None or found.best[0].key < base_best.key):
+                base_best = found.best[0]
     best = planned.best[0]
     best.prediction.description = _describe(best, "planned" if not cluster.is_homogeneous else
                                             "framework default (homogeneous cluster: het_plugin changes nothing)")

@@ -317,3 +317,32 @@ def test_profile_flag_feeds_measured_layer_times_to_the_planner(capsys, tmp_path
         return plan.layers_per_stage[stage]
 
     assert a100_layers(profiled) > a100_layers(plain)
+
+
+def test_progress_line_shows_on_a_terminal_only_after_a_while(capsys, monkeypatch):
+    import io
+    from het_plugin.cli import plan as cli_plan
+    quiet = cli_plan.ProgressLine(io.StringIO())
+    quiet(1, 4, None)                                  # under a second: nothing
+    quiet.close()
+    assert quiet.stream.getvalue() == ""
+    monkeypatch.setattr(cli_plan, "PROGRESS_AFTER_S", 0.0)
+    line = cli_plan.ProgressLine(io.StringIO())
+    line(1, 4, None)
+    line.last = float("-inf")                          # no throttling between the two updates
+    line(2, 4, 1.23456)
+    line.close()
+    text = line.stream.getvalue()
+    assert "planning: 1/4 degree combinations" in text
+    assert "planning: 2/4 degree combinations, best so far 1.235 s/iteration" in text
+    assert "planning: done in" in text and text.endswith("\n")
+    rc, out, err = run(capsys)                         # stderr is no terminal here: no progress line
+    assert rc == 0 and "planning:" not in err
+
+
+def test_plan_on_a_terminal_passes_the_progress_line_to_the_planner(capsys, monkeypatch):
+    from het_plugin.cli import plan as cli_plan
+    monkeypatch.setattr(cli_plan, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+    rc, out, err = run(capsys)
+    assert rc == 0 and "planning: " in err and "planning: done in" in err

@@ -169,7 +169,7 @@ def test_distributed_optimizer_saves_optimizer_state_across_dp(holmes, gpt7):
 
 def test_first_stage_holds_pp_micro_batches_and_the_last_one(holmes, gpt7):
     a = cost.analyze(holmes, place(holmes, ParallelDims(tp=2, pp=4, dp=8)), transport)
-    sts = cost.stage_models(gpt7, a, 1, 64)
+    sts = cost.SplitCosts(gpt7, a, 1).stages
     assert [st.in_flight for st in sts] == [4, 3, 2, 1]
     assert sts[0].fixed_params > 0 and sts[-1].fixed_params > 0 and sts[1].fixed_params == 0
     assert sts[-1].fixed_fwd_s > sts[0].fixed_fwd_s          # output layer + loss > embedding lookup
@@ -180,5 +180,42 @@ def test_faster_devices_predict_faster_layers(gpt7):
         cl = cluster_from_dict({"clusters": [{"name": "c", "fabric": {"type": "ib", "gbps": 200},
                                               "nodes": [{"count": 1, "accelerator": acc, "accelerators_per_node": 8}]}]})
         a = cost.analyze(cl, default_placement(cl, ParallelDims(tp=8)), transport)
-        return cost.stage_models(gpt7, a, 1, 8)[0].layer_fwd_s
+        return cost.SplitCosts(gpt7, a, 1).stages[0].layer_fwd_s
     assert layer_time("H100") < layer_time("A100-80")
+
+
+# ---- the planner's interface ---------------------------------------------------------------------
+
+
+def test_split_costs_predicts_what_predict_does(holmes, gpt7):
+    placement = place(holmes, ParallelDims(tp=4, pp=2, dp=8))
+    split = cost.SplitCosts(gpt7, cost.analyze(holmes, placement, transport), 2, distributed_optimizer=True)
+    assert split.num_micro_batches == gpt7.global_batch_size // 16
+    assert split.predict([20, 16], "x") == cost.predict(holmes, gpt7, placement, [20, 16], 2,
+                                                        distributed_optimizer=True, description="x")
+    tables = split.tables()
+    assert len(tables) == 2 and all(len(row) == gpt7.num_layers + 1 for row in tables)
+    assert all(row == sorted(row) for row in tables)           # more layers never cost less
+    caps = split.max_layers()
+    assert all(0 < c <= gpt7.num_layers for c in caps)
+    assert split.overflow_gib([18, 18]) < 0 and split.overflow_gib([18, 18]) == pytest.approx(
+        max(m - c for m, c in zip(split.predict([18, 18]).memory_gib_per_stage, [80, 80])))
+
+
+def test_split_costs_memory_cap_is_where_overflow_starts(gpt7):
+    small = cluster_from_dict({"clusters": [{"name": "c", "fabric": {"type": "ib", "gbps": 200},
+                                             "nodes": [{"count": 1, "accelerator": "A100-40", "accelerators_per_node": 8}]}]})
+    a = cost.analyze(small, default_placement(small, ParallelDims(pp=2, dp=4)), transport)
+    split = cost.SplitCosts(gpt7, a, 1)
+    cap = split.max_layers()[0]
+    assert 0 <= cap < gpt7.num_layers
+    assert split.overflow_gib([cap, 0]) <= 0 < split.overflow_gib([cap + 1, 0])     # stage 1 empty fits
+
+
+def test_params_memory_gib_is_a_lower_bound_of_the_stages_memory(holmes, gpt7):
+    for dist_opt in (False, True):
+        dims = ParallelDims(tp=4, pp=2, dp=8)
+        pred = cost.predict(holmes, gpt7, place(holmes, dims), [18, 18], 1, distributed_optimizer=dist_opt)
+        bound = cost.params_memory_gib(gpt7, dims, dist_opt)
+        assert 0 < bound < min(pred.memory_gib_per_stage)
+    assert cost.params_memory_gib(gpt7, dims, True) < cost.params_memory_gib(gpt7, dims, False)

@@ -147,20 +147,16 @@ def test_memory_that_cannot_hold_the_smallest_plan_is_a_config_error():
     assert "memory_gib" in err.value.field and err.value.fix
 
 
-def test_progress_shows_on_stderr_only_when_asked(capsys, monkeypatch):
-    monkeypatch.setattr(planner, "PROGRESS_AFTER_S", 0.0)
-    monkeypatch.setattr(planner._Progress, "update", _update_without_throttle(planner._Progress.update))
-    make_plan(cluster("holmes-ib-roce"), preset_model("gpt-7.5b"), progress=True)
-    assert "planning:" in capsys.readouterr().err
-    make_plan(cluster("holmes-ib-roce"), preset_model("gpt-7.5b"), progress=False)
-    assert capsys.readouterr().err == ""
-
-
-def _update_without_throttle(update):
-    def wrapped(self, done, best):
-        self.last = float("-inf")
-        return update(self, done, best)
-    return wrapped
+def test_progress_is_reported_to_the_callback_and_nothing_is_printed(capsys):
+    calls = []
+    make_plan(cluster("holmes-ib-roce"), preset_model("gpt-7.5b"), progress=lambda *a: calls.append(a))
+    assert calls, "the search reports each degree combination"
+    total = calls[0][1]
+    assert [c[0] for c in calls] == list(range(1, total + 1)) and {c[1] for c in calls} == {total}
+    assert calls[-1][2] is not None and calls[-1][2] > 0        # best iteration time so far, in seconds
+    make_plan(cluster("holmes-ib-roce"), preset_model("gpt-7.5b"))
+    out = capsys.readouterr()
+    assert out.err == "" and out.out == ""
 
 
 def _two_device_cluster():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from ..cluster import load_cluster
@@ -11,6 +12,7 @@ from ..model import load_model, preset_model
 
 DEFAULT_CLUSTER = Path(__file__).resolve().parent.parent / "data" / "clusters" / "holmes-ib-roce.yaml"
 DEFAULT_MODEL = "gpt-7.5b"
+PROGRESS_AFTER_S = 1.0      # a search shorter than this shows no progress line
 
 
 def register(sub) -> None:
@@ -49,6 +51,29 @@ def check_output_names(args) -> None:
                           fix="give a file name ending in .svg or .png")
 
 
+class ProgressLine:
+    """The planner's progress as one line on a stream (stderr), shown once the search has run for a second;
+    pass it as ``make_plan(..., progress=...)`` and call :meth:`close` when planning ends."""
+
+    def __init__(self, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.start, self.shown, self.last = time.monotonic(), False, 0.0
+
+    def __call__(self, done: int, total: int, best_iteration_s: float | None) -> None:
+        now = time.monotonic()
+        if now - self.start < PROGRESS_AFTER_S or now - self.last < 0.2:
+            return
+        self.last, self.shown = now, True
+        tail = f", best so far {best_iteration_s:.3f} s/iteration" if best_iteration_s is not None else ""
+        self.stream.write(f"\rplanning: {done}/{total} degree combinations{tail}   ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write(f"\rplanning: done in {time.monotonic() - self.start:.1f} s" + " " * 40 + "\n")
+            self.stream.flush()
+
+
 def run(args) -> int:
     from ..plan import Plan, looks_like_plan
     from ..planner import make_plan
@@ -66,8 +91,13 @@ def run(args) -> int:
         if args.profile:
             from ..profile import load_profile
             profile = load_profile(args.profile)
-        plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
-                         micro_batch_size=args.micro_batch_size, progress=sys.stderr.isatty(), profile=profile)
+        show = ProgressLine() if sys.stderr.isatty() else None
+        try:
+            plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
+                             micro_batch_size=args.micro_batch_size, progress=show, profile=profile)
+        finally:
+            if show is not None:
+                show.close()
     if args.output:
         plan.save(args.output)
     if args.svg:
