@@ -157,14 +157,6 @@ class Link:
     gbps: float
     latency_us: float
 
-    @property
-    def bytes_per_s(self) -> float:
-        return self.gbps * 1e9 / 8
-
-    @property
-    def is_rdma(self) -> bool:
-        return self.kind in RDMA
-
 
 @dataclass(frozen=True)
 class Node:

@@ -273,8 +273,3 @@ def render_text(plan: Plan, cluster=None) -> str:
         for w in plan.warnings:
             lines.append(f"warning: {w}")
     return "\n".join(lines)
-
-
-def speedup_text(plan: Plan) -> Optional[str]:
-    s = plan.speedup
-    return None if s is None else f"{s:.2f}x"

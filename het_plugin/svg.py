@@ -11,11 +11,11 @@ import math
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 from .errors import ConfigError
 from .plan import Plan
-from .report import all_coords, node_rows, spans
+from .report import all_coords, node_rows
 
 # A 20-colour qualitative palette (matplotlib's tab20 order: strong colours first).
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -259,14 +259,3 @@ def draw_plan(plan: Plan, path: Union[str, Path], cluster=None) -> None:
     else:
         raise ConfigError(f"cannot draw into {path.name!r}", field="--svg",
                           fix="give a file name ending in .svg or .png")
-
-
-def stage_legend(plan: Plan) -> list[str]:
-    """Text of the legend entries (tests and the report use the same words as the picture)."""
-    return [f"stage {s}: {plan.layers_per_stage[s]} layers" for s in range(plan.pp)]
-
-
-def summary(plan: Plan, cluster=None) -> Optional[str]:
-    """One line naming what the picture shows (for the CLI's confirmation message)."""
-    names = list(dict.fromkeys(n.cluster for n in plan.nodes))
-    return f"{len(names)} cluster(s), {len(plan.nodes)} nodes, ranks {spans(range(plan.world_size))}"

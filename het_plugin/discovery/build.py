@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, PositiveFloat
@@ -365,7 +364,3 @@ def format_yaml(data: dict[str, Any], notes: Sequence[str] = ()) -> str:
     head = ["# cluster discovered by het-plugin (sysfs NICs + torch accelerators)"]
     head += [f"# note: {n}" for n in notes]
     return "\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
-
-
-def write_yaml(path: str | Path, data: dict[str, Any], notes: Sequence[str] = ()) -> None:
-    Path(path).write_text(format_yaml(data, notes))
