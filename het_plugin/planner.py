@@ -2,7 +2,7 @@
 
 ``make_plan`` searches TP (divisors of the accelerators per node that divide the heads), PP, DP and the
 micro-batch size; for each it tries the domain orders of :func:`placement.domain_orders`, splits the layers
-exactly (:mod:`het_plugin.partition`) and predicts the iteration (:mod:`het_plugin.cost`). The plan also
+exactly (:mod:`het_plugin.layer_split`) and predicts the iteration (:mod:`het_plugin.cost`). The plan also
 carries the *baseline*: what the frameworks do by themselves (identity placement, uniform layers, one
 process-wide network setting) with the degrees that are best for that baseline. On a homogeneous cluster
 the plan *is* that default. ``assemble_plan`` and ``make_plan``'s signature are the adapters' contract.
@@ -17,7 +17,7 @@ from . import cost
 from .cluster import Cluster
 from .errors import ConfigError
 from .model import ModelSpec
-from .partition import bottleneck, exact_partition
+from .layer_split import bottleneck, exact_partition
 from .placement import (Placement, baseline_transport, default_placement, domain_orders, place,
                         stage_domains, transport)
 from .profile import Profile

@@ -13,8 +13,8 @@ import yaml
 
 from het_plugin.cli import main as cli_main
 from het_plugin.cluster import cluster_from_dict, load_cluster
-from het_plugin.discovery import (AcceleratorInfo, DiscoveryError, NodeView, RankView, build_cluster,
-                                  build_cluster_data, discover_node, format_yaml, from_device_name, gather_discovery)
+from het_plugin.discovery import (AcceleratorInfo, DiscoveryError, NodeView, RankView, build_cluster_data,
+                                  cluster_from_views, discover_node, format_yaml, from_device_name, gather_discovery)
 from het_plugin.discovery.accelerator import detect, from_torch
 from het_plugin.discovery.sysfs import parse_rate
 from het_plugin.errors import ConfigError
@@ -293,7 +293,7 @@ def test_discovered_holmes_shape_matches_the_hand_written_example(tmp_path, exam
     ref = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
     views = [node(ib_node(tmp_path / "i0"), "ib-0"), node(ib_node(tmp_path / "i1"), "ib-1"),
              node(roce_node(tmp_path / "r0", hcas=2), "roce-0"), node(roce_node(tmp_path / "r1", hcas=2), "roce-1")]
-    got = build_cluster(views)
+    got = cluster_from_views(views)
     ref_ib, ref_roce = ref.nodes[0], ref.nodes[-1]
     for mine, theirs in ((got.nodes[0], ref_ib), (got.nodes[-1], ref_roce)):
         assert (mine.fabric.type, mine.fabric.gbps) == (theirs.fabric.type, theirs.fabric.gbps)
@@ -328,7 +328,7 @@ def test_ethernet_only_nodes_form_one_cluster_at_the_slowest_speed(tmp_path):
 def test_mixed_ib_and_ethernet_nodes(tmp_path):
     views = [node(ib_node(tmp_path / "i"), "ib-a", count=4), node(ethernet_node(tmp_path / "e", "100000"), "eth-a",
                                                                  accel="MI250X", count=8)]
-    c = build_cluster(views)
+    c = cluster_from_views(views)
     assert [(n.cluster, n.fabric.type, n.vendor, n.num_accelerators) for n in c.nodes] == [
         ("ib-800g", "ib", "nvidia", 4), ("ethernet", "ethernet", "amd", 8)]
     assert c.cluster_link("ib-800g", "ethernet").gbps == 25.0   # the IB node's 25 GbE is the bottleneck
@@ -422,12 +422,12 @@ def test_links_file_overrides_pairs_and_sets_a_default(tmp_path, holmes_views):
     eth = node(ethernet_node(tmp_path / "e"), "eth-0")
     f = tmp_path / "links.yaml"
     f.write_text("links:\n  - {between: [roce-800g, ib-800g], gbps: 100, latency_us: 20}\ndefault: {gbps: 40}\n")
-    c = build_cluster(holmes_views + [eth], links=str(f))
+    c = cluster_from_views(holmes_views + [eth], links=str(f))
     assert c.cluster_link("ib-800g", "roce-800g") == type(c.cluster_link("ib-800g", "roce-800g"))("ethernet", 100, 20)
     assert c.cluster_link("ib-800g", "ethernet").gbps == 40 and c.cluster_link("roce-800g", "ethernet").gbps == 40
     # The same file through the environment; without it, the Ethernet speed seen.
-    assert build_cluster(holmes_views, env={"HET_PLUGIN_LINKS": str(f)}).cluster_link("ib-800g", "roce-800g").gbps == 100
-    assert build_cluster(holmes_views, env={}).cluster_link("ib-800g", "roce-800g").gbps == 25
+    assert cluster_from_views(holmes_views, env={"HET_PLUGIN_LINKS": str(f)}).cluster_link("ib-800g", "roce-800g").gbps == 100
+    assert cluster_from_views(holmes_views, env={}).cluster_link("ib-800g", "roce-800g").gbps == 25
 
 
 @pytest.mark.parametrize("text,field", [
@@ -450,7 +450,7 @@ def test_an_ib_cluster_without_ethernet_needs_a_links_file(tmp_path):
     with pytest.raises(ConfigError, match=r"no Ethernet NIC seen in cluster\(s\) \['ib-200g'\]") as err:
         build_cluster_data(views)
     assert "HET_PLUGIN_LINKS" in err.value.fix
-    c = build_cluster(views, links={"links": [{"between": ["ib-200g", "roce-800g"], "gbps": 50}]})
+    c = cluster_from_views(views, links={"links": [{"between": ["ib-200g", "roce-800g"], "gbps": 50}]})
     assert c.cluster_link("ib-200g", "roce-800g").gbps == 50
 
 

@@ -208,7 +208,8 @@ def build_cluster_data(views: Sequence[Union[RankView, NodeView]], *, links: Lin
     return data
 
 
-def build_cluster(views: Sequence[Union[RankView, NodeView]], **kwargs) -> Cluster:
+def cluster_from_views(views: Sequence[Union[RankView, NodeView]], **kwargs) -> Cluster:
+    """The :class:`Cluster` of per-rank or per-node views (keyword arguments: :func:`build_cluster_data`'s)."""
     return cluster_from_dict(build_cluster_data(views, **kwargs), SOURCE)
 
 
