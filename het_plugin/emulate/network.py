@@ -10,17 +10,18 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from dataclasses import dataclass
 from typing import IO, Callable, Optional, Sequence
 
 from ..cluster import Cluster
 from .layout import ExtraNetwork, Interface, Layout, make_layout
+from .procs import RankOutput, kill_group, wait_all
+from .procs import collect as collect_procs
 from .system import (CommandFailed, EmulatorUnavailable, RunRecord, check_preconditions, clean_leftovers, kill_pids, namespace_pids,
                      process_start_time, remove_run, sh)
 
 QUANTUM = "65536"          # htb quantum in bytes: >= one GSO frame, quiets the "quantum is big" warning
 DEFAULT_PORT = 29500       # free in every fresh namespace: each run has its own
+FAIL_FAST_S = 10.0         # after a rank failed, the others get this long to print their side and end
 
 
 class Emulation:
@@ -69,10 +70,7 @@ class Emulation:
             return
         for p in self.procs:
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                kill_group(p)
         for p in self.procs:
             try:
                 p.wait(timeout=5)
@@ -198,59 +196,26 @@ class Emulation:
         return procs
 
     def run_ranks(self, argv: Sequence[str], *, env: Optional[dict] = None, timeout: float = 600,
-                  master_port: int = DEFAULT_PORT) -> list[RankOutput]:
-        """Run ``argv`` as every rank and return each rank's exit code and output (drained while running)."""
+                  master_port: int = DEFAULT_PORT, fail_fast: float = FAIL_FAST_S) -> list[RankOutput]:
+        """Run ``argv`` as every rank and return each rank's exit code and output (drained while running).
+        A failed rank stops the rest ``fail_fast`` s later; returncode None: killed (timeout or a peer failed)."""
         procs = self.launch(argv, env=env, master_port=master_port, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-        return collect(procs, self, timeout)
+                            stderr=subprocess.PIPE, text=True, errors="replace")
+        return collect(procs, self, timeout, fail_fast=fail_fast)
 
-    def wait(self, procs: Sequence[subprocess.Popen], timeout: float, *, fail_fast: float = 10.0) -> list[Optional[int]]:
-        """Wait for all; past ``timeout``, or ``fail_fast`` s after one failed, kill the rest (None: killed)."""
-        deadline = time.monotonic() + timeout
-        failed_at = None
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                return codes
-            now = time.monotonic()
-            if failed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now - failed_at > fail_fast):
-                for p in procs:
-                    if p.poll() is None:
-                        try:
-                            os.killpg(p.pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                for p in procs:
-                    p.wait()
-                return codes
-            time.sleep(0.05)
+    def wait(self, procs: Sequence[subprocess.Popen], timeout: float, *,
+             fail_fast: float = FAIL_FAST_S) -> list[Optional[int]]:
+        """Wait for all; past ``timeout``, or ``fail_fast`` s after one failed, kill the rest (None: killed).
+        Output pipes are the caller's (see ``collect`` to drain them here)."""
+        return wait_all(procs, timeout, grace=fail_fast).codes
 
 
-@dataclass
-class RankOutput:
-    rank: int
-    returncode: Optional[int]        # None: killed (timeout, or a peer failed)
-    stdout: str
-    stderr: str
-
-
-def collect(procs: Sequence[subprocess.Popen], emu: "Emulation", timeout: float) -> list[RankOutput]:
-    """Wait for ``procs`` (started with text pipes) while draining their output, so no rank blocks on a full
-    pipe; returns each rank's exit code and output."""
-    outs = [([], []) for _ in procs]
-    pumps = []
-    for p, (so, se) in zip(procs, outs):
-        for stream, sink in ((p.stdout, so), (p.stderr, se)):
-            if stream is not None:
-                t = threading.Thread(target=lambda st=stream, sk=sink: sk.extend(st), daemon=True)
-                t.start()
-                pumps.append(t)
-    codes = emu.wait(procs, timeout)
-    for t in pumps:
-        t.join(timeout=5)
-    return [RankOutput(r, c, "".join(so), "".join(se)) for r, (c, (so, se)) in enumerate(zip(codes, outs))]
+def collect(procs: Sequence[subprocess.Popen], emu: Optional["Emulation"] = None, timeout: float = 600, *,
+            fail_fast: float = FAIL_FAST_S) -> list[RankOutput]:
+    """Wait for ``procs`` (started with pipes) while draining their output, so no rank blocks on a full
+    pipe; returns each rank's exit code and output. The shared collector (``procs.collect``): the test
+    launcher uses it too. ``emu`` is not needed (kept for callers that pass it)."""
+    return collect_procs(procs, timeout, grace=fail_fast, label="emulate").outputs
 
 
 def stream_prefixed(stream: IO[str], prefix: str, out: IO[str]) -> threading.Thread:
