@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 from .cluster import RDMA, Cluster
 from .errors import ConfigError
 from .yamlio import with_line
-from .topology import ParallelDims
+from .topology import Degrees, ParallelDims
 from .transport import Member, transport_rule
 
 Domain = tuple[str, str]   # (cluster name, accelerator name)
@@ -58,11 +58,7 @@ def check_dims(cluster: Cluster, dims: ParallelDims, num_layers: int | None = No
                 "TP and CP groups must stay inside one node", source=cluster.source,
                 field=f"{n.spec_path or 'clusters'}.accelerators_per_node",
                 fix=f"use {what} in {ok} (a divisor of every node's accelerators_per_node)"))
-    if dims.world_size != cluster.world_size:
-        raise ConfigError(
-            f"tp*cp*pp*dp = {dims.tp}*{dims.cp}*{dims.pp}*{dims.dp} = {dims.world_size} ranks, but the cluster "
-            f"has {cluster.world_size} accelerators", source=cluster.source, field="degrees (--tp/--cp/--pp/--dp)",
-            fix=f"choose degrees whose product is {cluster.world_size}, or describe the nodes you launch")
+    Degrees(cluster.world_size, tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, ep=dims.ep, source=cluster.source)
     if num_layers is not None and dims.pp > num_layers:
         raise ConfigError(f"a pipeline of {dims.pp} stages cannot hold {num_layers} layers (every stage needs at "
                           "least one)", field="pp (--pp)", fix=f"use pp <= {num_layers} (the model's num_layers)")

@@ -22,7 +22,7 @@ from .placement import (Placement, baseline_transport, default_placement, domain
                         stage_domains, transport)
 from .profile import Profile
 from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction
-from .topology import GROUP_KINDS, ParallelDims
+from .topology import GROUP_KINDS, Degrees, ParallelDims
 
 
 #: ``progress(done, total, best_iteration_s)``: called after each degree combination of a search (``done`` of
@@ -129,50 +129,45 @@ def _divisors(n: int) -> list[int]:
 def _degree_options(cluster: Cluster, model: ModelSpec, tp: Optional[int], pp: Optional[int],
                     dp: Optional[int], cp: int, fixed_mb: Optional[int]) -> list[ParallelDims]:
     """Every (tp, pp, dp) the frameworks accept for this cluster and model; fixed ones are checked."""
-    world = cluster.world_size
     per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])
     src = cluster.source
-    if cp < 1 or per_node % cp:
+    if not isinstance(cp, int) or cp < 1 or per_node % cp:
         raise ConfigError(f"cp={cp} does not divide the accelerators per node ({per_node})", field="cp",
                           fix=f"use cp in {_divisors(per_node)}")
     heads, kv = model.num_attention_heads, model.kv_heads
     tps = [t for t in _divisors(per_node // cp) if heads % t == 0 and kv % t == 0]
-    if tp is not None:
-        if tp < 1 or per_node % (tp * cp):
+    if isinstance(tp, int) and tp >= 1:          # placeability first: it names the values that fit
+        if per_node % (tp * cp):
             raise ConfigError(f"tp={tp}: tp*cp must divide the accelerators of every node ({per_node}); TP "
                               "groups stay inside one node", source=src, field="tp", fix=f"use tp in {tps}")
         if heads % tp or kv % tp:
-            raise ConfigError(f"tp={tp} does not divide num_attention_heads={heads} and num_query_groups={kv}",
-                              field="tp", fix=f"use tp in {tps}")
-        tps = [tp]
-    if pp is not None and pp > model.num_layers:
+            raise ConfigError(f"tp={tp} does not divide num_attention_heads={heads} and num_query_groups="
+                              f"{kv}", field="tp", fix=f"use tp in {tps}")
+    if isinstance(pp, int) and pp > model.num_layers:
         raise ConfigError(f"a pipeline of {pp} stages cannot hold {model.num_layers} layers", field="pp",
                           fix=f"use pp <= {model.num_layers} (num_layers)")
-    out = []
-    for t in tps:
-        if world % (t * cp):
-            continue
-        rest = world // (t * cp)
-        for p in _divisors(rest):
-            d = rest // p
-            if (pp is not None and p != pp) or (dp is not None and d != dp) or p > model.num_layers:
-                continue
-            if model.global_batch_size % (d * (fixed_mb or 1)):
-                continue
-            out.append(ParallelDims(tp=t, cp=cp, pp=p, dp=d))
+    request = Degrees(cluster.world_size, tp=tp, pp=pp, dp=dp, cp=cp, source=src)
+    out = [d for d in request.candidates(tps, model.num_layers)
+           if model.global_batch_size % (d.dp * (fixed_mb or 1)) == 0]
     if not out:
         fixed = ", ".join(f"{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp),
                                                    ("micro_batch_size", fixed_mb)) if v is not None)
-        if (tp or 1) * cp * (pp or 1) * (dp or 1) > world or (tp and pp and dp and tp * cp * pp * dp != world):
-            raise ConfigError(f"tp*cp*pp*dp must equal the {world} accelerators of the cluster ({fixed})",
-                              source=src, field="degrees", fix="choose degrees whose product is the world size")
-        raise ConfigError(f"no degree combination is valid for {world} accelerators ({fixed}): tp must divide "
-                          f"{per_node} (accelerators per node) and the heads, pp <= {model.num_layers} layers, "
-                          f"and dp*micro_batch must divide global_batch_size={model.global_batch_size}",
+        raise ConfigError(f"no degree combination is valid for {cluster.world_size} accelerators ({fixed}): tp "
+                          f"must divide {per_node} (accelerators per node) and the heads, pp <= {model.num_layers} "
+                          f"layers, and dp*micro_batch must divide global_batch_size={model.global_batch_size}",
                           source=src, field="degrees",
                           fix="drop a fixed degree, or change global_batch_size to a multiple of the data-"
                               "parallel size")
     return out
+
+
+def placeable_degrees(cluster: Cluster, model: ModelSpec, cp: int = 1) -> list[tuple[int, int]]:
+    """(tp, pp) pairs the planner accepts for this cluster and model (what an error suggests instead)."""
+    try:
+        options = _degree_options(cluster, model, None, None, None, cp, None)
+    except ConfigError:
+        return []
+    return sorted({(d.tp, d.pp) for d in options})
 
 
 def _micro_batches(model: ModelSpec, dims: ParallelDims, fixed_mb: Optional[int]) -> list[int]:

@@ -8,9 +8,11 @@ permutation serves both frameworks. Pure Python: no torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
-from typing import Sequence
+from typing import Optional, Sequence
+
+from .errors import ConfigError
 
 ORDER = ("tp", "cp", "ep", "dp", "pp")
 
@@ -20,7 +22,7 @@ GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-pp", "tp-dp", "tp-d
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of one plan; validates itself against a world size."""
+    """The degrees of one plan (every degree known); coordinate <-> logical rank, and the groups."""
     tp: int = 1
     cp: int = 1
     pp: int = 1
@@ -74,6 +76,99 @@ class ParallelDims:
             raise ValueError(f"unknown group kind {kind!r}")
         mask = [n in names for n in ORDER]
         return masked_orthogonal_groups(self.sizes(), mask)
+
+
+SEARCHED = ("tp", "pp", "dp")     # the degrees a planner may choose; cp and ep are always given
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The degrees a launch fixes, validated once against its world size (torchtitan's ParallelDims is
+    the model): ``None`` leaves tp, pp or dp to the planner, ``-1`` infers one of them from the others
+    (which must then be given). ``names`` maps a degree to what the user calls it (a flag, a config key)
+    and ``source`` says where they came from, for the error message.
+
+    Placeability on a cluster (TP and CP inside one node, ...) is the planner's and the placement's
+    concern; this object only knows the arithmetic.
+    """
+    world_size: int
+    tp: Optional[int] = None
+    pp: Optional[int] = None
+    dp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+    source: Optional[str] = field(default=None, compare=False)
+    names: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if not _is_count(self.world_size):
+            raise ConfigError(f"world size {self.world_size!r} is not a positive integer", source=self.source,
+                              field="world_size", fix="launch at least one rank")
+        for name in ("tp", "pp", "dp", "cp", "ep"):
+            v = getattr(self, name)
+            if v is None and name in SEARCHED or v == -1 and name in SEARCHED or _is_count(v):
+                continue
+            raise ConfigError(f"{self._name(name)}={v!r} is not a positive integer", source=self.source,
+                              field=self._name(name), fix=f"give a positive integer{' (or leave it unset)' if name in SEARCHED else ''}")
+        if self.ep != 1:
+            raise ConfigError("expert parallelism (ep > 1) is not planned by het_plugin yet", source=self.source,
+                              field=self._name("ep"), fix="use ep=1")
+        infer = [n for n in SEARCHED if getattr(self, n) == -1]
+        unset = [n for n in SEARCHED if getattr(self, n) is None]
+        if len(infer) > 1 or (infer and unset):
+            raise ConfigError(f"{self._name(infer[0])}=-1 asks to infer it, but {self._list(infer[1:] + unset)} "
+                              "is not given", source=self.source, field=self._name(infer[0]),
+                              fix="give every other degree, or leave the degrees to the planner (unset)")
+        fixed = {n: getattr(self, n) for n in ("tp", "cp", "ep", "pp", "dp")
+                 if _is_count(getattr(self, n)) and (n in SEARCHED or getattr(self, n) > 1)}
+        product = prod(fixed.values())
+        if self.world_size % product or (not infer and not unset and product != self.world_size):
+            text = "*".join(fixed) + " = " + ("*".join(str(v) for v in fixed.values()) + " = " if len(fixed) > 1
+                                              else "") + str(product)
+            if unset or infer:
+                problem = f"{text} does not divide the {self.world_size} ranks launched"
+                fix = "choose degrees whose product divides the world size"
+            else:
+                problem = f"{text} ranks, but {self.world_size} were launched"
+                fix = "choose degrees whose product is the world size"
+                others = product // fixed["dp"]
+                if self.world_size % others == 0:
+                    fix += f" ({self._name('dp')} = {self.world_size // others} with the others as given)"
+            raise ConfigError(problem, source=self.source, field=self._list(list(fixed)), fix=fix)
+        if infer:
+            object.__setattr__(self, infer[0], self.world_size // product)
+
+    def _name(self, degree: str) -> str:
+        return self.names.get(degree, degree)
+
+    def _list(self, degrees: Sequence[str]) -> str:
+        return ", ".join(self._name(d) for d in degrees)
+
+    def exact(self) -> ParallelDims:
+        """The full degrees (every searched degree given or inferred)."""
+        missing = [n for n in SEARCHED if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"degrees {missing} are left to the planner")
+        return ParallelDims(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep)
+
+    def candidates(self, tps: Sequence[int], max_pp: int) -> list[ParallelDims]:
+        """Every full assignment with tp in ``tps`` and pp <= ``max_pp`` that keeps the fixed degrees."""
+        out = []
+        for t in ([self.tp] if self.tp is not None else tps):
+            if self.world_size % (t * self.cp * self.ep):
+                continue
+            rest = self.world_size // (t * self.cp * self.ep)
+            for p in range(1, rest + 1):
+                if rest % p or p > max_pp or (self.pp is not None and p != self.pp):
+                    continue
+                if self.dp is not None and rest // p != self.dp:
+                    continue
+                out.append(ParallelDims(tp=t, cp=self.cp, pp=p, dp=rest // p, ep=self.ep))
+        return out
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 def masked_orthogonal_groups(sizes: tuple[int, ...], mask: list[bool]) -> list[list[int]]:

@@ -132,7 +132,11 @@ def test_transport_matches_the_members(case):
             elif len({n.vendor for n in nodes}) > 1:
                 assert t == "host-staged"
             elif len({n.cluster for n in nodes}) > 1:
-                assert t == "socket"   # every random link between clusters is Ethernet
+                names = sorted({n.cluster for n in nodes})
+                kinds = {n.fabric.type for n in nodes} | {cluster.cluster_link(a, b).kind
+                                                          for a in names for b in names if a < b}
+                rdma = len(kinds) == 1 and next(iter(kinds)) in ("ib", "roce")
+                assert t == (next(iter(kinds)) if rdma else "socket")   # RDMA only when every hop is one kind
             else:
                 fabric = nodes[0].fabric.type
                 assert t == (fabric if fabric in ("ib", "roce") else "socket")
