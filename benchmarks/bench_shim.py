@@ -55,15 +55,15 @@ def rank_two_tier(args) -> dict:
     import het_plugin.comm as comm
     from het_plugin.cluster import cluster_from_dict
     from het_plugin.netselect import gloo_network
+    from het_plugin.placement import transport
     cluster = cluster_from_dict(two_tier_cluster(args))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    nodes = [cluster.nodes[cluster.rank_node[r]] for r in range(world)]
-    comm.set_vendor_map([n.accelerator.vendor for n in nodes],
-                        networks=[comm.RankNetwork(n.name, n.cluster, n.fabric.type) for n in nodes])
+    options = comm.ShimOptions({r: cluster.node_of(r).vendor for r in range(world)},
+                               lambda ranks: transport(cluster, ranks))
     with gloo_network("host-staged"):             # as the adapters create host-staged groups
         flat = dist.new_group(list(range(world)), backend="gloo")
-        shim = dist.new_group(list(range(world)), backend=comm.SHIM_BACKEND)
+        shim = dist.new_group(list(range(world)), backend=comm.SHIM_BACKEND, pg_options=options)
     n = int(args.mbytes * 2 ** 20) // 4
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     a, b = x.clone(), x.clone()

@@ -128,6 +128,6 @@ def train(shape: dict, cfg: dict, steps: int) -> tuple[list[float], list[float],
     grid = model.mpu()
     layout = {"parts": list(model.parts), "stage": grid.get_stage_id(),
               "dp_group": dist.get_process_group_ranks(grid.get_data_parallel_group()),
-              "groups": [[g.ranks, g.transport, g.ifname] for g in getattr(model, "het_groups", [])]}
+              "groups": [[g.ranks, g.transport, g.gloo_ifname] for g in (model.het_applied.records if getattr(model, "het_applied", None) else [])]}
     del engine
     return times, losses, layout

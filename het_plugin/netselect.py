@@ -1,8 +1,8 @@
 """Per-communicator network choice: the plan's transport of a group -> what its communicator uses.
 
-NCCL: a per-communicator ``net_name`` ('IB' or 'Socket'), which Megatron-Core reads from the file given
-as ``nccl_communicator_config_path`` (NCCL reads ``NCCL_IB_HCA`` once per process, so switching
-environment variables per group does not work for NCCL).
+NCCL: a per-communicator ``net_name`` ('IB' or 'Socket') in the group's ``ProcessGroupNCCL.Options``
+(NCCL reads ``NCCL_IB_HCA`` once per process, so switching environment variables per group does not
+work for NCCL); het_plugin.runtime.groups sets it at each group's creation.
 
 gloo: ``new_group`` ignores ``pg_options``, but gloo reads ``GLOO_SOCKET_IFNAME`` each time a group is
 created. ``HET_PLUGIN_GLOO_IFNAMES`` maps transports to interfaces, e.g.
@@ -44,13 +44,20 @@ def gloo_ifnames(env: Optional[dict] = None) -> dict[str, str]:
 def gloo_network(transport: str) -> Iterator[Optional[str]]:
     """Set GLOO_SOCKET_IFNAME for the group being created, if a mapping for its transport exists."""
     ifname = gloo_ifnames().get(transport)
+    with ifname_set(ifname):
+        yield ifname
+
+
+@contextlib.contextmanager
+def ifname_set(ifname: Optional[str]) -> Iterator[None]:
+    """GLOO_SOCKET_IFNAME = ``ifname`` for the duration (None: leave it as it is)."""
     if ifname is None:
-        yield None
+        yield
         return
     old = os.environ.get("GLOO_SOCKET_IFNAME")
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
     try:
-        yield ifname
+        yield
     finally:
         if old is None:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)

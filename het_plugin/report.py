@@ -11,22 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from .plan import Plan, Prediction
+from .topology import format_ranks
 
 
 def spans(values: Iterable[int]) -> str:
-    """Compact integer set: [0,1,2,5,7,8] -> '0-2,5,7-8'."""
-    vals = sorted(set(values))
-    if not vals:
-        return "-"
-    out, start, prev = [], vals[0], vals[0]
-    for v in vals[1:] + [None]:
-        if v is not None and v == prev + 1:
-            prev = v
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if v is not None:
-            start = prev = v
-    return ",".join(out)
+    """Compact integer set: [0,1,2,5,7,8] -> '0-2,5,7-8' ('-' when empty)."""
+    values = list(values)
+    return format_ranks(values) if values else "-"
 
 
 def all_coords(plan: Plan) -> list[dict[str, int]]:
@@ -272,4 +263,30 @@ def render_text(plan: Plan, cluster=None) -> str:
         lines.append("")
         for w in plan.warnings:
             lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def startup_summary(plan: Plan, framework: str, extra: Iterable[str] = ()) -> str:
+    """What an adapter's rank 0 prints before building groups: placement per stage, transports, prediction."""
+    same = " (homogeneous: the framework's own groups)" if plan.homogeneous and plan.is_identity else ""
+    lines = [f"het_plugin: plan {plan.hash} for {plan.cluster_name} ({framework}): {plan.world_size} ranks, "
+             f"tp={plan.tp} cp={plan.cp} pp={plan.pp} dp={plan.dp}, micro-batch {plan.micro_batch_size} x "
+             f"{plan.num_micro_batches}{same}"]
+    for st in stage_summary(plan):
+        where = ", ".join(sorted(st["where"]))
+        lines.append(f"  stage {st['stage']}: {st['layers']} layers on {where} "
+                     f"(ranks {spans(plan.stage_ranks(st['stage']))})")
+    kinds = []
+    for kind in ("tp", "cp", "dp", "pp", "embedding"):
+        ts = sorted({g.transport for g in plan.groups.get(kind, [])})
+        if ts:
+            kinds.append(f"{kind}={'/'.join(ts)}")
+    lines.append("  transports: " + ", ".join(kinds) + f"; overlap_grad_reduce={plan.overlap_grad_reduce}")
+    lines.extend(f"  {line}" for line in extra)
+    if plan.prediction:
+        pred = f"  predicted: {plan.prediction.iteration_s:.4g} s/iteration"
+        if plan.baseline and plan.speedup:
+            pred += f" (framework default {plan.baseline.iteration_s:.4g} s, x{plan.speedup:.2f})"
+        lines.append(pred)
+    lines.extend(f"  warning: {w}" for w in plan.warnings)
     return "\n".join(lines)

@@ -126,11 +126,11 @@ class Degrees:
             text = "*".join(fixed) + " = " + ("*".join(str(v) for v in fixed.values()) + " = " if len(fixed) > 1
                                               else "") + str(product)
             if unset or infer:
-                problem = f"{text} does not divide the {self.world_size} ranks launched"
-                fix = "choose degrees whose product divides the world size"
+                problem = f"{text} does not divide the world size {self.world_size}"
+                fix = f"choose degrees whose product divides {self.world_size}"
             else:
-                problem = f"{text} ranks, but {self.world_size} were launched"
-                fix = "choose degrees whose product is the world size"
+                problem = f"{text}, but the world size is {self.world_size}"
+                fix = f"choose degrees whose product is {self.world_size}"
                 others = product // fixed["dp"]
                 if self.world_size % others == 0:
                     fix += f" ({self._name('dp')} = {self.world_size // others} with the others as given)"

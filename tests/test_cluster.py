@@ -261,7 +261,7 @@ def test_degrees_that_do_not_multiply_to_the_world(tmp_path):
     c = load_cluster(write(tmp_path, GOOD))
     with pytest.raises(ConfigError) as info:
         check_dims(c, ParallelDims(tp=2, pp=2, dp=4))
-    assert "16 ranks" in info.value.problem and "20 accelerators" in info.value.problem
+    assert "= 16, but the world size is 20" in info.value.problem and info.value.source == c.source
     assert "20" in info.value.fix
 
 

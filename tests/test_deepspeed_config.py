@@ -114,7 +114,8 @@ def test_wrap_world_size_contradicting_the_cluster(cluster_file):
     # train_batch_size / (micro * accumulation) = 4 replicas with pp=2: 8 ranks, the cluster has 4.
     with pytest.raises(ConfigError) as err:
         wrap(dict(DS, train_batch_size=16), cluster_file, TINY, pp=2)
-    assert err.value.field == "train_batch_size" and "cluster has 4" in str(err.value)
+    assert "train_batch_size / (micro * accumulation)" in err.value.field
+    assert "= 8, but the world size is 4" in str(err.value) and "= 2 with the others as given" in err.value.fix
 
 
 def test_wrap_pipeline_degree_contradicting_a_plan_file(uneven_plan, tmp_path):
@@ -225,7 +226,7 @@ def test_resolve_derives_the_planning_model_from_the_layers(cluster_file):
 
 
 def test_resolve_auto_plans_from_discovery(monkeypatch):
-    import het_plugin.deepspeed.resolve as resolve_mod
+    import het_plugin.resolve as resolve_mod
     monkeypatch.setattr(resolve_mod, "discover", lambda: cluster_from_dict(hetero_cluster()))
     section = section_of(wrap(DS, "auto", TINY, pp=2))
     plan = resolve_plan(section, SHAPE)
@@ -236,4 +237,4 @@ def test_resolve_cluster_for_another_world_size(cluster_file):
     section = section_of(wrap(DS, cluster_file, None, pp=2))
     with pytest.raises(ConfigError) as err:
         resolve_plan(section, RunShape(world_size=2, pp=2, num_layers=8), derive_model=lambda: TINY)
-    assert "4 accelerators but 2 ranks were launched" in str(err.value)
+    assert "2 ranks were launched (WORLD_SIZE), but the cluster file describes 4 accelerators" in str(err.value)

@@ -40,7 +40,9 @@ def plan():
 def pipeline_model_with(plan):
     """A PipelineModule instance as hds.PipelineModule leaves it (building one needs a process group)."""
     model = object.__new__(hds.PipelineModule)
+    from het_plugin.runtime.applied import AppliedPlan
     object.__setattr__(model, "het_plan", plan)
+    object.__setattr__(model, "het_applied", AppliedPlan.start(plan, 0, "gloo"))
     return model
 
 
@@ -60,7 +62,7 @@ def test_section_is_stripped_and_args_config_replaced(recorded, plan, tmp_path):
     assert kwargs["config"] == DS
     assert kwargs["args"].deepspeed_config is None and kwargs["args"].local_rank == 0
     assert cli_args.deepspeed_config == str(path)          # the caller's namespace is untouched
-    assert engine.het_plan is plan
+    assert engine.het_plan is plan and engine.het_applied.plan is plan
     assert json.loads(path.read_text())[hds.SECTION]["plan_hash"] == plan.hash
 
 

@@ -12,13 +12,14 @@ pytest.importorskip("deepspeed")
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
 
 from het_plugin.cluster import cluster_from_dict  # noqa: E402
-from het_plugin.deepspeed.groups import PlannedGroups, nccl_options  # noqa: E402
+from het_plugin.deepspeed import groups as dsgroups  # noqa: E402
 from het_plugin.deepspeed.partition import counted_layers, layers_in_parts, plan_parts  # noqa: E402
 from het_plugin.deepspeed.topology import PlanTopology  # noqa: E402
 from het_plugin.errors import ConfigError  # noqa: E402
 from het_plugin.model import ModelSpec  # noqa: E402
 from het_plugin.placement import place  # noqa: E402
 from het_plugin.planner import assemble_plan, uniform_layers  # noqa: E402
+from het_plugin.runtime.applied import AppliedPlan  # noqa: E402
 from het_plugin.topology import ParallelDims  # noqa: E402
 
 MODEL = ModelSpec(name="m", num_layers=8, hidden_size=16, num_attention_heads=1, vocab_size=16, seq_length=4,
@@ -140,33 +141,36 @@ def test_plan_parts_reject_a_plan_for_a_different_layer_count():
 
 def test_group_transports_come_from_the_plan():
     plan = plan_for(interleaved(2), 2, 2, 2)
-    groups = PlannedGroups(plan)
+    applied = AppliedPlan.start(plan, 0, "gloo")
     for kind in ("tp", "dp", "pp"):
         for g in plan.groups[kind]:
-            assert groups.transport_of(list(reversed(g.ranks))) == g.transport
+            assert applied.spec(list(reversed(g.ranks))).transport == g.transport
     assert {g.transport for g in plan.groups["dp"]} == {"ib", "roce"}
-    assert groups.transport_of(range(8)) == "socket"           # the world group: both clusters
-    assert groups.transport_of([3]) == "local"
+    assert applied.spec(range(8)).transport == "socket"           # the world group: both clusters
+    assert applied.spec([3]).transport == "local"
 
 
 def test_groups_spanning_vendors_are_host_staged():
     plan = plan_for(interleaved(1, amd=True), 2, 1, 2)
     assert plan.transport_of(range(4)) == "host-staged"
     assert {g.transport for g in plan.groups["pp"]} == {"host-staged"}
-    assert PlannedGroups(plan).transport_of(plan.groups["pp"][0].ranks) == "host-staged"
+    assert AppliedPlan.start(plan, 0, "gloo").spec(plan.groups["pp"][0].ranks).transport == "host-staged"
 
 
 def test_nccl_options_select_the_network(monkeypatch):
     import torch.distributed as tdist
+
+    from het_plugin.runtime.groups import with_net_name
 
     class FakeOptions:
         def __init__(self):
             self.config = types.SimpleNamespace(net_name=None)
 
     monkeypatch.setattr(tdist, "ProcessGroupNCCL", types.SimpleNamespace(Options=FakeOptions), raising=False)
-    assert nccl_options("IB").config.net_name == "IB"
-    assert nccl_options("Socket").config.net_name == "Socket"
-    assert nccl_options(None) is None
+    assert with_net_name(None, "IB").config.net_name == "IB"
+    assert with_net_name(None, "Socket").config.net_name == "Socket"
+    monkeypatch.delattr(tdist, "ProcessGroupNCCL")
+    assert with_net_name(None, "IB") is None, "a torch without NCCL: nothing to select"
 
 
 def test_planning_model_derived_from_the_layer_list():
@@ -186,7 +190,7 @@ def test_planning_model_derived_from_the_layer_list():
 
 
 class FakeDist:
-    """Records what PlannedGroups.new_group hands torch.distributed.new_group."""
+    """Records what the DeepSpeed patch site hands torch.distributed.new_group."""
 
     def __init__(self, monkeypatch, backend: str):
         import os
@@ -212,10 +216,10 @@ class FakeDist:
 def test_new_group_on_nccl_sets_net_name_and_keeps_plan_order(monkeypatch):
     fake = FakeDist(monkeypatch, "nccl")
     plan = plan_for(interleaved(2), 2, 2, 2, reverse_domains=True)      # the RoCE nodes hold stage 0
-    groups = PlannedGroups(plan)
+    applied = AppliedPlan.start(plan, 0)
     planned = plan.groups["dp"] + plan.groups["pp"] + plan.groups["tp"]
     for g in planned:
-        groups.new_group(g.ranks)
+        dsgroups.new_group(applied, g.ranks)
     for call, g in zip(fake.calls, planned):
         expected = {"ib": "IB", "roce": "IB", "socket": "Socket", "local": None}[g.transport]
         assert call["ranks"] == g.ranks and call["backend"] is None
@@ -223,7 +227,7 @@ def test_new_group_on_nccl_sets_net_name_and_keeps_plan_order(monkeypatch):
         assert call["sort_ranks"] == (g.ranks == sorted(g.ranks))
     assert {c["pg_options"].config.net_name for c in fake.calls if c["pg_options"]} == {"IB", "Socket"}
     assert any(c["sort_ranks"] is False for c in fake.calls)            # pipeline groups run [roce, ib]
-    assert [r.transport for r in groups.records] == [g.transport for g in planned]
+    assert [r.transport for r in applied.records] == [g.transport for g in planned]
 
 
 def test_new_group_on_gloo_sets_the_interface_per_transport(monkeypatch):
@@ -231,9 +235,9 @@ def test_new_group_on_gloo_sets_the_interface_per_transport(monkeypatch):
     monkeypatch.setenv("HET_PLUGIN_GLOO_IFNAMES", "ib=fab_ib,roce=fab_roce,socket=eth9,local=lo")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "before")
     plan = plan_for(interleaved(2), 2, 2, 2)
-    groups = PlannedGroups(plan)
+    applied = AppliedPlan.start(plan, 0)
     for g in plan.groups["dp"] + plan.groups["pp"]:
-        groups.new_group(g.ranks)
+        dsgroups.new_group(applied, g.ranks)
     wanted = {"ib": "fab_ib", "roce": "fab_roce", "socket": "eth9", "local": "lo"}
     assert [c["ifname"] for c in fake.calls] == [wanted[g.transport] for g in plan.groups["dp"] + plan.groups["pp"]]
     assert all(c["pg_options"] is None for c in fake.calls)
@@ -242,14 +246,15 @@ def test_new_group_on_gloo_sets_the_interface_per_transport(monkeypatch):
 
 
 def test_new_group_across_vendors_uses_the_shim(monkeypatch):
-    pytest.importorskip("het_plugin.comm")
-    import het_plugin.comm.vendors as vendors
-    monkeypatch.setattr(vendors, "_declared", None)
+    comm = pytest.importorskip("het_plugin.comm")
     fake = FakeDist(monkeypatch, "gloo")
     plan = plan_for(interleaved(1, amd=True), 2, 1, 2)
-    groups = PlannedGroups(plan)
+    applied = AppliedPlan.start(plan, 0)
     for g in plan.groups["pp"] + plan.groups["dp"]:
-        groups.new_group(g.ranks)
+        dsgroups.new_group(applied, g.ranks)
     backends = [c["backend"] for c in fake.calls]
     assert backends == ["het_shim"] * len(plan.groups["pp"]) + [None] * len(plan.groups["dp"])
-    assert vendors.declared_vendor_map() == {r: plan.vendor_of(r) for r in range(plan.world_size)}
+    for call in fake.calls[:len(plan.groups["pp"])]:     # each shim group gets the plan's vendors itself
+        assert isinstance(call["pg_options"], comm.ShimOptions)
+        assert call["pg_options"].vendors == {r: plan.vendor_of(r) for r in range(plan.world_size)}
+    assert comm.declared_vendor_map() is None, "no process-wide state"

@@ -16,8 +16,8 @@ def test_minus_one_is_inferred_from_the_others():
 
 
 @pytest.mark.parametrize("kwargs, field, words", [
-    (dict(tp=3), "tp", "tp = 3 does not divide the 16 ranks launched"),
-    (dict(tp=2, pp=2, dp=3), "tp, pp, dp", "tp*pp*dp = 2*2*3 = 12 ranks, but 16 were launched"),
+    (dict(tp=3), "tp", "tp = 3 does not divide the world size 16"),
+    (dict(tp=2, pp=2, dp=3), "tp, pp, dp", "tp*pp*dp = 2*2*3 = 12, but the world size is 16"),
     (dict(tp=-1, pp=-1), "tp", "tp=-1 asks to infer it, but pp, dp is not given"),
     (dict(tp=True), "tp", "tp=True is not a positive integer"),
     (dict(pp=0), "pp", "pp=0 is not a positive integer"),

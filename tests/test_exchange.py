@@ -1,7 +1,6 @@
 """The one store primitive (het_plugin.runtime.exchange) on a HashStore, ranks simulated as threads."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -12,6 +11,8 @@ from het_plugin.errors import ConfigError  # noqa: E402
 from het_plugin.runtime import exchange  # noqa: E402
 from het_plugin.runtime.exchange import Exchange, ExchangeTimeout, RemoteError, first_error  # noqa: E402
 
+from test_agreement import run_rank_threads  # noqa: E402  (tests/ is on sys.path under pytest)
+
 
 @pytest.fixture(autouse=True)
 def fresh():
@@ -20,21 +21,7 @@ def fresh():
 
 def threads(n, body):
     """body(index) on n threads; returns {index: result or exception}."""
-    out = {}
-
-    def run(i):
-        try:
-            out[i] = body(i)
-        except BaseException as exc:   # noqa: BLE001 - the test inspects it
-            out[i] = exc
-
-    ts = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(20)
-    assert not any(t.is_alive() for t in ts), "a simulated rank hung"
-    return out
+    return run_rank_threads(n, lambda i, _store: body(i), [None] * n)
 
 
 def test_all_gather_returns_every_value_in_member_order():

@@ -7,7 +7,10 @@ import pytest
 
 from het_plugin.cluster import load_cluster
 from het_plugin.megatron import groups as hgroups
-from het_plugin.megatron.core import plan_summary, placeable_degrees, resolve_plan
+from het_plugin.megatron.core import resolve_plan
+from het_plugin.planner import placeable_degrees
+from het_plugin.report import startup_summary
+from het_plugin.runtime.applied import AppliedPlan
 from het_plugin.errors import ConfigError
 from het_plugin.planner import make_plan
 from het_plugin.plan import Plan
@@ -18,7 +21,7 @@ from megatron_common import DATA, MODEL
 def test_rank_generator_returns_the_plans_groups(plan8):
     from megatron.core import parallel_state as ps
     original = ps.RankGenerator.get_ranks
-    with hgroups.planned_groups(plan8, parallel_state=ps):
+    with hgroups.planned_groups(AppliedPlan.start(plan8, 0, "gloo"), parallel_state=ps):
         gen = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp")
         for kind in ("tp", "pp", "dp", "dp-cp", "tp-pp", "tp-dp", "tp-dp-cp", "cp", "tp-cp"):
             assert gen.get_ranks(kind) == [g.ranks for g in plan8.groups[kind]], kind
@@ -36,24 +39,8 @@ def test_identity_plan_leaves_megatrons_lists():
     assert plan.is_identity
     plain = ps.RankGenerator(tp=2, ep=1, dp=1, pp=2, cp=1, order="tp-cp-ep-dp-pp")
     expected = {k: plain.get_ranks(k) for k in ("tp", "pp", "dp", "tp-pp")}
-    with hgroups.planned_groups(plan, parallel_state=ps):
+    with hgroups.planned_groups(AppliedPlan.start(plan, 0, "gloo"), parallel_state=ps):
         assert {k: plain.get_ranks(k) for k in expected} == expected
-
-
-def test_transport_of_known_and_derived_groups(plan8):
-    assert hgroups.transport_of(plan8, plan8.groups["pp"][0].ranks) == "socket"
-    assert hgroups.transport_of(plan8, plan8.groups["dp"][0].ranks) == plan8.groups["dp"][0].transport
-    ib = [r for r in range(8) if plan8.node_of(r).cluster == "ib"]
-    assert hgroups.transport_of(plan8, ib) == "ib"                    # not a plan group: from the node table
-    assert hgroups.transport_of(plan8, [ib[0], ib[1]]) == "local"
-    assert hgroups.transport_of(plan8, [0, 2]) == "socket"
-
-
-def test_host_staged_groups_use_the_shim_backend():
-    assert hgroups.backend_for("socket", None) is None
-    assert hgroups.backend_for("host-staged", "gloo") == "gloo", "gloo twins stay gloo"
-    assert hgroups.backend_for("host-staged", None) == hgroups.SHIM_BACKEND
-    assert hgroups.backend_for("host-staged", "nccl") == hgroups.SHIM_BACKEND
 
 
 def test_resolve_plan_respects_degrees_and_says_what_would_work(tmp_path):
@@ -81,13 +68,13 @@ def test_resolve_plan_respects_degrees_and_says_what_would_work(tmp_path):
 
 def test_placeable_degrees_hold_on_the_cluster():
     cluster = load_cluster(DATA / "megatron-ib-roce-8.yaml")
-    ok = placeable_degrees(cluster, 5)
+    ok = placeable_degrees(cluster, MODEL)
     assert (2, 2) in ok and (1, 4) in ok
     assert all(tp <= 2 for tp, _ in ok), "TP stays inside a 2-accelerator node"
 
 
 def test_summary_names_clusters_layers_and_transports(plan8):
-    text = plan_summary(plan8)
+    text = startup_summary(plan8, "Megatron")
     assert plan8.hash in text
     for s, n in enumerate(plan8.layers_per_stage):
         assert f"stage {s}: {n} layers" in text
@@ -96,7 +83,8 @@ def test_summary_names_clusters_layers_and_transports(plan8):
 
 
 def test_create_group_wrapper_sets_network_order_and_backend(plan8, monkeypatch):
-    """Each creation: GLOO_SOCKET_IFNAME from the group's transport, sort_ranks=False, Megatron's own args."""
+    """Each creation: GLOO_SOCKET_IFNAME from the group's transport, sort_ranks=False for a permuted member
+    list, Megatron's own args."""
     import os
     import types
 
@@ -121,21 +109,23 @@ def test_create_group_wrapper_sets_network_order_and_backend(plan8, monkeypatch)
     fake_ps = types.SimpleNamespace(RankGenerator=ps.RankGenerator, create_group=megatron_create_group)
     pp = plan8.groups["pp"][2].ranks
     dp_roce = next(g.ranks for g in plan8.groups["dp"] if g.transport == "roce")
-    with hgroups.planned_groups(plan8, parallel_state=fake_ps) as created:
+    with hgroups.planned_groups(AppliedPlan.start(plan8, 0, "gloo"), parallel_state=fake_ps) as applied:
         fake_ps.create_group(pp, group_desc="PIPELINE_MODEL_PARALLEL_GROUP")
         fake_ps.create_group(dp_roce, backend="gloo", group_desc="DATA_PARALLEL_GROUP_GLOO")
         fake_ps.create_group(plan8.groups["tp"][0].ranks, group_desc="TENSOR_MODEL_PARALLEL_GROUP")
     assert fake_ps.create_group is megatron_create_group and dist.new_group is fake_new_group
     assert [s["ifname"] for s in seen] == ["eth0", "fab1", "lo"]
-    assert all(s["sort_ranks"] is False for s in seen)
+    for s in seen:
+        assert s.get("sort_ranks", True) is (s["ranks"] == sorted(s["ranks"])), s
+    assert pp != sorted(pp), "the plan permutes this pipeline (else the test shows nothing)"
     assert seen[0]["ranks"] == pp and seen[1]["backend"] == "gloo"
-    assert [c["transport"] for c in created] == ["socket", "roce", "local"]
+    assert [c.transport for c in applied.records] == ["socket", "roce", "local"]
+    assert [c.desc for c in applied.records][0] == "PIPELINE_MODEL_PARALLEL_GROUP"
     assert "GLOO_SOCKET_IFNAME" not in os.environ
 
 
-def test_build_groups_passes_plan_degrees_and_this_ranks_nccl_file(plan8, monkeypatch, tmp_path, capsys):
+def test_build_groups_passes_plan_degrees_and_megatrons_settings(plan8, monkeypatch, capsys):
     import torch.distributed as dist
-    import yaml
 
     from het_plugin.megatron import core
 
@@ -143,16 +133,13 @@ def test_build_groups_passes_plan_degrees_and_this_ranks_nccl_file(plan8, monkey
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 5)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(core, "original_initialize_model_parallel", lambda: lambda **kw: calls.append(kw))
-    mine = tmp_path / "mine.yaml"
-    mine.write_text("dp: {max_ctas: 4}\n")
-    applied = core.build_groups(plan8, {"tensor_model_parallel_size": 1, "nccl_communicator_config_path": str(mine),
-                                        "distributed_timeout_minutes": 7}, nccl_config_dir=tmp_path)
+    applied = core.build_groups(plan8, {"tensor_model_parallel_size": 1, "nccl_communicator_config_path": "mine.yaml",
+                                        "distributed_timeout_minutes": 7})
     (kw,) = calls
     assert (kw["tensor_model_parallel_size"], kw["pipeline_model_parallel_size"]) == (plan8.tp, plan8.pp)
     assert kw["distributed_timeout_minutes"] == 7
-    cfg = yaml.safe_load(Path(kw["nccl_communicator_config_path"]).read_text())
-    assert cfg["dp"] == {"max_ctas": 4, "net_name": "IB"} and cfg["pp"] == {"net_name": "Socket"}
-    assert core.current_plan() is applied and applied.rank == 5
+    assert kw["nccl_communicator_config_path"] == "mine.yaml", "the user's NCCL config reaches Megatron as given"
+    assert core.current_plan() is applied and applied.rank == 5 and applied.policy.default_backend == "nccl"
     assert "het_plugin: plan" not in capsys.readouterr().out, "only rank 0 prints the summary"
     with pytest.raises(ConfigError, match="order"):
         core.build_groups(plan8, {"order": "tp-cp-ep-pp-dp"})
@@ -173,4 +160,4 @@ def test_build_groups_on_a_homogeneous_cluster_passes_megatrons_settings_through
     core.build_groups(plan, {"nccl_communicator_config_path": None}, plan_out=tmp_path / "p.json")
     assert calls[0]["nccl_communicator_config_path"] is None
     assert Plan.load(tmp_path / "p.json").hash == plan.hash
-    assert capsys.readouterr().out.count("homogeneous: Megatron's own groups") == 1
+    assert capsys.readouterr().out.count("homogeneous: the framework's own groups") == 1

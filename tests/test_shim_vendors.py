@@ -39,29 +39,17 @@ def test_set_vendor_map_accepts_list_and_mapping_and_rejects_bad_keys():
         V.set_vendor_map(["nvidia", ""])
 
 
-def test_set_vendor_map_from_plan_takes_vendors_and_networks():
-    from het_plugin.plan import NodePlan
-    nodes = [NodePlan("nv-0", "nv", "ib", "H100", "nvidia", 0, 2), NodePlan("amd-0", "amd", "roce", "MI250X", "amd", 2, 1)]
-
-    class FakePlan:
-        def __init__(self):
-            self.nodes = nodes
-
-        def node_of(self, r):
-            return next(n for n in nodes if n.first_rank <= r < n.first_rank + n.num_ranks)
-
-    V.set_vendor_map_from_plan(FakePlan())
-    assert V.declared_vendor_map() == {0: "nvidia", 1: "nvidia", 2: "amd"}
-    assert V.declared_networks()[2] == V.RankNetwork("amd-0", "amd", "roce")
-
-
-def test_subgroup_transport_names_the_network_its_members_share():
-    a0, a1 = V.RankNetwork("n0", "ib-cluster", "ib"), V.RankNetwork("n1", "ib-cluster", "ib")
-    e0, e1 = V.RankNetwork("e0", "eth-cluster", "ethernet"), V.RankNetwork("e1", "eth-cluster", "ethernet")
-    assert V.subgroup_transport([a0, a0]) == "local"
-    assert V.subgroup_transport([a0, a1]) == "ib"
-    assert V.subgroup_transport([e0, e1]) == "socket"
-    assert V.subgroup_transport([a0, e0]) == "socket"
+def test_shim_options_from_a_plan_carry_vendors_and_the_plan_transport_rule(examples_dir):
+    from het_plugin.cluster import load_cluster
+    from het_plugin.model import preset_model
+    from het_plugin.placement import transport
+    from het_plugin.planner import make_plan
+    cluster = load_cluster(examples_dir / "clusters" / "hethub-mix.yaml")
+    plan = make_plan(cluster, preset_model("gpt-7.5b"))
+    options = V.ShimOptions.from_plan(plan)
+    assert options.vendors == {r: cluster.node_of(r).vendor for r in range(cluster.world_size)}
+    for ranks in ([0, 1], [0, 8], [0, cluster.world_size - 1], list(range(0, cluster.world_size, 7))):
+        assert options.transport_of(ranks) == transport(cluster, ranks)
 
 
 def test_belief_sources_in_priority_order():
@@ -69,6 +57,11 @@ def test_belief_sources_in_priority_order():
     V.set_vendor_map(["x", "x", "x", "x"])
     b = V.local_belief([1, 3], 3, 4, env)                      # the environment map wins over set_vendor_map
     assert (b.own, b.group_map, b.map_source) == ("amd", ("nvidia", "amd"), V.ENV_VENDOR_MAP)
+    options = V.ShimOptions({1: "nvidia", 3: "amd"})
+    b = V.local_belief([1, 3], 3, 4, env, options)               # ... and over the group's own options
+    assert b.map_source == V.ENV_VENDOR_MAP
+    b = V.local_belief([1, 3], 3, 4, {}, options)               # the group's options win over set_vendor_map
+    assert (b.own, b.group_map, b.map_source) == ("amd", ("nvidia", "amd"), "the plan")
     b = V.local_belief([1, 3], 3, 4, {})
     assert (b.own, b.group_map, b.map_source) == ("x", ("x", "x"), "set_vendor_map")
     V.set_vendor_map(None)
@@ -86,8 +79,8 @@ def test_belief_rejects_maps_that_do_not_fit_the_job(text, world, fragment):
 
 def test_belief_round_trips_through_json():
     b = V.Belief("amd", "torch", ("nvidia", "amd"), "set_vendor_map")
-    assert V.Belief.from_json(b.to_json()) == b
-    assert json.loads(V.Belief("amd", "torch", None, None).to_json())["map"] is None
+    assert V.Belief.from_dict(json.loads(json.dumps(b.to_dict()))) == b
+    assert V.Belief("amd", "torch", None, None).to_dict()["map"] is None
 
 
 def test_reconcile_self_claims_and_agreeing_maps():
@@ -136,14 +129,20 @@ class FakeStore:
             raise RuntimeError("timeout")
 
 
+def _slot(i):
+    """Where member i of a het_shim group publishes (het_plugin.runtime.exchange keys)."""
+    return f"het_plugin/0/vendors/0/v/{i}"
+
+
 def test_agree_on_vendors_reports_failed_and_absent_members():
-    other = V.Belief("amd", "torch", None, None).to_json()
-    store = FakeStore({"het_shim/vendor/1": other})
+    other = json.dumps({"value": V.Belief("amd", "torch", None, None).to_dict()})
+    store = FakeStore({_slot(1): other})
     assert V.agree_on_vendors(store, group_rank=0, global_ranks=[0, 1], world_size=2,
                               env={V.ENV_VENDOR: "nvidia"}) == ("nvidia", "amd")
-    store = FakeStore({"het_shim/vendor/1": "error:something broke"})
+    store = FakeStore({_slot(1): json.dumps({"error": {"config": False, "problem": "something broke"}})})
     with pytest.raises(V.VendorMapError, match=r"rank\(s\) \[9\] of group \[3, 9\] could not build"):
         V.agree_on_vendors(store, group_rank=0, global_ranks=[3, 9], world_size=10, env={V.ENV_VENDOR: "a"})
-    with pytest.raises(V.VendorMapError, match=r"rank\(s\) \[9\] of group \[3, 9\] never reached"):
+    with pytest.raises(V.VendorMapError, match=r"rank\(s\) 9 never reached the creation of this het_shim group "
+                                               r"within 0.1s.*group \[3, 9\]"):
         V.agree_on_vendors(FakeStore(), group_rank=0, global_ranks=[3, 9], world_size=10, timeout_s=0.1,
                            env={V.ENV_VENDOR: "a"})

@@ -1,15 +1,16 @@
 """Cross-vendor communicator shim: ``import het_plugin.comm`` registers the ``het_shim`` backend.
 
 Groups whose plan transport is ``host-staged`` are created with
-``torch.distributed.new_group(ranks, backend=het_plugin.comm.SHIM_BACKEND)``; hand the plan's vendors
-over first with :func:`set_vendor_map` (or :func:`set_vendor_map_from_plan`). See docs/shim.md.
+``torch.distributed.new_group(ranks, backend=SHIM_BACKEND, pg_options=ShimOptions.from_plan(plan))``
+(the adapters do this); a group created by hand may instead rely on :func:`set_vendor_map`,
+``HET_PLUGIN_VENDOR_MAP`` or ``HET_PLUGIN_VENDOR``. See docs/shim.md.
 """
 import torch.distributed as dist
 
 from .layout import ShimLayout, chunk_bounds
 from .shim import SHIM_BACKEND, ShimProcessGroup, ShimUnsupportedError, create_shim_group, register
-from .vendors import (ENV_AGREE_TIMEOUT, ENV_VENDOR, ENV_VENDOR_MAP, RankNetwork, VendorMapError,
-                      declared_vendor_map, detect_vendor, parse_vendor_map, set_vendor_map, set_vendor_map_from_plan)
+from .vendors import (ENV_VENDOR, ENV_VENDOR_MAP, ShimOptions, VendorMapError, declared_vendor_map, detect_vendor,
+                      parse_vendor_map, set_vendor_map)
 from .work import ShimWork
 
 register()
@@ -20,6 +21,6 @@ def registered_backend():
     create cross-vendor groups with the default backend and say so)."""
     return SHIM_BACKEND if SHIM_BACKEND in getattr(dist.Backend, "backend_list", []) else None
 
-__all__ = ["SHIM_BACKEND", "ShimProcessGroup", "ShimUnsupportedError", "ShimWork", "ShimLayout", "VendorMapError", "RankNetwork",
-           "set_vendor_map", "set_vendor_map_from_plan", "declared_vendor_map", "detect_vendor", "parse_vendor_map",
-           "chunk_bounds", "create_shim_group", "register", "registered_backend", "ENV_VENDOR", "ENV_VENDOR_MAP", "ENV_AGREE_TIMEOUT"]
+__all__ = ["SHIM_BACKEND", "ShimProcessGroup", "ShimUnsupportedError", "ShimWork", "ShimLayout", "ShimOptions",
+           "VendorMapError", "set_vendor_map", "declared_vendor_map", "detect_vendor", "parse_vendor_map",
+           "chunk_bounds", "create_shim_group", "register", "registered_backend", "ENV_VENDOR", "ENV_VENDOR_MAP"]

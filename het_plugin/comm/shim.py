@@ -25,8 +25,8 @@ import torch.distributed as dist
 from ..errors import HetPluginError
 from ..netselect import SHIM_BACKEND, gloo_network
 from .layout import ShimLayout, chunk_bounds, describe, stripe_pieces
-from .vendors import (ENV_AGREE_TIMEOUT, DEFAULT_AGREE_TIMEOUT_S, agree_on_vendors, declared_networks,
-                      subgroup_transport)
+from ..runtime.exchange import timeout_s
+from .vendors import ShimOptions, agree_on_vendors
 from .work import ShimWork
 
 ENV_NATIVE = "HET_PLUGIN_SHIM_NATIVE"   # 'gloo' forces gloo inside subgroups even where NCCL/RCCL exists
@@ -150,19 +150,18 @@ def _stripes(layout: ShimLayout) -> int:
     return max(1, min(layout.num_stripes, int(cap))) if cap else layout.num_stripes
 
 
-def _subgroup_network(global_ranks: Sequence[int]):
-    """gloo_network() for a vendor subgroup, when the ranks' nodes were handed over; else a no-op."""
-    networks = declared_networks()
-    if networks is None or any(r not in networks for r in global_ranks):
+def _subgroup_network(options: Optional[ShimOptions], global_ranks: Sequence[int]):
+    """gloo_network() for a vendor subgroup, from the transport the group's options give it; else a no-op."""
+    if options is None or options.transport_of is None:
         return contextlib.nullcontext()
-    return gloo_network(subgroup_transport([networks[r] for r in global_ranks]))
+    return gloo_network(options.transport_of(global_ranks))
 
 
 class ShimProcessGroup(dist.ProcessGroup):
     """A torch.distributed ProcessGroup; create with ``new_group(ranks, backend="het_shim")``."""
 
     def __init__(self, store, rank: int, size: int, global_ranks: Sequence[int], timeout: timedelta,
-                 layout: ShimLayout):
+                 layout: ShimLayout, options: Optional[ShimOptions] = None):
         super().__init__(rank, size)
         self.layout = layout
         self.global_ranks = list(global_ranks)
@@ -176,7 +175,7 @@ class ShimProcessGroup(dist.ProcessGroup):
         # mixed group needs none; a single-vendor group always has them (they carry every call).
         self._native: dict[str, object] = {}
         if len(members) > 1 or layout.single_vendor:
-            with _subgroup_network([self.global_ranks[r] for r in members]):
+            with _subgroup_network(options, [self.global_ranks[r] for r in members]):
                 self._native["cpu"] = _make_native("gloo", dist.PrefixStore(f"het_shim/sub{self._sub}/cpu", store),
                                                    self._local_rank, len(members), timeout)
             device_kind = _device_native_kind()
@@ -642,15 +641,20 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
 # ---- registration -----------------------------------------------------------------------------
 
 def create_shim_group(dist_opts, backend_opts=None) -> ShimProcessGroup:
-    """The creator torch.distributed calls on each member when a het_shim group is created."""
+    """The creator torch.distributed calls on each member when a het_shim group is created;
+    ``backend_opts`` is the ``pg_options`` given to ``new_group`` (a :class:`ShimOptions`, or None)."""
+    if backend_opts is not None and not isinstance(backend_opts, ShimOptions):
+        raise TypeError(f"pg_options of a {SHIM_BACKEND} group must be het_plugin.comm.ShimOptions, "
+                        f"got {type(backend_opts).__name__}")
     global_ranks = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
     world = dist.get_world_size() if dist.is_initialized() else dist_opts.group_size
-    group_timeout = dist_opts.timeout.total_seconds() if dist_opts.timeout else DEFAULT_AGREE_TIMEOUT_S
-    agree_timeout = min(group_timeout, float(os.environ.get(ENV_AGREE_TIMEOUT, DEFAULT_AGREE_TIMEOUT_S)))
+    agree_timeout = timeout_s()
+    if dist_opts.timeout:
+        agree_timeout = min(agree_timeout, dist_opts.timeout.total_seconds())
     vendors = agree_on_vendors(dist_opts.store, group_rank=dist_opts.group_rank, global_ranks=global_ranks,
-                               world_size=world, timeout_s=agree_timeout)
+                               world_size=world, timeout_s=agree_timeout, options=backend_opts)
     return ShimProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, global_ranks,
-                            dist_opts.timeout, ShimLayout(tuple(vendors)))
+                            dist_opts.timeout, ShimLayout(tuple(vendors)), backend_opts)
 
 
 def register() -> None:

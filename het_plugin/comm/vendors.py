@@ -3,29 +3,29 @@
 Sources, strongest first:
 
 1. ``HET_PLUGIN_VENDOR_MAP`` (whole job, per global rank: ``"nvidia,nvidia,amd,amd"`` or ``"nvidia*2,amd*2"``);
-2. :func:`set_vendor_map` (the adapters pass ``[plan.vendor_of(r) for r in range(world)]``);
-3. ``HET_PLUGIN_VENDOR`` on each rank (only that rank's own vendor; the group gathers them);
-4. what torch reports (ROCm build -> amd, CUDA -> nvidia, XPU -> intel, else cpu).
+2. the group's own :class:`ShimOptions` (``new_group(..., backend="het_shim", pg_options=ShimOptions(...))``;
+   the adapters pass ``ShimOptions.from_plan(plan)`` for every cross-vendor group they create);
+3. :func:`set_vendor_map` (a process-wide declaration, for groups a user creates by hand);
+4. ``HET_PLUGIN_VENDOR`` on each rank (only that rank's own vendor; the group gathers them);
+5. what torch reports (ROCm build -> amd, CUDA -> nvidia, XPU -> intel, else cpu).
 
 ``HET_PLUGIN_VENDOR`` also overrides a rank's own entry, so a map that contradicts it is an error.
 Every member publishes what it believes in the group's store (or the error it hit) and then compares
-with every other member; any disagreement raises :class:`VendorMapError` on every member instead of
-leaving some of them waiting in a collective that will never match.
+with every other member (:class:`het_plugin.runtime.exchange.Exchange`); any disagreement raises
+:class:`VendorMapError` on every member instead of leaving some of them waiting in a collective that
+will never match.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 from ..errors import ConfigError
+from ..runtime.exchange import Exchange, ExchangeTimeout
 
 ENV_VENDOR = "HET_PLUGIN_VENDOR"
 ENV_VENDOR_MAP = "HET_PLUGIN_VENDOR_MAP"
-ENV_AGREE_TIMEOUT = "HET_PLUGIN_SHIM_AGREE_TIMEOUT"
-DEFAULT_AGREE_TIMEOUT_S = 300.0
 
 VendorMapLike = Union[Sequence[str], Mapping[int, str]]
 
@@ -40,25 +40,25 @@ class VendorMapError(ConfigError):
                                     f"{ENV_VENDOR}=<vendor> on each rank")
 
 
-_declared: Optional[dict[int, str]] = None   # set_vendor_map(...), by global rank
-_networks: Optional[dict[int, "RankNetwork"]] = None   # where each global rank sits (picks subgroup interfaces)
+# set_vendor_map's process-wide declaration: a user API for groups created by hand (the adapters pass
+# ShimOptions per group instead, so nothing of a plan lives here).
+_declared: Optional[dict[int, str]] = None
 
 
 @dataclass(frozen=True)
-class RankNetwork:
-    """Where a rank runs: its node, cluster and that cluster's fabric (ib | roce | ethernet)."""
-    node: str
-    cluster: str
-    fabric: str
+class ShimOptions:
+    """What a het_shim group is told at creation (torch hands ``pg_options`` to the backend creator).
 
+    ``vendors``: every global rank's vendor (at least the group's members). ``transport_of``: the
+    transport of a set of global ranks (``Plan.transport_of``), so each vendor subgroup's gloo
+    communicator uses its own fabric's interface (``HET_PLUGIN_GLOO_IFNAMES``); None: no choice.
+    """
+    vendors: Mapping[int, str]
+    transport_of: Optional[Callable[[Sequence[int]], str]] = None
 
-def subgroup_transport(networks: Sequence[RankNetwork]) -> str:
-    """The transport of one vendor subgroup, as the planner names it: its gloo interface comes from it."""
-    if len({n.node for n in networks}) <= 1:
-        return "local"
-    if len({n.cluster for n in networks}) == 1 and networks[0].fabric in ("ib", "roce"):
-        return networks[0].fabric
-    return "socket"
+    @classmethod
+    def from_plan(cls, plan) -> "ShimOptions":
+        return cls({r: plan.vendor_of(r) for r in range(plan.world_size)}, plan.transport_of)
 
 
 def normalize_vendor(name: object, where: str) -> str:
@@ -103,28 +103,11 @@ def parse_vendor_map(text: str, where: str = ENV_VENDOR_MAP) -> dict[int, str]:
     return out
 
 
-def set_vendor_map(vendors: Optional[VendorMapLike], *,
-                   networks: Optional[Sequence[RankNetwork]] = None) -> None:
-    """Declare every rank's vendor (by global rank) for the shim groups created from now on.
-
-    The adapters call this with the plan's view before creating host-staged groups; None forgets it.
-    ``networks`` (per global rank, optional) lets each vendor subgroup's gloo communicator use its own
-    fabric's interface (``HET_PLUGIN_GLOO_IFNAMES``) while the leaders use the host-staged one.
-    """
-    global _declared, _networks
+def set_vendor_map(vendors: Optional[VendorMapLike]) -> None:
+    """Declare every rank's vendor (by global rank) for het_shim groups created from now on without
+    ShimOptions; None forgets it."""
+    global _declared
     _declared = None if vendors is None else to_rank_map(vendors, "set_vendor_map")
-    _networks = None if networks is None else dict(enumerate(networks))
-
-
-def set_vendor_map_from_plan(plan) -> None:
-    """``set_vendor_map`` with ``plan.vendor_of(rank)`` (and each rank's node and fabric) for every rank."""
-    world = sum(n.num_ranks for n in plan.nodes)
-    nodes = [plan.node_of(r) for r in range(world)]
-    set_vendor_map([n.vendor for n in nodes], networks=[RankNetwork(n.name, n.cluster, n.fabric) for n in nodes])
-
-
-def declared_networks() -> Optional[dict[int, RankNetwork]]:
-    return None if _networks is None else dict(_networks)
 
 
 def declared_vendor_map() -> Optional[dict[int, str]]:
@@ -152,24 +135,25 @@ class Belief:
     group_map: Optional[tuple[str, ...]]   # per group rank, or None (this rank only knows itself)
     map_source: Optional[str]
 
-    def to_json(self) -> str:
-        return json.dumps({"own": self.own, "own_source": self.own_source,
-                           "map": list(self.group_map) if self.group_map is not None else None,
-                           "map_source": self.map_source})
+    def to_dict(self) -> dict:
+        return {"own": self.own, "own_source": self.own_source,
+                "map": list(self.group_map) if self.group_map is not None else None, "map_source": self.map_source}
 
     @staticmethod
-    def from_json(text: str) -> "Belief":
-        d = json.loads(text)
+    def from_dict(d: dict) -> "Belief":
         return Belief(d["own"], d["own_source"], tuple(d["map"]) if d["map"] is not None else None, d["map_source"])
 
 
 def local_belief(global_ranks: Sequence[int], my_global_rank: int, world_size: Optional[int],
-                 env: Optional[Mapping[str, str]] = None) -> Belief:
+                 env: Optional[Mapping[str, str]] = None, options: Optional[ShimOptions] = None) -> Belief:
     """What this rank believes about ``global_ranks`` (the group's members, in group order)."""
     env = os.environ if env is None else env
     rank_map, map_source = None, None
     if env.get(ENV_VENDOR_MAP, "").strip():
         rank_map, map_source = parse_vendor_map(env[ENV_VENDOR_MAP]), ENV_VENDOR_MAP
+    elif options is not None:
+        rank_map, map_source = to_rank_map(options.vendors, "ShimOptions.vendors"), "the plan"
+        world_size = None            # the plan's map may list only what it placed; members must be in it
     elif _declared is not None:
         rank_map, map_source = dict(_declared), "set_vendor_map"
     group_map = None
@@ -229,38 +213,32 @@ def _show(group_map: tuple[str, ...], global_ranks: Sequence[int]) -> str:
 
 
 def agree_on_vendors(store, *, group_rank: int, global_ranks: Sequence[int], world_size: Optional[int],
-                     timeout_s: Optional[float] = None, env: Optional[Mapping[str, str]] = None) -> tuple[str, ...]:
+                     timeout_s: Optional[float] = None, env: Optional[Mapping[str, str]] = None,
+                     options: Optional[ShimOptions] = None) -> tuple[str, ...]:
     """Publish this rank's belief (or its error) in ``store``; return the agreed vendors, per group rank.
 
     ``store`` must be private to this group (the group's prefix store). Raises VendorMapError on every
-    member when beliefs disagree, a member failed, or a member never arrives within the timeout.
+    member when beliefs disagree, a member failed, or a member never arrives within the timeout
+    (``HET_PLUGIN_TIMEOUT``).
     """
-    env = os.environ if env is None else env
-    if timeout_s is None:
-        timeout_s = float(env.get(ENV_AGREE_TIMEOUT, DEFAULT_AGREE_TIMEOUT_S))
-    my_global = global_ranks[group_rank]
     error: Optional[VendorMapError] = None
+    mine = None
     try:
-        mine = local_belief(global_ranks, my_global, world_size, env).to_json()
+        mine = local_belief(global_ranks, global_ranks[group_rank], world_size, env, options).to_dict()
     except VendorMapError as exc:
         error = exc
-        mine = "error:" + str(exc)
-    store.set(f"het_shim/vendor/{group_rank}", mine)
-    keys = [f"het_shim/vendor/{i}" for i in range(len(global_ranks))]
+    ex = Exchange(store, "vendors", index=group_rank, members=global_ranks, key="0", timeout=timeout_s, env=env,
+                  what="the creation of this het_shim group")
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except Exception:
-        missing = [global_ranks[i] for i, k in enumerate(keys) if not store.check([k])]
-        raise VendorMapError(f"rank(s) {missing} of group {list(global_ranks)} never reached the creation of this "
-                             f"het_shim group within {timeout_s:.0f}s ({ENV_AGREE_TIMEOUT})",
+        entries = ex.all_gather(mine, error=error)
+    except ExchangeTimeout as exc:
+        raise VendorMapError(f"{exc}; group {list(global_ranks)}",
                              fix="every member must call new_group(..., backend='het_shim') for the same ranks, "
                                  "in the same order as the other members") from None
     if error is not None:
         raise error
-    values = [store.get(k).decode() for k in keys]
-    failed = [(global_ranks[i], v[len("error:"):]) for i, v in enumerate(values) if v.startswith("error:")]
+    failed = [e for e in entries if e.error is not None]
     if failed:
-        r, msg = failed[0]
-        raise VendorMapError(f"rank(s) {[f[0] for f in failed]} of group {list(global_ranks)} could not build "
-                             f"their vendor map; rank {r}: {msg}")
-    return reconcile([Belief.from_json(v) for v in values], global_ranks)
+        raise VendorMapError(f"rank(s) {[e.rank for e in failed]} of group {list(global_ranks)} could not build "
+                             f"their vendor map; rank {failed[0].rank}: {failed[0].error.get('problem')}")
+    return reconcile([Belief.from_dict(e.value) for e in entries], global_ranks)

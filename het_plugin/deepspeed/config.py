@@ -14,15 +14,19 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..cluster import Cluster, load_cluster
 from ..errors import ConfigError
-from ..model import ModelSpec, load_model, preset_model
-from ..plan import Plan, looks_like_plan
+from ..model import ModelSpec
+from ..plan import Plan
+from ..resolve import ModelArg, load_source, model_from_arg
+from ..topology import Degrees
 
 SECTION = "heterogeneous"
 SECTION_VERSION = 1
 AUTO = "auto"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# What DeepSpeed calls the degrees (error messages name the user's own knob).
+DEEPSPEED_NAMES = {"tp": "tp (the topology's model axis)", "pp": "pp (num_stages)",
+                   "dp": "train_batch_size / (micro * accumulation)"}
 
 
 @dataclass
@@ -56,10 +60,6 @@ class HetSection:
             raise ConfigError(f"section version {data.get('version')!r}, this het_plugin reads {SECTION_VERSION}",
                               source=source, field=f"{SECTION}.version", fix="re-wrap the config with this version")
         return cls(**data)
-
-    @property
-    def planned_at_wrap(self) -> bool:
-        return self.plan_hash is not None
 
 
 # ---- reading DeepSpeed configs --------------------------------------------------------------------
@@ -127,30 +127,6 @@ class BatchSettings:
 
 # ---- resolving wrap()'s inputs --------------------------------------------------------------------
 
-ModelArg = Union[None, ModelSpec, dict, str, Path]
-
-
-def resolve_model(model: ModelArg) -> Optional[ModelSpec]:
-    if model is None or isinstance(model, ModelSpec):
-        return model
-    if isinstance(model, dict):
-        from ..yamlio import validate
-        return validate(ModelSpec, model, "<model dict>")
-    text = str(model)
-    if Path(text).exists() or text.endswith((".yaml", ".yml", ".json")):
-        return load_model(text)
-    return preset_model(text)
-
-
-def load_cluster_or_plan(source: str) -> Union[Cluster, Plan]:
-    """A cluster file or a plan file (``het-plugin plan -o``); a missing file is a ConfigError."""
-    path = Path(source)
-    if not path.is_file():
-        raise ConfigError("cluster file not found", source=str(path), field="cluster",
-                          fix="pass an existing cluster file (see examples/clusters), a plan file, or 'auto'")
-    return Plan.load(path) if looks_like_plan(path) else load_cluster(path)
-
-
 def model_for_config(model: ModelSpec, batch: BatchSettings) -> ModelSpec:
     """The config decides the batch DeepSpeed trains with; the planning model follows it."""
     update = {}
@@ -162,19 +138,6 @@ def model_for_config(model: ModelSpec, batch: BatchSettings) -> ModelSpec:
         return model
     from ..yamlio import validate
     return validate(ModelSpec, {**model.model_dump(), **update}, "<model + DeepSpeed batch settings>")
-
-
-def check_degrees_fit(world_size: int, *, tp: Optional[int], pp: Optional[int], dp: Optional[int],
-                      source: str) -> None:
-    """The config's implied dp and the given tp/pp must multiply to the cluster's world size."""
-    if None in (tp, pp, dp):
-        return
-    if tp * pp * dp != world_size:
-        raise ConfigError(
-            f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} ranks (dp from train_batch_size / (micro * accumulation)), "
-            f"but the cluster has {world_size}", source=source, field="train_batch_size",
-            fix=f"make train_batch_size = micro * accumulation * {world_size // (tp * pp) if world_size % (tp * pp) == 0 else '?'}"
-                f", or change --pp/--tp")
 
 
 def check_plan(plan: Plan, *, world_size: Optional[int] = None, pp: Optional[int] = None,
@@ -229,7 +192,7 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
     cfg, source = load_ds_config(config)
     batch = BatchSettings.of(cfg, source)
     batch.check_divisible(source)
-    spec = resolve_model(model)
+    spec = model_from_arg(model)
     if spec is not None:
         spec = model_for_config(spec, batch)
     if layer_pattern is not None:
@@ -244,12 +207,12 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
         section.cluster = AUTO
     else:
         section.cluster = os.path.abspath(cluster)
-        loaded = load_cluster_or_plan(str(cluster))
+        loaded = load_source(str(cluster))
         if isinstance(loaded, Plan):
             plan = loaded
         else:
             section.cluster_digest = loaded.digest
-            check_degrees_fit(loaded.world_size, tp=tp or 1, pp=pp, dp=batch.dp, source=source)
+            Degrees(loaded.world_size, tp=tp or 1, pp=pp, dp=batch.dp, names=DEEPSPEED_NAMES, source=source)
             if spec is not None:
                 spec = _global_batch_from_accumulation(spec, batch, loaded.world_size, tp or 1, pp)
                 from ..planner import make_plan

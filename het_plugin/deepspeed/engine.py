@@ -19,7 +19,8 @@ import inspect
 from ..agreement import agree_on_plan
 from ..errors import ConfigError
 from .config import SECTION, BatchSettings, check_plan, load_ds_config, section_of, strip_section
-from .groups import PlannedGroups
+from ..runtime.applied import AppliedPlan
+from .groups import planned_groups
 from .resolve import RunShape, resolve_plan
 
 
@@ -52,11 +53,12 @@ def initialize(*args, **kwargs):
     if isinstance(model, DeepSpeedPipelineModule):
         plan = _pipeline_plan(model, section, source)
         check_plan(plan, dp=batch.dp, source=source)
-        result = deepspeed.initialize(**arguments)
+        applied = model.het_applied
     else:
-        plan = _data_parallel_setup(arguments, section, batch, source)
-        result = deepspeed.initialize(**arguments)
-    result[0].het_plan = plan
+        applied = _data_parallel_setup(arguments, section, batch, source)
+    result = deepspeed.initialize(**arguments)
+    result[0].het_plan = applied.plan
+    result[0].het_applied = applied
     return result
 
 
@@ -73,7 +75,7 @@ def _pipeline_plan(model, section, source):
     return plan
 
 
-def _data_parallel_setup(arguments, section, batch, source):
+def _data_parallel_setup(arguments, section, batch, source) -> AppliedPlan:
     """Resolve the plan for plain data parallelism and, if it reorders ranks, hand DeepSpeed an mpu."""
     if arguments.get("mpu") is not None:
         raise ConfigError("an mpu was passed together with a heterogeneous section; het_plugin builds the "
@@ -101,8 +103,8 @@ def _data_parallel_setup(arguments, section, batch, source):
         return plan
 
     plan = agree_on_plan(make, rank=rank, world_size=world_size)
+    applied = AppliedPlan.start(plan, rank)
     if not plan.is_identity:
-        groups = PlannedGroups(plan)
-        with groups.installed():
+        with planned_groups(applied):
             arguments["mpu"] = PipelineParallelGrid(topology=PlanTopology(plan))
-    return plan
+    return applied

@@ -9,7 +9,8 @@ also pass to :func:`het_plugin.deepspeed.initialize`) and ``layer_pattern=``. Wi
 * every rank computes or loads the plan and checks its hash with the others before any group exists;
 * ``topology`` becomes :class:`PlanTopology` and the partition is the plan's layers per stage
   (``partition_method`` is ignored);
-* groups are created with the plan's transports (:mod:`het_plugin.deepspeed.groups`).
+* groups are created with the plan's transports (:mod:`het_plugin.deepspeed.groups`); what was
+  applied (plan and every group created) is ``module.het_applied``, the plan also ``module.het_plan``.
 """
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ from ..agreement import agree_on_plan
 from ..errors import ConfigError
 from ..model import ModelSpec
 from ..plan import Plan
+from ..report import startup_summary
+from ..runtime.applied import AppliedPlan
 from .config import BatchSettings, load_ds_config, section_of
-from .groups import PlannedGroups
+from .groups import planned_groups
 from .partition import counted_layers, plan_parts
 from .resolve import RunShape, resolve_plan
 from .topology import PlanTopology
@@ -42,7 +45,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         if section is None:
             super().__init__(layers, num_stages, topology, *args, **kwargs)
             self.het_plan = None
-            self.het_groups = []
+            self.het_applied = None
             return
 
         import deepspeed.comm as dist
@@ -74,14 +77,16 @@ class PipelineModule(_DeepSpeedPipelineModule):
 
         plan = agree_on_plan(make, rank=rank, world_size=world_size)
         object.__setattr__(self, "_het_parts", plan_parts(len(specs), counted, plan.layers_per_stage, source))
-        groups = PlannedGroups(plan)
+        applied = AppliedPlan.start(plan, rank)
+        if rank == 0:
+            print(startup_summary(plan, "DeepSpeed pipeline",
+                                  [f"layers per stage {plan.layers_per_stage}: layer list boundaries "
+                                   f"{self._het_parts} (PipelineModule.parts)"]), flush=True)
         kwargs.pop("partition_method", None)
-        with groups.installed():
+        with planned_groups(applied):
             super().__init__(specs, None, PlanTopology(plan), *args, **kwargs)
         self.het_plan = plan
-        self.het_groups = groups.records
-        if rank == 0:
-            print(summary(plan, self.parts), flush=True)
+        self.het_applied = applied
 
     def _partition_layers(self, method="uniform"):
         """The plan's split; DeepSpeed's methods when there is no plan."""
@@ -149,19 +154,3 @@ def _param_count(spec) -> int:
     if isinstance(spec, torch.nn.Module):
         return sum(p.numel() for p in spec.parameters() if p.requires_grad)
     return 0
-
-
-def summary(plan: Plan, parts) -> str:
-    stages = ", ".join(f"{n}" for n in plan.layers_per_stage)
-    lines = [f"het_plugin: DeepSpeed pipeline plan {plan.hash} on {plan.cluster_name}: pp={plan.pp} "
-             f"tp={plan.tp} dp={plan.dp}, layers per stage [{stages}] (list boundaries {list(parts)})"]
-    if not plan.is_identity:
-        for s in range(plan.pp):
-            ranks = sorted(plan.rank_of_logical[s * plan.dims.stage_size:(s + 1) * plan.dims.stage_size])
-            nodes = sorted({plan.node_of(r).name for r in ranks})
-            lines.append(f"  stage {s}: ranks {ranks} on {', '.join(nodes)}")
-    for kind in ("model", "data", "pipe"):
-        key = {"model": "tp", "data": "dp", "pipe": "pp"}[kind]
-        kinds = sorted({g.transport for g in plan.groups[key]})
-        lines.append(f"  {kind} groups: {', '.join(kinds)}")
-    return "\n".join(lines)

@@ -7,7 +7,6 @@ and lets the training script add its own flags through ``extra_args_provider(par
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Callable, Optional, Sequence
 
 from ..errors import ConfigError
@@ -18,11 +17,6 @@ PLAN_OUT_FLAG = "--heterogeneous-plan-out"
 DISCOVER = "discover"          # the value of a bare --heterogeneous-nic
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
-
-
-def flag_on_command_line(argv: Optional[Sequence[str]] = None) -> bool:
-    argv = sys.argv[1:] if argv is None else argv
-    return any(a == FLAG or a.startswith(FLAG + "=") for a in argv)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -100,7 +100,7 @@ def main() -> None:
         "slice_group": tdist.get_process_group_ranks(grid.get_slice_parallel_group()),
         "next_rank": grid.stage_to_global(grid.get_stage_id() + 1) if not grid.is_last_stage else None,
         "plan_hash": plan.hash if plan else None,
-        "records": [[g.ranks, g.transport, g.ifname] for g in getattr(model, "het_groups", [])],
+        "records": [[g.ranks, g.transport, g.gloo_ifname] for g in (model.het_applied.records if getattr(model, "het_applied", None) else [])],
         "gloo_ifname_after": os.environ.get("GLOO_SOCKET_IFNAME"),
     })
 

@@ -5,6 +5,7 @@
 Cluster file may also come from env HET_TEST_CLUSTER (lets ranks be given different files).
 """
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def main() -> int:
         ps.initialize_model_parallel(plan.tp, plan.pp)
         report({"rank": applied.rank, "plan": plan.to_dict(), "groups": planned, "megatron_groups": my_groups(),
                 "process_groups": planned_pgs, "megatron_process_groups": process_group_ranks(),
-                "created": applied.groups})
+                "created": [dataclasses.asdict(r) for r in applied.records]})
     else:
         result = train(cfg, tp=a.tp or 1, pp=a.pp or 1, steps=a.steps, cluster=a.cluster, plan=a.plan,
                        use_plugin=not a.baseline)

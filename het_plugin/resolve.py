@@ -1,0 +1,138 @@
+"""The plan a launch runs: one entry point for both adapters and the CLI.
+
+A source is a Plan, a plan (as a dict or a file from ``het-plugin plan -o``), a cluster (object or
+file), or nothing (discover the cluster on every rank). A plan is checked against the launch (world
+size, the degrees the user fixed, the model); a cluster is checked against the launch and planned for
+the model. Pure except for discovery, which gathers over the job's store.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from .cluster import Cluster, load_cluster
+from .errors import ConfigError
+from .model import ModelSpec, load_model, preset_model
+from .plan import Plan, looks_like_plan
+from .topology import Degrees
+
+PathLike = Union[str, Path]
+ModelArg = Union[ModelSpec, dict, PathLike, None, Callable[[], ModelSpec]]
+Source = Union[Plan, dict, Cluster, PathLike, None]
+
+DISCOVER = ("discover", "auto")      # what the adapters call "find the cluster yourself"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher started (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE)."""
+    world_size: int
+    rank: Optional[int] = None
+    local_world_size: Optional[int] = None
+
+
+def model_from_arg(model: ModelArg) -> Optional[ModelSpec]:
+    """A ModelSpec, a dict of its fields, a model file, a preset name, or a callable making one."""
+    if callable(model) and not isinstance(model, ModelSpec):
+        model = model()
+    if model is None or isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, dict):
+        from .yamlio import validate
+        return validate(ModelSpec, model, "<model dict>")
+    text = str(model)
+    if Path(text).exists() or text.endswith((".yaml", ".yml", ".json")):
+        return load_model(text)
+    return preset_model(text)
+
+
+def load_source(source: Source, what: str = "cluster") -> Union[Plan, Cluster, None]:
+    """The object a source names: a Plan, a Cluster, or None (discover). Missing files name the field."""
+    if source is None or isinstance(source, (Plan, Cluster)):
+        return source
+    if isinstance(source, dict):
+        return Plan.from_dict(source)
+    text = str(source)
+    if text in DISCOVER:
+        return None
+    path = Path(text)
+    if not path.is_file():
+        raise ConfigError(f"{what} file not found" if not path.exists() else f"{what} path is not a file",
+                          source=text, field=what,
+                          fix="pass an existing cluster file (see examples/clusters) or a plan file "
+                              "(`het-plugin plan -o`)")
+    return Plan.load(path) if looks_like_plan(path) else load_cluster(path)
+
+
+def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
+                 degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
+                 names: Optional[dict[str, str]] = None) -> Plan:
+    """The plan this launch runs (see the module docstring). ``degrees``: what the user fixed (None
+    entries are the planner's to choose); ``names``: what the user calls tp/pp/dp/cp, for messages."""
+    degrees = degrees or Degrees(launch.world_size)
+    names = names or {}
+    loaded = load_source(source)
+    if isinstance(loaded, Plan):
+        where = str(source) if isinstance(source, (str, Path)) else "<plan>"
+        check_plan_fits(loaded, launch, degrees, model_from_arg(model), where, names)
+        return loaded
+    cluster = loaded if loaded is not None else discover()
+    from .placement import check_world_size
+    check_world_size(cluster, launch.world_size, rank=launch.rank, local_world_size=launch.local_world_size)
+    spec = model_from_arg(model)
+    if spec is None:
+        raise ConfigError("a cluster needs a model to plan for", field="model",
+                          fix="pass a model (ModelSpec, model file or preset name), or a plan file")
+    from .planner import make_plan, placeable_degrees
+    fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
+    try:
+        return make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
+                         micro_batch_size=micro_batch_size)
+    except ConfigError as exc:
+        if all(v is None for v in fixed.values()):
+            raise
+        ok = placeable_degrees(cluster, spec, degrees.cp)
+        listed = ", ".join(f"tp={a} pp={b}" for a, b in ok[:12]) or "none"
+        given = ", ".join(f"{k}={v}" for k, v in fixed.items() if v is not None)
+        raise ConfigError(f"the degrees passed ({given}, cp={degrees.cp}) cannot be placed on {cluster.name}: "
+                          f"{exc.problem}", source=exc.source, field=exc.field,
+                          fix=f"{exc.fix + '; ' if exc.fix else ''}degrees this cluster can hold: {listed}") from None
+
+
+def check_plan_fits(plan: Plan, launch: Launch, degrees: Degrees, model: Optional[ModelSpec], where: str,
+                    names: dict[str, str]) -> None:
+    """A plan file made for another launch would build wrong groups or split layers that do not exist."""
+    if plan.world_size != launch.world_size:
+        raise ConfigError(f"the plan is for {plan.world_size} ranks, but {launch.world_size} were launched",
+                          source=where, field="world_size",
+                          fix=f"launch {plan.world_size} ranks, or re-plan for the nodes you launch")
+    for key in ("tp", "pp", "dp", "cp"):
+        given, planned = getattr(degrees, key), getattr(plan, key)
+        if given is not None and given != planned:
+            name = names.get(key, key)
+            raise ConfigError(f"{name}={given} was passed, but the plan was made for {planned}", source=where,
+                              field=name, fix=f"pass {planned} (or drop it), or re-plan with `het-plugin plan "
+                                              f"--{key} {given}`")
+    if model is None:
+        return
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        planned, given = plan.model.get(name), getattr(model, name)
+        if planned != given:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"the plan was made for {name}={planned}, this run has {given}", source=where,
+                              field=f"model.{name}", fix=f"re-plan for this model (`het-plugin plan` with its "
+                                                         f"model file), or pass {flag} {planned}")
+
+
+def discover() -> Cluster:
+    """The cluster as every rank discovers it (het_plugin.discovery), over the job's store when
+    torch.distributed is initialised (else the torchrun environment's)."""
+    from .discovery import discover_cluster
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        from torch.distributed import distributed_c10d
+        return discover_cluster(store=distributed_c10d._get_default_store(), rank=dist.get_rank(),
+                                world_size=dist.get_world_size())
+    return discover_cluster()
+
