@@ -5,7 +5,6 @@ Each run is a few plain Python processes (integration_tests/ranks/launcher_probe
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 

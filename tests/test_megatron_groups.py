@@ -1,7 +1,6 @@
 """The group mechanism without processes: RankGenerator lists become the plan's, transports, backends."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

@@ -86,7 +86,7 @@ def test_an_older_plan_names_both_versions_and_the_fix():
     with pytest.raises(ConfigError) as info:
         Plan.from_dict(data, "old.json")
     text = str(info.value)
-    assert f"format_version 1" in text and f"format_version {FORMAT_VERSION}" in text
+    assert "format_version 1" in text and f"format_version {FORMAT_VERSION}" in text
     assert "het-plugin plan" in info.value.fix and info.value.source == "old.json"
 
 

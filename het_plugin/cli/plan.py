@@ -6,9 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cluster import load_cluster
 from ..errors import ConfigError
-from ..model import load_model, preset_model
 
 DEFAULT_CLUSTER = Path(__file__).resolve().parent.parent / "data" / "clusters" / "holmes-ib-roce.yaml"
 DEFAULT_MODEL = "gpt-7.5b"
@@ -35,10 +33,6 @@ def register(sub) -> None:
                    help="also draw the placement (clusters, nodes, ranks coloured by stage, slow links) "
                         "into FILE: .svg, or .png (needs matplotlib)")
     p.set_defaults(func=run)
-
-
-def resolve_model(arg: str):
-    return load_model(arg) if Path(arg).exists() or arg.endswith((".yaml", ".yml", ".json")) else preset_model(arg)
 
 
 def check_output_names(args) -> None:
@@ -75,18 +69,23 @@ class ProgressLine:
 
 
 def run(args) -> int:
-    from ..plan import Plan, looks_like_plan
+    from ..plan import Plan
+    from ..resolve import load_source, model_from_arg
     from ..planner import make_plan
     from ..report import render_text
 
     check_output_names(args)
+    loaded = load_source(args.cluster)
+    if loaded is None:
+        raise ConfigError(f"{args.cluster!r} means discovery, which runs inside a launch", field="cluster",
+                          fix="pass a cluster file; `het-plugin discover --gather` under torchrun writes one")
     cluster = None
-    if Path(args.cluster).is_file() and looks_like_plan(args.cluster):
+    if isinstance(loaded, Plan):
         # A saved plan: show (or convert, or draw) it without planning again.
-        plan = Plan.load(args.cluster)
+        plan = loaded
     else:
-        cluster = load_cluster(args.cluster)
-        model = resolve_model(args.model)
+        cluster = loaded
+        model = model_from_arg(args.model)
         profile = None
         if args.profile:
             from ..profile import load_profile
