@@ -79,10 +79,10 @@ def test_hetero_groups_follow_the_plan(hetero_run):
     plan_hashes = {r["plan_hash"] for r in results}
     assert len(plan_hashes) == 1
     # The plan every rank agreed on, recomputed here from the same inputs.
-    from het_plugin.megatron.core import resolve_plan
+    from het_plugin.megatron.core import resolve_megatron_plan
     from integration_tests.support.megatron_tiny import TinyGPT
     cfg = TinyGPT(num_layers=5)
-    plan = resolve_plan(HETERO_8, model=cfg.model_spec(), world_size=8, tp=2, pp=2,
+    plan = resolve_megatron_plan(HETERO_8, model=cfg.model_spec(), world_size=8, tp=2, pp=2,
                         micro_batch_size=cfg.micro_batch_size)
     assert plan.hash in plan_hashes
     assert not plan.is_identity, "the test cluster must make het_plugin permute ranks"

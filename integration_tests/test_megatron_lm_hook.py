@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.megatron.layout import layout_string
+from het_plugin.megatron.pipeline_layout import layout_string
 from het_plugin.plan import Plan
 from integration_tests.support.launch import run_ranks
 
@@ -89,7 +89,7 @@ def test_degrees_that_cannot_be_placed_stop_every_rank_with_the_fix():
 
 def test_bare_flag_discovers_the_cluster_at_initialisation():
     """No FILE: the cluster is gathered over the store after init_process_group; the split still reaches args."""
-    from het_plugin.megatron.layout import layout_for_plan
+    from het_plugin.megatron.pipeline_layout import layout_for_plan
     model = [a if a != "3" else "4" for a in MODEL_ARGS]          # --num-layers 4: Megatron checks 4 % pp itself
     outs = run_ranks(SCRIPT, 2, model + ["--pipeline-model-parallel-size", "2", "--heterogeneous-nic"],
                      env={"HET_PLUGIN_ACCELERATOR": "H100", "HET_PLUGIN_ACCELERATOR_COUNT": "2"}, timeout=180)

@@ -10,7 +10,7 @@ from het_plugin.cli import main as cli_main
 from het_plugin.cluster import cluster_from_dict, load_cluster
 from het_plugin.deepspeed import SECTION, HetSection, section_of, strip_section, wrap
 from het_plugin.deepspeed.config import BatchSettings
-from het_plugin.deepspeed.resolve import RunShape, resolve_plan
+from het_plugin.deepspeed.resolve import RunShape, resolve_section_plan
 from het_plugin.errors import ConfigError
 from het_plugin.model import ModelSpec
 from het_plugin.placement import place
@@ -173,20 +173,20 @@ SHAPE = RunShape(world_size=4, pp=2, tp=1, num_layers=8)
 def test_resolve_loads_the_embedded_plan_without_the_cluster_file(cluster_file):
     section = section_of(wrap(DS, cluster_file, TINY, pp=2))
     cluster_file.unlink()
-    assert resolve_plan(section, SHAPE).hash == section.plan_hash
+    assert resolve_section_plan(section, SHAPE).hash == section.plan_hash
 
 
 def test_resolve_recomputes_from_the_cluster_file(cluster_file):
     section = section_of(wrap(DS, cluster_file, TINY, pp=2, embed_plan=False))
     assert section.plan is None
-    assert resolve_plan(section, SHAPE).hash == section.plan_hash
+    assert resolve_section_plan(section, SHAPE).hash == section.plan_hash
 
 
 def test_resolve_missing_cluster_file_on_a_rank(cluster_file):
     section = section_of(wrap(DS, cluster_file, TINY, pp=2, embed_plan=False))
     cluster_file.unlink()
     with pytest.raises(ConfigError) as err:
-        resolve_plan(section, SHAPE)
+        resolve_section_plan(section, SHAPE)
     assert "not found" in str(err.value) and str(cluster_file) in str(err.value)
 
 
@@ -196,7 +196,7 @@ def test_resolve_notices_a_changed_cluster_file(cluster_file):
     data["links"][0]["gbps"] = 10
     cluster_file.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match="changed since the config was wrapped"):
-        resolve_plan(section, SHAPE)
+        resolve_section_plan(section, SHAPE)
 
 
 @pytest.mark.parametrize("shape, field, words", [
@@ -207,7 +207,7 @@ def test_resolve_notices_a_changed_cluster_file(cluster_file):
 def test_resolve_rejects_a_plan_that_contradicts_the_run(uneven_plan, shape, field, words):
     section = section_of(wrap(DS, uneven_plan))
     with pytest.raises(ConfigError) as err:
-        resolve_plan(section, shape)
+        resolve_section_plan(section, shape)
     assert err.value.field == field and words in str(err.value)
 
 
@@ -220,7 +220,7 @@ def test_resolve_derives_the_planning_model_from_the_layers(cluster_file):
         calls.append(1)
         return TINY.model_copy(update={"num_layers": 6})
 
-    plan = resolve_plan(section, RunShape(world_size=4, pp=2, num_layers=6), derive_model=derive)
+    plan = resolve_section_plan(section, RunShape(world_size=4, pp=2, num_layers=6), derive_model=derive)
     assert calls and sum(plan.layers_per_stage) == 6
     assert stage_rank_sets(plan) == {frozenset({0, 2}), frozenset({1, 3})}
 
@@ -229,12 +229,12 @@ def test_resolve_auto_plans_from_discovery(monkeypatch):
     import het_plugin.resolve as resolve_mod
     monkeypatch.setattr(resolve_mod, "discover", lambda: cluster_from_dict(hetero_cluster()))
     section = section_of(wrap(DS, "auto", TINY, pp=2))
-    plan = resolve_plan(section, SHAPE)
+    plan = resolve_section_plan(section, SHAPE)
     assert plan.cluster_name == "het" and plan.world_size == 4 and plan.pp == 2
 
 
 def test_resolve_cluster_for_another_world_size(cluster_file):
     section = section_of(wrap(DS, cluster_file, None, pp=2))
     with pytest.raises(ConfigError) as err:
-        resolve_plan(section, RunShape(world_size=2, pp=2, num_layers=8), derive_model=lambda: TINY)
+        resolve_section_plan(section, RunShape(world_size=2, pp=2, num_layers=8), derive_model=lambda: TINY)
     assert "2 ranks were launched (WORLD_SIZE), but the cluster file describes 4 accelerators" in str(err.value)

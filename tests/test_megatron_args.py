@@ -12,7 +12,7 @@ import pytest
 from het_plugin.errors import ConfigError
 from het_plugin.megatron import args as hargs
 from het_plugin.megatron import hook, lm
-from het_plugin.megatron.layout import layout_string
+from het_plugin.megatron.pipeline_layout import layout_string
 from het_plugin.plan import Plan
 
 DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"

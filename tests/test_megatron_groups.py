@@ -6,7 +6,7 @@ import pytest
 
 from het_plugin.cluster import load_cluster
 from het_plugin.megatron import groups as hgroups
-from het_plugin.megatron.core import resolve_plan
+from het_plugin.megatron.core import resolve_megatron_plan
 from het_plugin.planner import placeable_degrees
 from het_plugin.report import startup_summary
 from het_plugin.runtime.applied import AppliedPlan
@@ -44,25 +44,25 @@ def test_identity_plan_leaves_megatrons_lists():
 
 def test_resolve_plan_respects_degrees_and_says_what_would_work(tmp_path):
     cluster = DATA / "megatron-ib-roce-4.yaml"
-    plan = resolve_plan(cluster, model=MODEL, world_size=4, tp=1, pp=2)
+    plan = resolve_megatron_plan(cluster, model=MODEL, world_size=4, tp=1, pp=2)
     assert (plan.tp, plan.pp, plan.dp) == (1, 2, 2)
     with pytest.raises(ConfigError) as e:
-        resolve_plan(cluster, model=MODEL, world_size=4, tp=2, pp=2)
+        resolve_megatron_plan(cluster, model=MODEL, world_size=4, tp=2, pp=2)
     assert "cannot be placed" in str(e.value) and "tp=1 pp=2" in str(e.value)
     with pytest.raises(ConfigError, match="launched"):
-        resolve_plan(cluster, model=MODEL, world_size=8)
+        resolve_megatron_plan(cluster, model=MODEL, world_size=8)
     # a plan file: loaded, and degrees that contradict it are refused
     path = tmp_path / "plan.json"
     plan.save(path)
-    assert resolve_plan(path, world_size=4).hash == plan.hash
+    assert resolve_megatron_plan(path, world_size=4).hash == plan.hash
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size"):
-        resolve_plan(path, world_size=4, pp=4)
+        resolve_megatron_plan(path, world_size=4, pp=4)
     with pytest.raises(ConfigError, match="world_size"):
-        resolve_plan(path, world_size=2)
+        resolve_megatron_plan(path, world_size=2)
     other = MODEL.model_copy(update={"num_layers": 7})
     with pytest.raises(ConfigError, match="num_layers=5, this run has 7"):
-        resolve_plan(path, model=other, world_size=4)
-    assert resolve_plan(path, model=MODEL, world_size=4).hash == plan.hash
+        resolve_megatron_plan(path, model=other, world_size=4)
+    assert resolve_megatron_plan(path, model=MODEL, world_size=4).hash == plan.hash
 
 
 def test_placeable_degrees_hold_on_the_cluster():

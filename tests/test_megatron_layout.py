@@ -7,7 +7,7 @@ import pytest
 
 from het_plugin.cluster import load_cluster
 from het_plugin.errors import ConfigError
-from het_plugin.megatron.layout import apply_plan_to_config, layout_for_plan, layout_string
+from het_plugin.megatron.pipeline_layout import apply_plan_to_config, layout_for_plan, layout_string
 from het_plugin.model import ModelSpec
 from het_plugin.planner import assemble_plan
 from het_plugin.placement import place

@@ -1,7 +1,7 @@
 """Subgroups, leaders and chunking of a shim group (pure)."""
 import pytest
 
-from het_plugin.comm.layout import ShimLayout, chunk_bounds, describe, stripe_pieces
+from het_plugin.comm.shim_layout import ShimLayout, chunk_bounds, describe, stripe_pieces
 
 
 def test_subgroups_keep_group_rank_order_and_first_appearance():

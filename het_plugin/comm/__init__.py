@@ -7,7 +7,7 @@ Groups whose plan transport is ``host-staged`` are created with
 """
 import torch.distributed as dist
 
-from .layout import ShimLayout, chunk_bounds
+from .shim_layout import ShimLayout, chunk_bounds
 from .shim import SHIM_BACKEND, ShimProcessGroup, ShimUnsupportedError, create_shim_group, register
 from .vendors import (ENV_VENDOR, ENV_VENDOR_MAP, ShimOptions, VendorMapError, declared_vendor_map, detect_vendor,
                       parse_vendor_map, set_vendor_map)

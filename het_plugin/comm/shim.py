@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..errors import HetPluginError
 from ..netselect import SHIM_BACKEND, gloo_network
-from .layout import ShimLayout, chunk_bounds, describe, stripe_pieces
+from .shim_layout import ShimLayout, chunk_bounds, describe, stripe_pieces
 from ..runtime.exchange import timeout_s
 from .vendors import ShimOptions, agree_on_vendors
 from .work import ShimWork

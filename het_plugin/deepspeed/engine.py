@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from .config import SECTION, BatchSettings, check_plan, load_ds_config, section_of, strip_section
 from ..runtime.applied import AppliedPlan
 from .groups import planned_groups
-from .resolve import RunShape, resolve_plan
+from .resolve import RunShape, resolve_section_plan
 
 
 def initialize(*args, **kwargs):
@@ -97,7 +97,7 @@ def _data_parallel_setup(arguments, section, batch, source) -> AppliedPlan:
     model = arguments["model"]
 
     def make():
-        plan = resolve_plan(section, shape, source=source,
+        plan = resolve_section_plan(section, shape, source=source,
                             derive_model=lambda: model_from_module(model, batch, world_size))
         check_plan(plan, dp=batch.dp, source=source)
         return plan

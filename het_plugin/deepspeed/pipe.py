@@ -30,7 +30,7 @@ from ..runtime.applied import AppliedPlan
 from .config import BatchSettings, load_ds_config, section_of
 from .groups import planned_groups
 from .partition import counted_layers, plan_parts
-from .resolve import RunShape, resolve_plan
+from .resolve import RunShape, resolve_section_plan
 from .topology import PlanTopology
 
 ASSUMED_SEQ_LENGTH = 2048
@@ -61,7 +61,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
         batch = BatchSettings.of(cfg, source)
 
         def make() -> Plan:
-            plan = resolve_plan(section, shape, source=source,
+            plan = resolve_section_plan(section, shape, source=source,
                                 derive_model=lambda: model_from_layers(specs, counted, batch, shape.dp, tp))
             if topo_dp is not None and topo_dp != plan.dp:
                 raise ConfigError(f"the topology has data degree {topo_dp}, the plan (and the {world_size} launched "

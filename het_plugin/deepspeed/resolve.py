@@ -31,7 +31,7 @@ class RunShape:
         return Degrees(self.world_size, tp=self.tp, pp=self.pp, dp=-1, names=DEEPSPEED_NAMES, source=source)
 
 
-def resolve_plan(section: HetSection, shape: RunShape, *, derive_model: Optional[Callable[[], ModelSpec]] = None,
+def resolve_section_plan(section: HetSection, shape: RunShape, *, derive_model: Optional[Callable[[], ModelSpec]] = None,
                  source: str = "<config>") -> Plan:
     """The plan for this run; ``derive_model`` builds a planning model from the layer list when the
     section has none."""

@@ -3,7 +3,7 @@
 
 See docs/emulator.md. Latency is not emulated (no netem in the kernels we target); bandwidth is.
 """
-from .layout import ETH_IF, FAB_IF, EmuNode, ExtraNetwork, Interface, Layout, ShapedClass, make_layout
+from .netspec import ETH_IF, FAB_IF, EmuNode, ExtraNetwork, Interface, Layout, ShapedClass, make_layout
 from .network import Emulation, RankOutput, collect, stream_prefixed, terminate_on_signals
 from .system import EmulatorUnavailable, check_preconditions, clean_leftovers, leftovers
 

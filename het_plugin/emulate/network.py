@@ -13,7 +13,7 @@ import threading
 from typing import IO, Callable, Optional, Sequence
 
 from ..cluster import Cluster
-from .layout import ExtraNetwork, Interface, Layout, make_layout
+from .netspec import ExtraNetwork, Interface, Layout, make_layout
 from .procs import RankOutput, kill_group, wait_all
 from .procs import collect as collect_procs
 from .system import (CommandFailed, EmulatorUnavailable, RunRecord, check_preconditions, clean_leftovers, kill_pids, namespace_pids,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import HetPluginError
-from .layout import LINK_PREFIX, NS_PREFIX, RUN_ID_RE
+from .netspec import LINK_PREFIX, NS_PREFIX, RUN_ID_RE
 
 STATE_DIR = Path(os.environ.get("HET_PLUGIN_EMULATE_STATE", "/run/het-plugin-emulate"))
 

@@ -18,13 +18,13 @@ import importlib
 
 _EXPORTS = {
     "initialize_model_parallel": "core",
-    "resolve_plan": "core",
+    "resolve_megatron_plan": "core",
     "current_plan": "core",
     "model_from_args": "modelspec",
-    "layout_for_plan": "layout",
-    "layout_string": "layout",
-    "apply_plan_to_config": "layout",
-    "ddp_config_for_plan": "layout",
+    "layout_for_plan": "pipeline_layout",
+    "layout_string": "pipeline_layout",
+    "apply_plan_to_config": "pipeline_layout",
+    "ddp_config_for_plan": "pipeline_layout",
     "planned_groups": "groups",
     "add_arguments": "args",
     "chain_extra_args_provider": "args",

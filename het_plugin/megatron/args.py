@@ -88,7 +88,7 @@ def degrees_given(args: Any, argv: Sequence[str]) -> dict[str, Optional[int]]:
 
 def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
     """Write the plan into Megatron-LM's args (before validate_args); returns what changed, for the log."""
-    from .layout import layout_for_plan
+    from .pipeline_layout import layout_for_plan
     changes = []
 
     def put(name, value):

@@ -43,7 +43,7 @@ def current_plan() -> Optional[AppliedPlan]:
     return _current
 
 
-def resolve_plan(source: Union[Plan, Cluster, PathLike, None] = None, *,
+def resolve_megatron_plan(source: Union[Plan, Cluster, PathLike, None] = None, *,
                  model: Union[ModelSpec, PathLike, None] = None, world_size: int, rank: Optional[int] = None,
                  local_world_size: Optional[int] = None, tp: Optional[int] = None, pp: Optional[int] = None,
                  cp: Optional[int] = None, micro_batch_size: Optional[int] = None) -> Plan:
@@ -127,7 +127,7 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     cp = megatron_kwargs.pop("context_parallel_size", None)
 
     def make() -> Plan:
-        return resolve_plan(plan if plan is not None else cluster, model=model, world_size=world, rank=rank,
+        return resolve_megatron_plan(plan if plan is not None else cluster, model=model, world_size=world, rank=rank,
                             local_world_size=int(lws) if lws else None, tp=tensor_model_parallel_size,
                             pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size)
 

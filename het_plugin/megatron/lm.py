@@ -61,14 +61,14 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
 
 def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int] = None,
               world_size: Optional[int] = None):
-    from .core import resolve_plan
+    from .core import resolve_megatron_plan
     from .modelspec import model_from_args
     world = world_size or int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
     rank = rank if rank is not None else int(getattr(args, "rank", None) or os.environ.get("RANK", "0"))
     dp_guess = max(1, world // ((given["tp"] or 1) * (given["pp"] or 1) * (given["cp"] or 1)))
     model = model_from_args(args, data_parallel_size=dp_guess)
     lws = os.environ.get("LOCAL_WORLD_SIZE")
-    return resolve_plan(None if source == DISCOVER else source, model=model, world_size=world, rank=rank,
+    return resolve_megatron_plan(None if source == DISCOVER else source, model=model, world_size=world, rank=rank,
                         local_world_size=int(lws) if lws else None, tp=given["tp"], pp=given["pp"],
                         cp=given["cp"], micro_batch_size=given["micro_batch_size"])
 

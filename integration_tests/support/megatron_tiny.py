@@ -198,7 +198,7 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
         ps.initialize_model_parallel(tp, pp)
         config_kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         if layers_per_stage is not None and pp > 1:
-            from het_plugin.megatron.layout import layout_string
+            from het_plugin.megatron.pipeline_layout import layout_string
             config_kwargs["pipeline_model_parallel_layout"] = layout_string(layers_per_stage)
         ddp_overlap = bool(overlap_grad_reduce)
     model_parallel_cuda_manual_seed(cfg.seed)
