@@ -35,6 +35,8 @@ class LaunchState:
     changes: list[str] = field(default_factory=list)
 
 
+# Megatron-LM calls parse_args and, later, initialize_model_parallel with nothing passed between them
+# that het_plugin could use: the plan computed at the first moment waits here for the second.
 state = LaunchState()
 
 
