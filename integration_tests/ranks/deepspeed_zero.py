@@ -68,4 +68,5 @@ if __name__ == "__main__":
     main()
     import torch.distributed as _dist
     if _dist.is_initialized():      # no gloo threads left at interpreter exit (they can abort the process)
+        _dist.barrier()             # ... nor a peer still sending to a rank that is tearing down
         _dist.destroy_process_group()
