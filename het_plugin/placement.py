@@ -37,12 +37,10 @@ class Placement:
         return all(i == r for i, r in enumerate(self.rank_of_logical))
 
     def physical_groups(self, kind: str) -> list[list[int]]:
-        perm = self.rank_of_logical
-        return [[perm[r] for r in g] for g in self.dims.groups(kind)]
+        return self.dims.placed_groups(kind, self.rank_of_logical)
 
     def stage_ranks(self, stage: int) -> list[int]:
-        s = self.dims.stage_size
-        return list(self.rank_of_logical[stage * s:(stage + 1) * s])
+        return self.dims.placed_stage(stage, self.rank_of_logical)
 
 
 def check_dims(cluster: Cluster, dims: ParallelDims, num_layers: int | None = None) -> None:

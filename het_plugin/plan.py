@@ -122,8 +122,7 @@ class Plan:
 
     def stage_ranks(self, stage: int) -> list[int]:
         """Physical ranks holding pipeline stage ``stage`` (all its TP, CP and DP replicas)."""
-        size = self.dims.stage_size
-        return list(self.rank_of_logical[stage * size:(stage + 1) * size])
+        return self.dims.placed_stage(stage, self.rank_of_logical)
 
     @cached_property
     def _rank_nodes(self) -> list[NodePlan]:
@@ -181,8 +180,7 @@ class Plan:
 
     def derived_groups(self, kind: str) -> list[list[int]]:
         """Members of every ``kind`` group as the degrees and the permutation make them."""
-        perm = self.rank_of_logical
-        return [[perm[r] for r in g] for g in self.dims.groups(kind)]
+        return self.dims.placed_groups(kind, self.rank_of_logical)
 
     def check_consistent(self, source: str = "<plan>") -> None:
         """The stored groups and transports must be what the degrees, permutation, nodes and links say."""

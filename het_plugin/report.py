@@ -76,12 +76,11 @@ def node_rows(plan: Plan) -> list[NodeRow]:
 
 def stage_summary(plan: Plan) -> list[dict[str, Any]]:
     """Per stage: its layers, where it runs (cluster/accelerator and rank count), embedding/output."""
-    size = plan.world_size // plan.pp
     node_of = rank_nodes(plan)
     out = []
     for s in range(plan.pp):
         where: Counter = Counter()
-        for r in plan.rank_of_logical[s * size:(s + 1) * size]:
+        for r in plan.stage_ranks(s):
             n = node_of[r]
             where[f"{n.cluster}/{n.accelerator}"] += 1
         extra = []

@@ -126,13 +126,8 @@ def check_plan_fits(plan: Plan, launch: Launch, degrees: Degrees, model: Optiona
 
 
 def discover() -> Cluster:
-    """The cluster as every rank discovers it (het_plugin.discovery), over the job's store when
-    torch.distributed is initialised (else the torchrun environment's)."""
+    """The cluster as every rank discovers it (het_plugin.discovery finds the job's store, rank and world
+    size itself once torch.distributed is initialised)."""
     from .discovery import discover_cluster
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        from torch.distributed import distributed_c10d
-        return discover_cluster(store=distributed_c10d._get_default_store(), rank=dist.get_rank(),
-                                world_size=dist.get_world_size())
     return discover_cluster()
 

@@ -64,6 +64,14 @@ class ParallelDims:
             stride *= size
         return rank
 
+    def placed_groups(self, kind: str, rank_of_logical: Sequence[int]) -> list[list[int]]:
+        """Every ``kind`` group as physical ranks: each logical rank through the permutation."""
+        return [[rank_of_logical[r] for r in g] for g in self.groups(kind)]
+
+    def placed_stage(self, stage: int, rank_of_logical: Sequence[int]) -> list[int]:
+        """Physical ranks holding pipeline stage ``stage`` (a contiguous block of logical ranks)."""
+        return list(rank_of_logical[stage * self.stage_size:(stage + 1) * self.stage_size])
+
     def groups(self, kind: str) -> list[list[int]]:
         """Logical rank lists of every group of ``kind`` (e.g. 'tp', 'dp-cp', 'tp-pp'), in Megatron's order."""
         if kind == "embedding":

@@ -7,6 +7,7 @@ import types
 import pytest
 
 from het_plugin.cluster import load_cluster
+from het_plugin.model import preset_model
 from het_plugin.planner import make_plan
 from het_plugin.runtime.applied import AppliedPlan
 from het_plugin.runtime.groups import Policy, spec_for
@@ -70,8 +71,7 @@ def test_gloo_interface_and_member_order(plan8, monkeypatch):
 def test_groups_spanning_vendors_go_through_the_shim_with_their_options(examples_dir):
     pytest.importorskip("torch.distributed")
     from het_plugin.comm import SHIM_BACKEND, ShimOptions
-    plan = make_plan(load_cluster(examples_dir / "clusters" / "hethub-mix.yaml"), __import__(
-        "het_plugin.model", fromlist=["preset_model"]).preset_model("gpt-7.5b"))
+    plan = make_plan(load_cluster(examples_dir / "clusters" / "hethub-mix.yaml"), preset_model("gpt-7.5b"))
     vendors = {plan.vendor_of(r) for r in range(plan.world_size)}
     assert len(vendors) > 1
     world = spec_for(plan, None, Policy("nccl"))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import ConfigError
-from ..netselect import SHIM_BACKEND, gloo_ifnames, nccl_net_name
+from ..netselect import SHIM_BACKEND, gloo_ifnames, ifname_set, nccl_net_name
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,6 @@ class GroupSpec:
     @contextlib.contextmanager
     def creating(self) -> Iterator[None]:
         """The process environment one creation needs (gloo reads GLOO_SOCKET_IFNAME per group)."""
-        from ..netselect import ifname_set
         with ifname_set(self.gloo_ifname):
             yield
 
