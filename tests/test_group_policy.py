@@ -92,3 +92,14 @@ def test_applied_plan_records_every_creation(plan8, monkeypatch):
     assert group == "G" and seen[0][1] == "eth0" and "GLOO_SOCKET_IFNAME" not in os.environ
     (rec,) = applied.records
     assert (rec.ranks, rec.transport, rec.gloo_ifname, rec.desc) == (plan8.groups["pp"][0].ranks, "socket", "eth0", "pp")
+
+
+def test_transport_of_known_and_derived_groups(plan8):
+    """(Was tests/test_megatron_groups.py, against the Megatron adapter's own copy of the rule.)"""
+    policy = Policy("gloo")
+    assert spec_for(plan8, plan8.groups["pp"][0].ranks, policy).transport == "socket"
+    assert spec_for(plan8, plan8.groups["dp"][0].ranks, policy).transport == plan8.groups["dp"][0].transport
+    ib = [r for r in range(8) if plan8.node_of(r).cluster == "ib"]
+    assert spec_for(plan8, ib, policy).transport == "ib"            # not a plan group: from the node table
+    assert spec_for(plan8, [ib[0], ib[1]], policy).transport == "local"
+    assert spec_for(plan8, [0, 2], policy).transport == "socket"

@@ -118,14 +118,15 @@ def with_net_name(options: Any, net_name: str) -> Any:
 
 
 def check_torch_keeps_order() -> None:
-    """A permuted plan needs ``new_group(sort_ranks=False)`` (torch >= 2.6); older torch would give members
-    group ranks in ascending order and the framework would deadlock."""
+    """A permuted plan needs ``new_group(sort_ranks=False)`` (added to torch in March 2026, pytorch#176580);
+    an older torch would give members group ranks in ascending order and the framework would deadlock."""
     from torch.distributed import distributed_c10d      # torch's own function, whatever wraps the attribute
     if "sort_ranks" not in inspect.signature(distributed_c10d.new_group).parameters:
         import torch
-        raise ConfigError(f"torch {torch.__version__} sorts every group's members, but this plan places ranks "
-                          "out of order", field="torch", fix="use torch >= 2.6, or a cluster file whose node order "
-                                                             "already follows the plan (launch order)")
+        raise ConfigError(f"torch {torch.__version__} sorts every group's members (its new_group has no "
+                          "sort_ranks), but this plan places ranks out of order", field="torch",
+                          fix="use a torch whose new_group takes sort_ranks (2026 releases; 2.13 is tested), or "
+                              "launch the nodes in the plan's order (launch.node_order) so the plan is the identity")
 
 
 def _shim_backend(policy: Policy) -> Optional[str]:
