@@ -103,3 +103,19 @@ def test_transport_of_known_and_derived_groups(plan8):
     assert spec_for(plan8, ib, policy).transport == "ib"            # not a plan group: from the node table
     assert spec_for(plan8, [ib[0], ib[1]], policy).transport == "local"
     assert spec_for(plan8, [0, 2], policy).transport == "socket"
+
+
+def test_a_torch_without_sort_ranks_is_refused_for_a_permuted_group(plan8, monkeypatch):
+    from het_plugin.errors import ConfigError
+    from torch.distributed import distributed_c10d
+
+    def old_new_group(ranks=None, timeout=None, backend=None, pg_options=None):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(distributed_c10d, "new_group", old_new_group)
+    pp = plan8.groups["pp"][2].ranks
+    assert pp != sorted(pp)
+    with pytest.raises(ConfigError, match="sort_ranks") as info:
+        spec_for(plan8, pp, Policy("gloo"))
+    assert info.value.field == "torch"
+    assert spec_for(plan8, sorted(pp), Policy("gloo")).sort_ranks     # ascending lists need no flag
