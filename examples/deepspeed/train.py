@@ -82,7 +82,9 @@ def main() -> None:
         loss = engine.train_batch(data)
         if engine.global_rank == 0:
             print(f"step {step} loss {float(loss):.6f}", flush=True)
-    # Leave no communicator threads running at interpreter exit (gloo can abort the process there otherwise).
+    # Leave no communicator threads running at interpreter exit (gloo can abort the process there otherwise),
+    # and destroy only after every rank is done: a peer may still be sending to a rank that tears down.
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
