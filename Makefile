@@ -4,8 +4,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.het_plugin-installed
+# The newest supported megatron-core, installed beside the venv's 0.16.1 and put first on PYTHONPATH for a
+# second test pass. A Python-3.11 test measure: megatron-core 0.17+ declares Python >=3.12 but ships cp311
+# wheels (users on 3.12+ simply `pip install megatron-core`); support/py311 supplies typing.override.
+MCORE_NEW_VERSION := 0.19.2
+MCORE_NEW := .mcore-$(MCORE_NEW_VERSION)
+MCORE_NEW_STAMP := $(MCORE_NEW)/.installed
+MCORE_NEW_ENV := PYTHONPATH=$(CURDIR)/$(MCORE_NEW):$(CURDIR)/integration_tests/support/py311 HET_TEST_MCORE=$(MCORE_NEW_VERSION)
 
-.PHONY: plan test unit integration bench clean
+.PHONY: plan test test-mcore-new unit integration bench clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +24,19 @@ $(STAMP): pyproject.toml setup.py
 plan: $(STAMP)
 	$(VENV)/bin/het-plugin plan $(ARGS)
 
-test: $(STAMP)
+$(MCORE_NEW_STAMP): $(STAMP)
+	rm -rf $(MCORE_NEW)
+	$(PY) -m pip install -q --no-deps --ignore-requires-python --target $(MCORE_NEW) \
+		megatron-core==$(MCORE_NEW_VERSION) triton==3.9.0
+	touch $@
+
+# Every test on megatron-core 0.16.1 (the venv), then every Megatron test again on the newest release.
+test: $(STAMP) $(MCORE_NEW_STAMP)
 	$(PY) -m pytest -q tests integration_tests
+	$(MCORE_NEW_ENV) $(PY) -m pytest -q -m megatron tests integration_tests
+
+test-mcore-new: $(STAMP) $(MCORE_NEW_STAMP)
+	$(MCORE_NEW_ENV) $(PY) -m pytest -q -m megatron tests integration_tests $(ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -27,4 +45,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_planner.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(MCORE_NEW) build *.egg-info .pytest_cache .hypothesis
