@@ -80,6 +80,9 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
     global _current
     import torch.distributed as dist
     from .groups import planned_groups
+    from .version import check_megatron_version
+
+    check_megatron_version()
 
     for key, (default, why, fix) in UNSUPPORTED.items():
         if megatron_kwargs.get(key, default) != default:
@@ -117,6 +120,8 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     :func:`ddp_config_for_plan`; :func:`current_plan` holds what was applied (groups created).
     """
     import torch.distributed as dist
+    from .version import check_megatron_version
+    check_megatron_version()
     if not dist.is_initialized():
         raise RuntimeError("call torch.distributed.init_process_group before "
                            "het_plugin.megatron.initialize_model_parallel")
