@@ -14,7 +14,7 @@ The model, in short (details and constants in docs/planner.md):
   copy each way.
 * Pipeline: 1F1B with per-stage forward/backward times and per-hop send times, simulated op by op.
 * Data parallel: gradient reduction per stage; with ``overlap_grad_reduce`` (Megatron's bucketed overlap)
-  only the last micro-batch's backward can hide it. Tied embeddings add the first/last-stage all-reduce.
+  only the last micro-batch's backward can hide it. Tied embeddings (or MTP on the last stage) add the first/last-stage all-reduce.
 * Memory per rank: bf16 weights, fp32 gradients, fp32 master + Adam moments (divided by DP with the
   distributed optimizer), activations of the in-flight micro-batches, logits on the last stage.
 
@@ -332,6 +332,8 @@ def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, 
         flops = model.layer_flops_fwd(mb) / (tp * cp)
     elif kind == "output":
         flops = model.logits_flops_fwd(mb) / (tp * cp)
+    elif kind == "mtp":
+        flops = model.mtp_flops_fwd(mb) / (tp * cp)
     else:   # embedding lookup: memory-bound and small; counted as a few FLOPs per element
         flops = 2.0 * mb * model.seq_length * model.hidden_size / (tp * cp)
     fwd = flops / acc.sustained_flops
@@ -377,6 +379,13 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
             ff, fb_ = ff + o[0], fb_ + o[1]
             if pp > 1 or not model.tie_embeddings:
                 fixed_params += emb_params
+            if model.mtp_layers:          # MTP modules run after the decoder on the last stage
+                t = max((_compute_s(a, "mtp", model, mb, tp, cp, info.tp_tier, profile)
+                         for a in info.accelerators), key=lambda fb: fb[0] + fb[1])
+                ff, fb_ = ff + t[0], fb_ + t[1]
+                fixed_params += model.mtp_params / tp
+                fixed_mem += model.mtp_layers * _activation_bytes_per_layer(model, mb, tp, cp)
+                fixed_mem += model.mtp_layers * mb * model.seq_length * model.vocab_size * LOGITS_BYTES / (tp * cp)
             fixed_mem += mb * model.seq_length * model.vocab_size * LOGITS_BYTES / (tp * cp)
         send = 0.0
         for tier, share, staged in info.hop_next:
@@ -543,12 +552,13 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
             params /= dims.dp
         opt = max(opt, params * OPTIMIZER_BYTES_MOVED / HBM_BYTES_PER_S)
     emb = 0.0
-    if dims.pp > 1 and model.tie_embeddings and analysis.embedding_paths:
+    if len(model.embedding_stages(dims.pp)) > 1 and analysis.embedding_paths:   # tied, or MTP on the last stage
         emb_bytes = model.embedding_params / dims.tp * GRAD_BYTES
         emb = max(p.allreduce_s(emb_bytes, profile) for p in analysis.embedding_paths)
     iteration = max(ends) + emb + opt
     tokens = model.global_batch_size * model.seq_length
-    flops = 3.0 * model.global_batch_size * (model.num_layers * model.layer_flops_fwd(1) + model.logits_flops_fwd(1))
+    flops = 3.0 * model.global_batch_size * (model.num_layers * model.layer_flops_fwd(1) + model.logits_flops_fwd(1)
+                                             + model.mtp_flops_fwd(1))
     busiest = max(m * (f + b) for f, b in zip(fwd, bwd))
     memory = [_memory_bytes(st, n, dims.dp, distributed_optimizer) / GIB for st, n in zip(sts, layers_per_stage)]
     capacity = [st.capacity_gib for st in sts]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, model_validator
 
 from .yamlio import load_validated
 
@@ -27,6 +27,7 @@ class ModelSpec(BaseModel):
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     activation: Literal["gelu", "swiglu"] = "gelu"
     tie_embeddings: bool = True
+    mtp_layers: NonNegativeInt = 0                       # multi-token prediction depth (Megatron --mtp-num-layers)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -72,9 +73,25 @@ class ModelSpec(BaseModel):
         return self.vocab_size * self.hidden_size
 
     @property
+    def mtp_params(self) -> int:
+        """Multi-token prediction modules: per depth one transformer layer, the projection of
+        [hidden; embedding] (2h -> h) and two norms; the embedding and output layer are shared."""
+        h = self.hidden_size
+        return self.mtp_layers * (self.params_per_layer + 2 * h * h + 4 * h)
+
+    @property
     def total_params(self) -> int:
-        out = self.num_layers * self.params_per_layer + self.embedding_params
+        out = self.num_layers * self.params_per_layer + self.embedding_params + self.mtp_params
         return out if self.tie_embeddings else out + self.embedding_params
+
+    def embedding_stages(self, pp: int) -> tuple[int, ...]:
+        """Pipeline stages that hold the word embedding and keep its gradient in sync (Megatron's
+        embedding group, as Megatron-LM's pretrain_gpt ``get_embedding_ranks`` builds it): the first
+        stage, and the last when it ties the output layer to the embedding or runs the MTP modules
+        (which read the embedding; het_plugin's layout puts them on the last stage)."""
+        if pp > 1 and (self.tie_embeddings or self.mtp_layers):
+            return (0, pp - 1)
+        return (0,)
 
     def layer_flops_fwd(self, micro_batch: int) -> float:
         """Forward FLOPs of one transformer layer for one micro-batch (matmuls + attention)."""
@@ -88,6 +105,12 @@ class ModelSpec(BaseModel):
 
     def logits_flops_fwd(self, micro_batch: int) -> float:
         return 2.0 * micro_batch * self.seq_length * self.hidden_size * self.vocab_size
+
+    def mtp_flops_fwd(self, micro_batch: int) -> float:
+        """Forward FLOPs of the MTP modules: per depth a layer, the 2h -> h projection and its own logits."""
+        tokens = micro_batch * self.seq_length
+        proj = 2.0 * tokens * 2 * self.hidden_size * self.hidden_size
+        return self.mtp_layers * (self.layer_flops_fwd(micro_batch) + proj + self.logits_flops_fwd(micro_batch))
 
 
 def load_model(path: str | Path) -> ModelSpec:

@@ -14,7 +14,7 @@ import itertools
 import math
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 from .cluster import RDMA, Cluster
 from .errors import ConfigError
@@ -36,8 +36,8 @@ class Placement:
     def is_identity(self) -> bool:
         return all(i == r for i, r in enumerate(self.rank_of_logical))
 
-    def physical_groups(self, kind: str) -> list[list[int]]:
-        return self.dims.placed_groups(kind, self.rank_of_logical)
+    def physical_groups(self, kind: str, embedding_stages: Optional[Sequence[int]] = None) -> list[list[int]]:
+        return self.dims.placed_groups(kind, self.rank_of_logical, embedding_stages)
 
     def stage_ranks(self, stage: int) -> list[int]:
         return self.dims.placed_stage(stage, self.rank_of_logical)

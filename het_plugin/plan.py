@@ -24,7 +24,8 @@ from .topology import ParallelDims
 from .transport import Member, transport_rule
 
 # 2: the plan carries the link kinds between clusters ('links'); 'order' dropped (nothing read it).
-FORMAT_VERSION = 2
+# 3: 'embedding_stages' (untied embeddings and MTP change which stages share the word embedding).
+FORMAT_VERSION = 3
 
 
 @dataclass
@@ -87,6 +88,9 @@ class Plan:
     layers_per_stage: list[int]
     groups: dict[str, list[GroupPlan]]
     nodes: list[NodePlan]
+    # Pipeline stages in the embedding group (ModelSpec.embedding_stages): [0, pp-1] when the output layer is
+    # tied to the embedding or MTP runs on the last stage, else [0].
+    embedding_stages: list[int] = field(default_factory=lambda: [0])
     ep: int = 1
     links: list[LinkPlan] = field(default_factory=list)
     overlap_grad_reduce: bool = True
@@ -180,13 +184,18 @@ class Plan:
 
     def derived_groups(self, kind: str) -> list[list[int]]:
         """Members of every ``kind`` group as the degrees and the permutation make them."""
-        return self.dims.placed_groups(kind, self.rank_of_logical)
+        return self.dims.placed_groups(kind, self.rank_of_logical, self.embedding_stages)
 
     def check_consistent(self, source: str = "<plan>") -> None:
         """The stored groups and transports must be what the degrees, permutation, nodes and links say."""
         if sorted(self.rank_of_logical) != list(range(self.world_size)):
             raise ConfigError("rank_of_logical is not a permutation of the ranks", source=source,
                               field="rank_of_logical", fix="re-create the plan with `het-plugin plan -o`")
+        stages = self.embedding_stages
+        if not stages or stages != sorted(set(stages)) or stages[0] != 0 or stages[-1] >= self.pp:
+            raise ConfigError(f"embedding_stages {stages} must be ascending pipeline stages starting with 0, "
+                              f"below pp={self.pp}", source=source, field="embedding_stages",
+                              fix="re-create the plan with `het-plugin plan -o`")
         if sum(n.num_ranks for n in self.nodes) != self.world_size:
             raise ConfigError(f"the node table holds {sum(n.num_ranks for n in self.nodes)} ranks, the plan "
                               f"{self.world_size}", source=source, field="nodes",

@@ -48,8 +48,10 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
     groups: dict[str, list[GroupPlan]] = {}
     net = cost.Network(cluster, transport)      # cached transport(): one call per group shape
     rank_node = cluster.rank_node
+    embedding_stages = model.embedding_stages(dims.pp)
     for kind in GROUP_KINDS + ("embedding",):
-        groups[kind] = [GroupPlan(g, net.transport([rank_node[r] for r in g])) for g in placement.physical_groups(kind)]
+        groups[kind] = [GroupPlan(g, net.transport([rank_node[r] for r in g]))
+                        for g in placement.physical_groups(kind, embedding_stages)]
     nodes = [NodePlan(n.name, n.cluster, n.fabric.type, n.accelerator.name, n.vendor,
                       cluster.node_first_rank[n.index], n.num_accelerators) for n in cluster.nodes]
     links = [LinkPlan(sorted(pair), link.kind) for pair, link in sorted(cluster.links.items(), key=lambda kv: sorted(kv[0]))]
@@ -69,7 +71,8 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         world_size=dims.world_size, tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, ep=dims.ep,
         micro_batch_size=micro_batch_size, num_micro_batches=model.global_batch_size // per_mb,
         rank_of_logical=list(placement.rank_of_logical), layers_per_stage=list(layers_per_stage),
-        groups=groups, nodes=nodes, links=links, overlap_grad_reduce=overlap_grad_reduce,
+        groups=groups, embedding_stages=list(embedding_stages), nodes=nodes, links=links,
+        overlap_grad_reduce=overlap_grad_reduce,
         distributed_optimizer=distributed_optimizer, homogeneous=cluster.is_homogeneous,
         prediction=prediction, baseline=baseline, alternatives=list(alternatives), warnings=warnings)
 

@@ -64,18 +64,25 @@ class ParallelDims:
             stride *= size
         return rank
 
-    def placed_groups(self, kind: str, rank_of_logical: Sequence[int]) -> list[list[int]]:
+    def placed_groups(self, kind: str, rank_of_logical: Sequence[int],
+                      embedding_stages: Optional[Sequence[int]] = None) -> list[list[int]]:
         """Every ``kind`` group as physical ranks: each logical rank through the permutation."""
-        return [[rank_of_logical[r] for r in g] for g in self.groups(kind)]
+        return [[rank_of_logical[r] for r in g] for g in self.groups(kind, embedding_stages)]
 
     def placed_stage(self, stage: int, rank_of_logical: Sequence[int]) -> list[int]:
         """Physical ranks holding pipeline stage ``stage`` (a contiguous block of logical ranks)."""
         return list(rank_of_logical[stage * self.stage_size:(stage + 1) * self.stage_size])
 
-    def groups(self, kind: str) -> list[list[int]]:
-        """Logical rank lists of every group of ``kind`` (e.g. 'tp', 'dp-cp', 'tp-pp'), in Megatron's order."""
+    def groups(self, kind: str, embedding_stages: Optional[Sequence[int]] = None) -> list[list[int]]:
+        """Logical rank lists of every group of ``kind`` (e.g. 'tp', 'dp-cp', 'tp-pp'), in Megatron's order.
+
+        'embedding' takes the members of each pipeline group at ``embedding_stages`` (default: Megatron-Core's
+        first and last stage; see ``ModelSpec.embedding_stages`` for untied embeddings and MTP)."""
         if kind == "embedding":
-            return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in self.groups("pp")]
+            stages = default_embedding_stages(self.pp) if embedding_stages is None else sorted(set(embedding_stages))
+            if not stages or stages[0] != 0 or stages[-1] >= self.pp:
+                raise ValueError(f"embedding stages {list(stages)} must include stage 0 and lie in 0..{self.pp - 1}")
+            return [[g[s] for s in stages] for g in self.groups("pp")]
         if kind == "position_embedding":
             return [[g[0]] for g in self.groups("pp")]
         names = kind.split("-")
@@ -84,6 +91,11 @@ class ParallelDims:
             raise ValueError(f"unknown group kind {kind!r}")
         mask = [n in names for n in ORDER]
         return masked_orthogonal_groups(self.sizes(), mask)
+
+
+def default_embedding_stages(pp: int) -> tuple[int, ...]:
+    """Megatron-Core's default embedding group: the first and the last pipeline stage."""
+    return (0, pp - 1) if pp > 1 else (0,)
 
 
 SEARCHED = ("tp", "pp", "dp")     # the degrees a planner may choose; cp and ep are always given

@@ -90,6 +90,9 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
     kwargs = dict(megatron_kwargs)
     kwargs.update(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
                   context_parallel_size=plan.cp)
+    for key in RANK_CALLBACKS:
+        if kwargs.get(key) is not None:
+            kwargs[key] = through_plan(plan, kwargs[key])
     applied = AppliedPlan.start(plan, dist.get_rank())
     if applied.rank == 0:
         print(startup_summary(plan, "Megatron"), flush=True)
@@ -98,8 +101,49 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
             print(f"het_plugin: plan written to {plan_out}", flush=True)
     with planned_groups(applied):
         original_initialize_model_parallel()(**kwargs)
+    note = embedding_note(plan, applied.records)
+    if note and applied.rank == 0:
+        log.warning("het_plugin: %s", note)
     _current = applied
     return applied
+
+
+# Megatron-Core's callbacks that pick members out of each pipeline group (a script passes its own:
+# Megatron-LM's pretrain_gpt drops the last stage for untied embeddings and adds the MTP stage).
+RANK_CALLBACKS = ("get_embedding_ranks", "get_position_embedding_ranks")
+
+
+def through_plan(plan: Plan, callback):
+    """Wrap a ``get_*_ranks(pp_ranks, ...)`` callback: it sees the *logical* pipeline ranks, exactly what it
+    would see on a homogeneous cluster, and its answer is mapped through the plan's permutation. A callback
+    written for Megatron's numbering (``min(pp_ranks)`` is the first stage, say) stays right after placement."""
+    if plan.is_identity or getattr(callback, "__het_plugin_plan__", None) is plan:
+        return callback
+    logical_of, physical_of = plan.logical_of_physical, plan.rank_of_logical
+
+    def mapped(pp_ranks, *args, **kwargs):
+        chosen = callback([logical_of[r] for r in pp_ranks], *args, **kwargs)
+        return [physical_of[r] for r in chosen]
+
+    mapped.__het_plugin_plan__ = plan
+    mapped.__wrapped__ = callback
+    return mapped
+
+
+def embedding_note(plan: Plan, records) -> Optional[str]:
+    """Say so when the script's embedding groups are not the plan's (the groups follow the script; the
+    prediction assumed the plan's, from the model's tie_embeddings and mtp_layers)."""
+    made = sorted(sorted(r.ranks) for r in records if r.desc == "EMBEDDING_GROUP")
+    want = sorted(sorted(g.ranks) for g in plan.groups.get("embedding", []))
+    if not made or made == want:
+        return None
+    stages = sorted({plan.stage_of(r) for g in made for r in g})
+    model = plan.model
+    return (f"the script's embedding groups (get_embedding_ranks) hold pipeline stages {stages}, the plan "
+            f"assumed {plan.embedding_stages} (tie_embeddings={model.get('tie_embeddings', True)}, "
+            f"mtp_layers={model.get('mtp_layers', 0)}); the groups follow the script, the predicted embedding "
+            "all-reduce does not. Describe the model as the script builds it (--untie-embeddings-and-output-weights, "
+            "--mtp-num-layers, or the model file) for a matching prediction")
 
 
 def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,

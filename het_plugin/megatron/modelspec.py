@@ -52,6 +52,7 @@ def model_from_args(args: Any, *, data_parallel_size: Optional[int] = None) -> M
         dtype=dtype,
         activation="swiglu" if _get(args, "swiglu", False) else "gelu",
         tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False),
+        mtp_layers=int(_get(args, "mtp_num_layers", 0) or 0),
     )
     try:
         return ModelSpec(**fields)

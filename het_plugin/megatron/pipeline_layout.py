@@ -2,7 +2,8 @@
 
 ``pipeline_model_parallel_layout`` takes arbitrary per-stage counts (``num_layers_in_first/last_pipeline_stage``
 only moves the first and last stage). Syntax (Megatron-Core 0.16): stages separated by ``|``, ``E`` the
-embedding, ``t`` one transformer layer, ``L`` the loss; ``"Etttt|tt|tL"`` is 4, 2 and 1 layers.
+embedding, ``t`` one transformer layer, ``m`` one MTP layer, ``L`` the loss; ``"Etttt|tt|tL"`` is 4, 2
+and 1 layers.
 """
 from __future__ import annotations
 
@@ -13,22 +14,24 @@ from ..errors import ConfigError
 from ..plan import Plan
 
 
-def layout_string(layers_per_stage: Sequence[int]) -> str:
-    """``[4, 2, 1]`` -> ``"Etttt|tt|tL"`` (embedding on the first stage, loss on the last)."""
-    if not layers_per_stage or any(n < 0 for n in layers_per_stage):
+def layout_string(layers_per_stage: Sequence[int], mtp_layers: int = 0) -> str:
+    """``[4, 2, 1]`` -> ``"Etttt|tt|tL"`` (embedding on the first stage, loss on the last); MTP modules
+    (``m``, Megatron requires all of them in one place, after every decoder layer) go on the last stage."""
+    if not layers_per_stage or any(n < 0 for n in layers_per_stage) or mtp_layers < 0:
         raise ValueError(f"layers_per_stage must be non-negative counts, got {list(layers_per_stage)}")
     stages = ["t" * n for n in layers_per_stage]
     stages[0] = "E" + stages[0]
-    stages[-1] = stages[-1] + "L"
+    stages[-1] = stages[-1] + "m" * mtp_layers + "L"
     return "|".join(stages)
 
 
 def layout_for_plan(plan: Plan) -> Optional[str]:
-    """The layout string for the plan, or None where Megatron's own even split is the same split."""
+    """The layout string for the plan, or None where Megatron's own even split is the same split
+    (Megatron then puts MTP on the last stage too)."""
     counts = plan.layers_per_stage
     if plan.pp == 1 or len(set(counts)) == 1:
         return None
-    return layout_string(counts)
+    return layout_string(counts, int(plan.model.get("mtp_layers", 0) or 0))
 
 
 SPLIT_FIELDS = ("pipeline_model_parallel_layout", "num_layers_in_first_pipeline_stage",
