@@ -1,11 +1,15 @@
 """``het-plugin patch megatron PATH [--check]``: apply (or check) het_plugin's patches to a Megatron-LM tree.
 
-The patches (``patches/megatron-lm/*.patch``) add ``--heterogeneous-nic`` to
-``megatron/training/arguments.py`` and call het_plugin in ``megatron/training/initialize.py``. Without
-a patch the pip-installed import hook does the same; the patch makes it explicit in the tree.
+The patches (``patches/megatron-lm/*.patch``, one per Megatron-LM line: core_v0.15.3-0.16.x,
+core_v0.17-0.18, core_v0.19-main) add ``--heterogeneous-nic`` to ``megatron/training/arguments.py`` and
+call het_plugin in ``megatron/training/initialize.py``. Each is tried on the tree: the one that applies
+cleanly is used (an already-applied one is reported as such); when none fits, nothing is changed and
+the message names the tree's version (``megatron/core/package_info.py``) and the supported lines.
+Without a patch the pip-installed import hook does the same; the patch makes it explicit in the tree.
 """
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -20,6 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent
 PATCH_DIRS = [PACKAGE / "_patches", PACKAGE.parent / "patches"]
 TARGETS = {"megatron": "megatron-lm"}
 REQUIRED = ("megatron/training/arguments.py", "megatron/training/initialize.py")
+PACKAGE_INFO = "megatron/core/package_info.py"
 
 
 @dataclass
@@ -47,7 +52,8 @@ def _tool() -> list[str]:
     if shutil.which("git"):
         return ["git", "apply"]
     if shutil.which("patch"):
-        return ["patch", "-p1", "--forward", "--batch"]
+        # --fuzz=0: a hunk fits exactly or not at all, as with git apply (fuzz could pick the wrong line's patch)
+        return ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch"]
     raise ConfigError("neither git nor patch is installed", fix="install git (or GNU patch)")
 
 
@@ -58,7 +64,10 @@ def _run(args: list[str], tree: Path, patch: Path, *, check: bool, reverse: bool
         cmd = tool + (["--check"] if check else []) + (["--reverse"] if reverse else []) + args + [str(patch)]
     else:
         cmd = tool + (["--dry-run"] if check else []) + (["--reverse"] if reverse else []) + ["-i", str(patch)]
-    return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    try:
+        return subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    except OSError as exc:
+        raise ConfigError(f"could not run {cmd[0]}: {exc}", source=str(tree)) from None
 
 
 def status(tree: Path, patch: Path) -> PatchStatus:
@@ -81,11 +90,44 @@ def check_tree(tree: Path) -> Path:
     return tree
 
 
+def tree_version(tree: Path) -> str | None:
+    """``MAJOR.MINOR.PATCH`` (plus ``PRE_RELEASE``) from the tree's megatron/core/package_info.py; None if unknown.
+
+    Read with ast, not imported: the file runs git at import time and must not run code from the tree.
+    """
+    try:
+        module = ast.parse((Path(tree) / PACKAGE_INFO).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    found: dict[str, object] = {}
+    for node in module.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    found[target.id] = node.value.value
+    parts = [found.get(k) for k in ("MAJOR", "MINOR", "PATCH")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in parts):
+        return None
+    pre = found.get("PRE_RELEASE")
+    return ".".join(map(str, parts)) + (pre if isinstance(pre, str) else "")
+
+
 def _supported_versions(patch: Path) -> str:
-    for line in patch.read_text().splitlines():
+    try:
+        lines = patch.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    for line in lines:
         if line.lower().startswith("applies-to:"):
             return line.split(":", 1)[1].strip()
     return patch.stem
+
+
+def _first_line(text: str) -> str:
+    """The first line that says what failed (git: 'error: patch failed: FILE:LINE'; GNU patch: 'Hunk #N FAILED')."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    failed = [line for line in lines if "fail" in line.lower() or "error" in line.lower()]
+    return (failed or lines or ["does not apply"])[0]
 
 
 def run(args) -> int:
@@ -94,25 +136,32 @@ def run(args) -> int:
     if not found:
         raise ConfigError(f"no patches for {args.target} in {patch_dir(args.target)}")
     results = [status(tree, p) for p in found]
-    conflicts = [r for r in results if r.state == "conflict"]
-    if conflicts:
-        versions = "; ".join(_supported_versions(r.patch) for r in conflicts)
-        detail = "\n".join(f"    {r.patch.name}: {r.detail.splitlines()[0] if r.detail else 'does not apply'}"
-                           for r in conflicts)
-        raise ConfigError(f"the patches do not fit this Megatron-LM tree (made for {versions}); nothing was "
-                          f"changed:\n{detail}", source=str(tree),
+    version = tree_version(tree)
+    about = (f"Megatron-LM {version}, read from {PACKAGE_INFO}" if version
+             else f"Megatron-LM version unknown: no readable {PACKAGE_INFO}")
+    applied = [r for r in results if r.state == "applied"]
+    if applied:
+        for r in applied:
+            print(f"{r.patch.name}: already applied to {tree} ({about})")
+        return 0
+    fitting = [r for r in results if r.state == "applies"]
+    if not fitting:
+        supported = "\n".join(f"    {r.patch.name}: {_supported_versions(r.patch)}" for r in results)
+        detail = "\n".join(f"    {r.patch.name}: {_first_line(r.detail)}" for r in results)
+        raise ConfigError(f"no het_plugin patch fits this tree ({about}); nothing was changed.\n"
+                          f"  supported Megatron-LM lines:\n{supported}\n  what did not fit:\n{detail}",
+                          source=str(tree),
                           fix="check out a supported Megatron-LM version, or use no patch at all: with het_plugin "
                               "pip-installed, its import hook handles --heterogeneous-nic on an unmodified tree")
-    for r in results:
-        if r.state == "applied":
-            print(f"{r.patch.name}: already applied to {tree}")
-        elif args.check:
-            print(f"{r.patch.name}: applies cleanly to {tree}")
-        else:
-            done = _run([], tree, r.patch, check=False)
-            if done.returncode != 0:
-                raise ConfigError(f"{r.patch.name} failed to apply: {done.stderr.strip()}", source=str(tree))
-            print(f"{r.patch.name}: applied to {tree}")
+    chosen = fitting[0]           # the lines' patches are disjoint (measured); the first in name order wins
+    if args.check:
+        print(f"{chosen.patch.name}: applies cleanly to {tree} ({about})")
+        return 0
+    done = _run([], tree, chosen.patch, check=False)
+    if done.returncode != 0:
+        raise ConfigError(f"{chosen.patch.name} failed to apply: {(done.stderr or done.stdout).strip()}",
+                          source=str(tree))
+    print(f"{chosen.patch.name}: applied to {tree} ({about})")
     return 0
 
 
@@ -120,7 +169,7 @@ def register(sub) -> None:
     p = sub.add_parser("patch", help="apply or check het_plugin's patches to a Megatron-LM tree")
     p.add_argument("target", choices=sorted(TARGETS), help="what to patch (megatron: a Megatron-LM checkout)")
     p.add_argument("path", help="root of the Megatron-LM tree")
-    p.add_argument("--check", action="store_true", help="only check that the patches apply (or are applied)")
+    p.add_argument("--check", action="store_true", help="only say which patch applies (or is already applied); change nothing")
     p.set_defaults(func=run)
 
 
