@@ -1,11 +1,12 @@
-"""TEST-ONLY shims that let Megatron-Core 0.16 train a GPTModel on CPU with the gloo backend.
+"""TEST-ONLY shims that let Megatron-Core 0.16-0.19 train a GPTModel on CPU with the gloo backend.
 
 Never imported by het_plugin itself. Three CUDA assumptions are bent, nothing else:
 
 1. the pipeline schedules allocate a token counter with a hard-coded ``device="cuda"``: mapped to CPU;
 2. pipeline send/receive and DDP's buffers use ``torch.cuda.current_device()`` and
    ``torch.cuda.synchronize()``: they return ``"cpu"`` and do nothing (and ``Tensor.cuda()``, used once
-   for the tied embedding, returns the tensor itself);
+   for the tied embedding, returns the tensor itself; from 0.19 DDP's gradient sync also takes
+   ``torch.cuda.current_stream()``: torch's CPU stream, whose waits do nothing);
 3. the CUDA RNG tracker (tensor-parallel dropout/initialisation streams) keeps CPU generator states.
 
 What still does not run on CPU: the distributed optimizer and gradient clipping > 0 (both need
@@ -62,6 +63,9 @@ def enable_cpu_shims() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     # ... and the tied-embedding setup moves the shared weight with ``.cuda()``: stay on the CPU.
     torch.Tensor.cuda = lambda self, *a, **k: self
+    # 0.19+: DDP's bucket-group start_grad_sync takes ``torch.cuda.current_stream()`` to wait for CUDA-graph
+    # gradient events (none here): torch's device-agnostic CPU stream, whose waits do nothing.
+    torch.cuda.current_stream = lambda *a, **k: torch.cpu.current_stream()
 
     # (1) hard-coded device="cuda" in the schedules.
     from megatron.core.pipeline_parallel import schedules
