@@ -25,7 +25,9 @@ STEPS = 4
 
 
 # parallel_state's process groups -> the plan's group kind with the same members (ep = 1, so the expert
-# groups coincide with dense ones). A group Megatron adds later fails the test until it is mapped here.
+# groups coincide with dense ones; and, from megatron-core 0.19, gtp_remat = 1: the GTP weight-remat groups
+# are one rank each and the *_WITH_GTP_REMAT / *_WITH_EGTP groups coincide with the plain ones).
+# A group Megatron adds later fails the test until it is mapped here.
 PROCESS_GROUP_KIND = {
     "_TENSOR_MODEL_PARALLEL_GROUP": "tp", "_PIPELINE_MODEL_PARALLEL_GROUP": "pp", "_MODEL_PARALLEL_GROUP": "tp-pp",
     "_EMBEDDING_GROUP": "embedding", "_POSITION_EMBEDDING_GROUP": "position",
@@ -39,12 +41,18 @@ PROCESS_GROUP_KIND = {
     "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp-pp",
     "_EXPERT_DATA_PARALLEL_GROUP": "dp-cp", "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "dp-cp",
     "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "dp-cp", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "dp-cp",
+    # megatron-core 0.19+
+    "_GTP_WEIGHT_REMAT_GROUP": "gtp", "_EXPERT_GTP_WEIGHT_REMAT_GROUP": "gtp",
+    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "dp", "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "dp-cp",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "dp-cp",
+    "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "dp-cp", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "dp-cp",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": "tp-pp",
 }
 
 
 def _expected_members(plan: Plan, name: str, rank: int) -> list[int]:
     kind = PROCESS_GROUP_KIND[name]
-    if kind == "ep":
+    if kind in ("ep", "gtp"):        # ep = 1, gtp_remat = 1: this rank alone
         return [rank]
     if kind == "position":
         return [plan.group_of("pp", rank).ranks[0]]
