@@ -174,3 +174,97 @@ def test_degrees_given_reads_the_command_line_not_the_defaults():
     a = megatron_parser().parse_args(MODEL + ["--pipeline-model-parallel-size=2"])
     given = hargs.degrees_given(a, MODEL + ["--pipeline-model-parallel-size=2"])
     assert given == {"tp": None, "pp": 2, "cp": 1, "micro_batch_size": 2}
+
+
+def test_repeated_parses_of_one_command_line_plan_once_and_all_get_the_plan(argv, monkeypatch):
+    """megatron.training 0.19 parses the command line again for itself (inprocess_restart before the script's
+    parse_and_validate_args, ft_integration.setup at the start of pretrain): each namespace gets the same plan,
+    computed once, and a later parse does not take the launch over."""
+    argv(*MODEL, "--pipeline-model-parallel-size", "2", "--heterogeneous-nic", str(CLUSTER_8))
+    calls = []
+    real = lm._plan_for
+    monkeypatch.setattr(lm, "_plan_for", lambda *a, **k: calls.append(1) or real(*a, **k))
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    first = mod.parse_args(None, ignore_unknown_args=True)         # inprocess_restart's look at its flags
+    script = mod.parse_args(script_provider)                        # the script's parse_and_validate_args
+    again = mod.parse_args(None, ignore_unknown_args=True)          # ft_integration.setup
+    assert len(calls) == 1
+    layout = layout_string(lm.state.plan.layers_per_stage)
+    assert first.pipeline_model_parallel_layout == script.pipeline_model_parallel_layout == \
+        again.pipeline_model_parallel_layout == layout
+    assert lm.state.args is first
+    # Another command line is another launch: planned anew.
+    argv(*MODEL, "--pipeline-model-parallel-size", "4", "--heterogeneous-nic", str(CLUSTER_8))
+    assert mod.parse_args(None).pipeline_model_parallel_size == 4 and len(calls) == 2
+
+
+def test_the_plan_made_at_initialisation_goes_to_megatrons_global_args(argv, monkeypatch):
+    """With the bare flag, initialize_model_parallel writes the plan into the args Megatron trains with
+    (megatron.training.global_vars), not into whichever namespace was parsed last."""
+    argv(*MODEL, "--heterogeneous-nic")
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    script = mod.parse_args(script_provider)
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars._GLOBAL_ARGS = None
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    other = mod.parse_args(None, ignore_unknown_args=True)
+    assert lm.megatron_args() is script is not other       # before set_global_variables: the launch's first
+    global_vars._GLOBAL_ARGS = other                         # Megatron's own choice wins once it is made
+    assert lm.megatron_args() is other
+    global_vars._GLOBAL_ARGS = argparse.Namespace()          # ... if it is a namespace parsed with the flag
+    assert lm.megatron_args() is script
+
+
+def _plan(counts, *, overlap=True, distributed_optimizer=True):
+    from het_plugin.cluster import load_cluster
+    from het_plugin.model import ModelSpec
+    from het_plugin.placement import place
+    from het_plugin.planner import assemble_plan
+    from het_plugin.topology import ParallelDims
+    cluster = load_cluster(DATA / "megatron-ib-roce-4.yaml")
+    model = ModelSpec(name="t", num_layers=sum(counts), hidden_size=32, num_attention_heads=4, vocab_size=128,
+                      seq_length=16, global_batch_size=8, micro_batch_size=2)
+    dims = ParallelDims(tp=1, pp=len(counts), dp=4 // len(counts))
+    return assemble_plan(cluster, model, place(cluster, dims), counts, 2, overlap_grad_reduce=overlap,
+                         distributed_optimizer=distributed_optimizer)
+
+
+def _container(num_layers=4, **transformer):
+    """megatron.training 0.19's PretrainConfigContainer, as far as het_plugin looks at it."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+    config = TransformerConfig(num_layers=num_layers, hidden_size=32, num_attention_heads=4,
+                               pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                               use_cpu_initialization=True, **transformer)
+    return types.SimpleNamespace(model=types.SimpleNamespace(transformer=config), ddp=DistributedDataParallelConfig(),
+                                 optimizer=OptimizerConfig(), train=object())
+
+
+def test_pretrains_config_container_gets_the_split_overlap_and_distributed_optimizer():
+    """A config container built from args before the plan existed (the bare flag) is brought to the plan."""
+    from megatron.core.transformer.enums import LayerType
+    container = _container()
+    changes = lm.apply_plan_to_container(container, _plan([3, 1]))
+    layout = container.model.transformer.pipeline_model_parallel_layout
+    assert [row[0].count(LayerType.decoder) for row in layout.layout] == [3, 1]
+    assert container.ddp.overlap_grad_reduce and container.ddp.use_distributed_optimizer
+    assert container.optimizer.use_distributed_optimizer
+    assert changes == ["model.transformer.pipeline_model_parallel_layout=Ettt|tL", "ddp.overlap_grad_reduce=True",
+                       "ddp.use_distributed_optimizer=True", "optimizer.use_distributed_optimizer=True"]
+    assert lm.apply_plan_to_container(container, _plan([3, 1])) == [], "idempotent"
+
+
+def test_a_container_that_already_agrees_with_the_plan_is_left_alone():
+    even = _container()
+    assert lm.apply_plan_to_container(even, _plan([2, 2], overlap=False, distributed_optimizer=False)) == []
+    assert even.model.transformer.pipeline_model_parallel_layout is None and not even.ddp.overlap_grad_reduce
+    built_from_planned_args = _container(pipeline_model_parallel_layout="Ettt|tL")    # a FILE: args had the split
+    before = built_from_planned_args.model.transformer
+    lm.apply_plan_to_container(built_from_planned_args, _plan([3, 1]))
+    assert built_from_planned_args.model.transformer is before
+    with pytest.raises(ConfigError, match="num_layers"):       # a model the plan was not made for: no guessing
+        lm.apply_plan_to_container(_container(num_layers=6), _plan([3, 1]))

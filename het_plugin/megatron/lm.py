@@ -11,6 +11,11 @@ Two calls, at the two moments Megatron-LM gives us:
   (called by ``_initialize_distributed`` after ``init_process_group``): ranks agree on the plan (the
   bare flag discovers the cluster and plans here, with the degrees Megatron already validated), then
   every group is built on the plan's placement.
+
+megatron.training 0.19+ scripts build the model, DDP and optimizer configs from ``args`` *before*
+``pretrain(cfg_container, ...)`` initialises anything. With a file the plan is in ``args`` by then; with
+the bare flag it is made later, so ``setup_model_and_optimizer`` is wrapped to bring the container to the
+plan (:func:`apply_plan_to_container`) before the model is built.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from .args import DISCOVER, apply_plan_to_args, check_compatible, degrees_given
 class LaunchState:
     args: Any = None
     source: Optional[str] = None
+    argv: tuple = ()
     plan_out: Optional[str] = None
     plan: Any = None
     error: Optional[BaseException] = None
@@ -41,24 +47,39 @@ state = LaunchState()
 
 
 def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
-    """Plan from a file and apply it to ``args``; a no-op without ``--heterogeneous-nic``."""
+    """Plan from a file and apply it to ``args``; a no-op without ``--heterogeneous-nic``.
+
+    Megatron-LM parses the same command line more than once in one process (megatron.training 0.19:
+    ``inprocess_restart.maybe_wrap_for_inprocess_restart`` and ``ft_integration.setup`` each call
+    ``parse_args(ignore_unknown_args=True)`` for a look at their own flags): every namespace gets the plan,
+    planned once per command line.
+    """
     global state
     source = getattr(args, "heterogeneous_nic", None)
     if source is None or getattr(args, "_het_plugin_prepared", False):
         return args
     argv = sys.argv[1:] if argv is None else argv
     check_compatible(args)        # the same command line on every rank: raising here stops all alike
-    state = LaunchState(args=args, source=source, plan_out=getattr(args, "heterogeneous_plan_out", None))
-    given = degrees_given(args, argv)
-    if source != DISCOVER:
-        try:
-            state.plan = _plan_for(args, given, source)
-            state.changes = apply_plan_to_args(args, state.plan)
-        except HetPluginError as exc:
-            state.error = exc
+    if state.args is None or (state.source, state.argv) != (source, tuple(argv)):
+        state = LaunchState(args=args, source=source, argv=tuple(argv),
+                            plan_out=getattr(args, "heterogeneous_plan_out", None))
+        if source != DISCOVER:
+            try:
+                state.plan = _plan_for(args, degrees_given(args, argv), source)
+            except HetPluginError as exc:
+                state.error = exc
+    if state.plan is not None:
+        state.changes = apply_plan_to_args(args, state.plan) or state.changes
     args._het_plugin_prepared = True
     install_initialize_wrapper()
     return args
+
+
+def megatron_args() -> Any:
+    """The namespace Megatron-LM trains with: its global args once set, else the first one parsed for this launch."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    return args if getattr(args, "_het_plugin_prepared", False) else state.args
 
 
 def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int] = None,
@@ -76,17 +97,66 @@ def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int]
 
 
 def install_initialize_wrapper() -> None:
-    """Route ``parallel_state.initialize_model_parallel`` (what Megatron-LM calls, as ``mpu.``) through het_plugin."""
+    """Route ``parallel_state.initialize_model_parallel`` (what Megatron-LM calls, as ``mpu.``) through het_plugin,
+    and megatron.training's ``setup_model_and_optimizer`` through :func:`apply_plan_to_container`."""
     from megatron.core import parallel_state
     current = parallel_state.initialize_model_parallel
-    if getattr(current, "__het_plugin_wrapped__", None) is not None:
-        return
-    def planned(*a, **kw):
-        return planned_initialize_model_parallel(*a, **kw)
+    if getattr(current, "__het_plugin_wrapped__", None) is None:
+        def planned(*a, **kw):
+            return planned_initialize_model_parallel(*a, **kw)
 
-    functools.update_wrapper(planned, current)
-    planned.__het_plugin_wrapped__ = current
-    parallel_state.initialize_model_parallel = planned
+        functools.update_wrapper(planned, current)
+        planned.__het_plugin_wrapped__ = current
+        parallel_state.initialize_model_parallel = planned
+    # megatron.training's package __init__ imports .training: loaded by the time a script parses arguments.
+    training = sys.modules.get("megatron.training.training")
+    setup = getattr(training, "setup_model_and_optimizer", None)
+    if setup is not None and getattr(setup, "__het_plugin_wrapped__", None) is None:
+        def setup_model_and_optimizer(*a, **kw):
+            container = kw.get("cfg_container")
+            if container is not None and state.plan is not None:
+                changes = apply_plan_to_container(container, state.plan)
+                if changes and int(getattr(megatron_args(), "rank", 0) or 0) == 0:
+                    print("het_plugin: pretrain's config container set from the plan: " + ", ".join(changes),
+                          flush=True)
+            return setup(*a, **kw)
+
+        functools.update_wrapper(setup_model_and_optimizer, setup)
+        setup_model_and_optimizer.__het_plugin_wrapped__ = setup
+        training.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+def apply_plan_to_container(container: Any, plan: Any) -> list[str]:
+    """Give megatron.training's config container (``pretrain(cfg_container, ...)``, 0.19+) the plan's layer split,
+    gradient-reduction overlap and distributed optimizer where it lacks them; returns what changed.
+
+    The container is built from ``args`` before initialisation. With the bare flag the plan comes after it:
+    left alone, the model would get Megatron's even split and the DDP config would disagree with the
+    optimizer (which megatron.training builds from ``args``). A split the container already has is kept.
+    """
+    from dataclasses import fields, is_dataclass, replace
+
+    from .pipeline_layout import apply_plan_to_config, layout_for_plan
+    changes = []
+    model = getattr(container, "model", None)
+    transformer = getattr(model, "transformer", None)
+    layout = layout_for_plan(plan)
+    if transformer is not None and layout is not None and transformer.pipeline_model_parallel_layout is None:
+        model.transformer = apply_plan_to_config(transformer, plan)
+        changes.append(f"model.transformer.pipeline_model_parallel_layout={layout}")
+    wanted = {"overlap_grad_reduce": True} if plan.overlap_grad_reduce else {}
+    if plan.distributed_optimizer:
+        wanted["use_distributed_optimizer"] = True
+    for name in ("ddp", "optimizer"):
+        config = getattr(container, name, None)
+        if not is_dataclass(config):
+            continue
+        names = {f.name for f in fields(config)}
+        differ = {k: v for k, v in wanted.items() if k in names and getattr(config, k) != v}
+        if differ:
+            setattr(container, name, replace(config, **differ))
+            changes += [f"{name}.{k}={v}" for k, v in differ.items()]
+    return changes
 
 
 def planned_initialize_model_parallel(*args, **kwargs):
@@ -102,19 +172,21 @@ def planned_initialize_model_parallel(*args, **kwargs):
     kwargs = {**dict(zip(names, args)), **kwargs}
     rank, world = dist.get_rank(), dist.get_world_size()
 
+    margs = megatron_args()
+
     def make():
         if state.error is not None:
             raise state.error
         if state.plan is not None:
             return state.plan
         fixed = {"tp": kwargs.get("tensor_model_parallel_size", 1), "pp": kwargs.get("pipeline_model_parallel_size", 1),
-                 "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": state.args.micro_batch_size}
-        return _plan_for(state.args, fixed, DISCOVER, rank=rank, world_size=world)
+                 "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": margs.micro_batch_size}
+        return _plan_for(margs, fixed, DISCOVER, rank=rank, world_size=world)
 
     plan = agree_on_plan(make, rank=rank, world_size=world)
     if state.plan is None:        # discovered: the model is built after this, so args still take the split
         state.plan = plan
-        state.changes = apply_plan_to_args(state.args, plan)
+        state.changes = apply_plan_to_args(margs, plan)
     if rank == 0 and state.changes:
         print("het_plugin: Megatron arguments set from the plan: " + ", ".join(state.changes), flush=True)
     return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None)
