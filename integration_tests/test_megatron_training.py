@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,12 +52,17 @@ HAVE_TRAINING = importlib.util.find_spec("megatron") is not None and \
 pytestmark = pytest.mark.skipif(not MCORE_PASS and not HAVE_TRAINING, reason=NOT_IN_WHEEL)
 
 
-@pytest.fixture(autouse=True)
-def _megatron_training_present():
-    """In the megatron-core pass a missing megatron.training is a failure, not a skip."""
+@pytest.fixture(scope="module", autouse=True)
+def _megatron_training_and_the_hook():
+    """In the megatron-core pass a missing megatron.training is a failure, not a skip; so is a missing hook."""
     if not HAVE_TRAINING:
         pytest.fail(f"HET_TEST_MCORE={MCORE_PASS}, but megatron.training cannot be imported: the megatron-core "
                     f"{MCORE_PASS} pass needs the wheel's megatron/training on PYTHONPATH (make test-mcore-new)")
+    code = "import sys; print(any(type(f).__name__ == 'MegatronArgsFinder' for f in sys.meta_path))"
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    if fresh.stdout.strip() != "True":
+        pytest.fail("a fresh interpreter has no het_plugin import hook: het_plugin was installed without "
+                    "het_plugin_megatron.pth (before the hook shipped); pip install -e . again")
 
 
 def train(args, *, layers: int, iterations: int = ITERATIONS, ranks_per_node: int, check: bool = True,
@@ -126,6 +133,7 @@ def test_on_a_homogeneous_cluster_the_flag_changes_no_loss():
     for o in baseline:     # without the flag: Megatron's own parser and groups, nothing of het_plugin but the hook
         r = o.result
         assert r["hook_installed"] and not r["parse_args_wrapped"] and not r["flag_in_args"]
+        assert r["args"]["pipeline_model_parallel_layout"] is None and r["args"]["overlap_grad_reduce"] is False
         assert set(r["het_plugin_imported"]) <= {"het_plugin", "het_plugin.megatron", "het_plugin.megatron.hook"}
         assert r["plan_hash"] is None
     planned = train(["--heterogeneous-nic", str(HOMOGENEOUS_4)], layers=4, ranks_per_node=2)
