@@ -303,7 +303,29 @@ def environment(args) -> tuple[dict, list[str]]:
     nccl_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     lines.append(f"NCCL_* in the environment: {nccl_env or 'none'} (the NCCL parts unset NCCL_NET: it overrides "
                  "a communicator's net_name)")
-    probe = subprocess.run(
+    try:
+        probe = child_probe(args)
+        text = (probe.stdout.strip() or probe.stderr.strip()[-400:]).replace("\n", " ")
+    except Exception as exc:                                    # e.g. a child import that hangs past 120 s
+        text = f"could not probe the children's imports: {type(exc).__name__}: {exc}"
+    info["packages"] = text
+    info["het_plugin_ok"] = "het_plugin ok" in text
+    lines.append(f"children see: {text}")
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "het_plugin", "benchmarks"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        if commit:
+            lines.append(f"het_plugin checkout {commit}{' (with local changes)' if dirty else ''}")
+    except Exception:
+        pass
+    return info, lines
+
+
+def child_probe(args) -> subprocess.CompletedProcess:
+    """What a child process of the check can import (het_plugin, megatron-core, megatron.training, the hook)."""
+    return subprocess.run(
         [args.python, "-c",
          "import sys\n"
          "out = []\n"
@@ -317,19 +339,6 @@ def environment(args) -> tuple[dict, list[str]]:
          "out.append('import hook (het_plugin_megatron.pth) ' + ('active' if hook else 'not installed'))\n"
          "print(' | '.join(out))\n"],
         capture_output=True, text=True, timeout=120, env=child_env(args), cwd=str(REPO))
-    text = (probe.stdout.strip() or probe.stderr.strip()[-400:]).replace("\n", " ")
-    info["packages"] = text
-    lines.append(f"children see: {text}")
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "het_plugin", "benchmarks"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        if commit:
-            lines.append(f"het_plugin checkout {commit}{' (with local changes)' if dirty else ''}")
-    except Exception:
-        pass
-    return info, lines
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1036,6 +1045,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.cpu_dry_run and not info.get("cuda"):
             r = PartResult(part, "SKIP", "no CUDA (torch.cuda.is_available() is False; --cpu-dry-run runs the "
                            "check's own logic on CPU)")
+        elif not info.get("het_plugin_ok"):
+            r = PartResult(part, "SKIP", "het_plugin is not importable in the child processes (see 'children "
+                           f"see' above); fix: {HET_PLUGIN_FIX}")
         else:
             left = args.budget - (time.monotonic() - t0)
             if left < 10:
