@@ -208,6 +208,9 @@ NCCL_VERSION_RE = re.compile(r"NCCL version (\S+)")
 NCCL_WARN_RE = re.compile(r"NCCL WARN (.*)")
 
 
+PARENT_MISMATCH = ("does not match the parent", "is different from child comm netName")
+
+
 def parse_nccl_log(text: str) -> dict:
     """What NCCL_DEBUG=INFO output says: the network of each communicator in creation order, warnings, version."""
     warns = [m.group(1).strip() for m in NCCL_WARN_RE.finditer(text)]
@@ -220,8 +223,9 @@ def parse_nccl_log(text: str) -> dict:
         "duplicate_gpu": "Duplicate GPU detected" in text,
         "ib_absent": "NET/IB : No device found" in text or "NET/IB : No IP interface found" in text,
         "net_env_reset": "netName reset to NCCL_NET" in text,
-        # ncclCommSplit with a net_name other than the parent communicator's (NCCL's ncclNetInitFromParent)
-        "parent_mismatch": "does not match the parent" in text,
+        # ncclCommSplit sharing the parent's resources (splitShare, NCCL_COMM_SPLIT_SHARE_RESOURCES=1) with a
+        # net_name other than the parent's: NCCL's ncclNetInitFromParent / commAlloc refuse it
+        "parent_mismatch": any(m in text for m in PARENT_MISMATCH),
     }
 
 
@@ -608,7 +612,7 @@ def evaluate_net(p: Proc, want: str, allow_refusal: bool, comms: int = 1) -> tup
     err = (r.get("error") or "").strip()
     said = err + " " + " ".join(log["warnings"])
     if log["parent_mismatch"]:
-        warn = next((w for w in log["warnings"] if "does not match the parent" in w), err)
+        warn = next((w for w in log["warnings"] if any(m in w for m in PARENT_MISMATCH)), err)
         return "FAIL", (f"NCCL refuses a group split from the world communicator with net_name {want!r} "
                         f"(it must equal the parent's): {warn[:300]}")
     if allow_refusal and err and REFUSAL_RE.search(said) and not log["duplicate_gpu"]:

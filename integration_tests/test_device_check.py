@@ -144,6 +144,8 @@ def test_nccl_log_parsing():
     assert dc.parse_nccl_log("x NCCL WARN Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000")[
         "duplicate_gpu"]
     assert dc.parse_nccl_log(SPLIT_REFUSED)["parent_mismatch"]
+    assert dc.parse_nccl_log("x NCCL WARN Split shares resources, but parent comm netName Socket is different from "
+                             "child comm netName IB")["parent_mismatch"]
 
 
 def test_nccl_verdicts():
