@@ -27,7 +27,7 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
 from megatron.training import get_args, get_timers, inprocess_restart, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
@@ -87,7 +87,7 @@ def forward_step(data_iterator, model):
     """One micro-batch through this stage's part of the model."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    vp_stage = getattr(model, "vp_stage", None)
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
     attention_mask, labels, loss_mask, position_ids, tokens = get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
