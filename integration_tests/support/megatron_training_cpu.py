@@ -124,12 +124,15 @@ def enable_training_cpu_shims() -> None:
 
     @functools.wraps(original_init)
     def init_with_cuda_type_names(self, *args, **kwargs):
-        parameter_type = torch.nn.Parameter.type
+        own = vars(torch.nn.Parameter).get("type")       # None: Parameter inherits Tensor.type
         torch.nn.Parameter.type = _cuda_type_name
         try:
             original_init(self, *args, **kwargs)
         finally:
-            torch.nn.Parameter.type = parameter_type
+            if own is None:
+                del torch.nn.Parameter.type
+            else:
+                torch.nn.Parameter.type = own
 
     distrib_optimizer.DistributedOptimizer.__init__ = init_with_cuda_type_names
     _enabled = True
