@@ -28,38 +28,68 @@ Domain = tuple[str, str]   # (cluster name, accelerator name)
 
 @dataclass(frozen=True)
 class Placement:
+    """``rank_of_logical`` is in the default order's numbering (a stage is a contiguous block: what the
+    dealing and the cost model read); ``dims.order`` is the framework's order, and
+    :attr:`framework_rank_of_logical` the same placement in the framework's numbering (what a Plan stores)."""
     dims: ParallelDims
-    rank_of_logical: tuple[int, ...]     # logical rank -> physical launch rank
+    rank_of_logical: tuple[int, ...]     # default-order logical rank -> physical launch rank
     domain_order: tuple[Domain, ...]
 
     @property
+    def framework_rank_of_logical(self) -> tuple[int, ...]:
+        if self.dims.is_default_order:
+            return self.rank_of_logical
+        return tuple(self.rank_of_logical[c] for c in self.dims.to_canonical())
+
+    @property
     def is_identity(self) -> bool:
-        return all(i == r for i, r in enumerate(self.rank_of_logical))
+        """The framework's own numbering (logical rank == launch rank in its order)."""
+        return all(i == r for i, r in enumerate(self.framework_rank_of_logical))
 
     def physical_groups(self, kind: str, embedding_stages: Optional[Sequence[int]] = None) -> list[list[int]]:
-        return self.dims.placed_groups(kind, self.rank_of_logical, embedding_stages)
+        return self.dims.placed_groups(kind, self.framework_rank_of_logical, embedding_stages)
 
     def stage_ranks(self, stage: int) -> list[int]:
-        return self.dims.placed_stage(stage, self.rank_of_logical)
+        return self.dims.canonical().placed_stage(stage, self.rank_of_logical)
 
 
 def check_dims(cluster: Cluster, dims: ParallelDims, num_layers: int | None = None) -> None:
-    """Reject degrees that cannot be placed, naming the field and what would work."""
-    local = dims.tp * dims.cp
-    common = math.gcd(*(n.num_accelerators for n in cluster.nodes))
-    for n in cluster.nodes:
-        if n.num_accelerators % local:
-            ok = [d for d in range(1, common + 1) if common % d == 0]
-            what = "tp" if dims.cp == 1 else "tp*cp"
-            raise _located(cluster, ConfigError(
-                f"node {n.name} has accelerators_per_node: {n.num_accelerators}, not divisible by {what} = {local}; "
-                "TP and CP groups must stay inside one node", source=cluster.source,
-                field=f"{n.spec_path or 'clusters'}.accelerators_per_node",
-                fix=f"use {what} in {ok} (a divisor of every node's accelerators_per_node)"))
-    Degrees(cluster.world_size, tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, ep=dims.ep, source=cluster.source)
+    """Reject degrees that cannot be placed, naming the field and what would work.
+
+    A homogeneous cluster takes whatever the frameworks take (the placement is their own numbering). On a
+    heterogeneous one het_plugin keeps each TP group inside a node, and a CP group either inside a node or
+    on whole nodes (a ring over one fabric when the domain sizes allow).
+    """
+    if not cluster.is_homogeneous:
+        check_local_groups(cluster, dims.tp, dims.cp)
+    Degrees(cluster.world_size, tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, ep=dims.ep, etp=dims.etp,
+            order=dims.order, source=cluster.source)
     if num_layers is not None and dims.pp > num_layers:
         raise ConfigError(f"a pipeline of {dims.pp} stages cannot hold {num_layers} layers (every stage needs at "
                           "least one)", field="pp (--pp)", fix=f"use pp <= {num_layers} (the model's num_layers)")
+
+
+def local_group_fits(per_node: int, tp: int, cp: int) -> bool:
+    """TP inside a node; TP*CP inside a node or on whole nodes."""
+    return per_node % tp == 0 and (per_node % (tp * cp) == 0 or (tp * cp) % per_node == 0)
+
+
+def check_local_groups(cluster: Cluster, tp: int, cp: int) -> None:
+    common = math.gcd(*(n.num_accelerators for n in cluster.nodes))
+    for n in cluster.nodes:
+        if local_group_fits(n.num_accelerators, tp, cp):
+            continue
+        ok = [d for d in range(1, common + 1) if common % d == 0]
+        if n.num_accelerators % tp:
+            problem, fix = (f"not divisible by tp = {tp}; on a heterogeneous cluster het_plugin keeps each TP group "
+                            "inside one node", f"use tp in {ok} (a divisor of every node's accelerators_per_node)")
+        else:
+            problem, fix = (f"and tp*cp = {tp * cp} neither divides it nor is a multiple of it; a CP group sits "
+                            "inside one node or on whole nodes", "use cp with tp*cp dividing or a multiple of "
+                                                                 f"{n.num_accelerators}")
+        raise _located(cluster, ConfigError(
+            f"node {n.name} has accelerators_per_node: {n.num_accelerators}, {problem}", source=cluster.source,
+            field=f"{n.spec_path or 'clusters'}.accelerators_per_node", fix=fix))
 
 
 def check_world_size(cluster: Cluster, launched: int, *, rank: int | None = None,
@@ -137,9 +167,12 @@ def place(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[Domain] |
 
 
 def default_placement(cluster: Cluster, dims: ParallelDims) -> Placement:
-    """What Megatron-Core and DeepSpeed do by themselves: logical rank == launch rank."""
+    """What Megatron-Core and DeepSpeed do by themselves: logical rank == launch rank (in the framework's order)."""
     check_dims(cluster, dims)
-    return Placement(dims, tuple(range(dims.world_size)), tuple(cluster.domains))
+    rank_of_canonical = [0] * dims.world_size
+    for framework_rank, canonical_rank in enumerate(dims.to_canonical()):
+        rank_of_canonical[canonical_rank] = framework_rank
+    return Placement(dims, tuple(rank_of_canonical), tuple(cluster.domains))
 
 
 def stage_domains(cluster: Cluster, placement: Placement) -> list[list[Domain]]:

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .errors import ConfigError
-from .topology import ParallelDims
+from .topology import DEFAULT_ORDER, ParallelDims
 from .transport import Member, transport_rule
 
 # 2: the plan carries the link kinds between clusters ('links'); 'order' dropped (nothing read it).
-# 3: 'embedding_stages' (untied embeddings and MTP change which stages share the word embedding).
+# 3: 'embedding_stages' (untied embeddings and MTP change which stages share the word embedding); 'order'
+#    (Megatron's rank order: rank_of_logical is in its numbering) and 'etp' with expert groups 'expert-*'.
 FORMAT_VERSION = 3
 
 
@@ -92,6 +93,8 @@ class Plan:
     # tied to the embedding or MTP runs on the last stage, else [0].
     embedding_stages: list[int] = field(default_factory=lambda: [0])
     ep: int = 1
+    etp: int = 0                      # expert tensor parallel size (0 in a hand-written plan: = tp)
+    order: str = DEFAULT_ORDER        # Megatron's rank order ('tp-cp-ep-pp-dp' with --use-tp-pp-dp-mapping)
     links: list[LinkPlan] = field(default_factory=list)
     overlap_grad_reduce: bool = True
     distributed_optimizer: bool = False
@@ -103,9 +106,10 @@ class Plan:
     format_version: int = FORMAT_VERSION
 
     # ---- derived --------------------------------------------------------------------------
-    @property
+    @cached_property
     def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep)
+        return ParallelDims(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp or None,
+                            order=self.order)
 
     @cached_property
     def logical_of_physical(self) -> list[int]:

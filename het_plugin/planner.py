@@ -18,11 +18,11 @@ from .cluster import Cluster
 from .errors import ConfigError
 from .model import ModelSpec
 from .layer_split import bottleneck, exact_partition
-from .placement import (Placement, baseline_transport, default_placement, domain_orders, place,
+from .placement import (Placement, baseline_transport, default_placement, domain_orders, local_group_fits, place,
                         stage_domains, transport)
 from .profile import Profile
 from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction
-from .topology import GROUP_KINDS, Degrees, ParallelDims
+from .topology import DEFAULT_ORDER, EXPERT_KINDS, GROUP_KINDS, Degrees, ParallelDims
 
 
 #: ``progress(done, total, best_iteration_s)``: called after each degree combination of a search (``done`` of
@@ -49,7 +49,8 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
     net = cost.Network(cluster, transport)      # cached transport(): one call per group shape
     rank_node = cluster.rank_node
     embedding_stages = model.embedding_stages(dims.pp)
-    for kind in GROUP_KINDS + ("embedding",):
+    experts = EXPERT_KINDS if (dims.ep, dims.etp) != (1, dims.tp) else ()     # else the same as the dense ones
+    for kind in GROUP_KINDS + ("embedding",) + experts:
         groups[kind] = [GroupPlan(g, net.transport([rank_node[r] for r in g]))
                         for g in placement.physical_groups(kind, embedding_stages)]
     nodes = [NodePlan(n.name, n.cluster, n.fabric.type, n.accelerator.name, n.vendor,
@@ -68,9 +69,9 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
                           fix=f"use a multiple of {per_mb}")
     return Plan(
         cluster_name=cluster.name, cluster_digest=cluster.digest, model=model.model_dump(),
-        world_size=dims.world_size, tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, ep=dims.ep,
-        micro_batch_size=micro_batch_size, num_micro_batches=model.global_batch_size // per_mb,
-        rank_of_logical=list(placement.rank_of_logical), layers_per_stage=list(layers_per_stage),
+        world_size=dims.world_size, tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, ep=dims.ep, etp=dims.etp,
+        order=dims.order, micro_batch_size=micro_batch_size, num_micro_batches=model.global_batch_size // per_mb,
+        rank_of_logical=list(placement.framework_rank_of_logical), layers_per_stage=list(layers_per_stage),
         groups=groups, embedding_stages=list(embedding_stages), nodes=nodes, links=links,
         overlap_grad_reduce=overlap_grad_reduce,
         distributed_optimizer=distributed_optimizer, homogeneous=cluster.is_homogeneous,
@@ -130,26 +131,37 @@ def _divisors(n: int) -> list[int]:
 
 
 def _degree_options(cluster: Cluster, model: ModelSpec, tp: Optional[int], pp: Optional[int],
-                    dp: Optional[int], cp: int, fixed_mb: Optional[int]) -> list[ParallelDims]:
-    """Every (tp, pp, dp) the frameworks accept for this cluster and model; fixed ones are checked."""
+                    dp: Optional[int], cp: int, fixed_mb: Optional[int], ep: int = 1, etp: Optional[int] = None,
+                    order: str = DEFAULT_ORDER) -> list[ParallelDims]:
+    """Every (tp, pp, dp) the frameworks accept for this cluster and model; fixed ones are checked.
+
+    The planner itself only proposes TP inside a node; a homogeneous cluster takes any fixed tp and cp
+    the frameworks take (its plan is their own numbering), a heterogeneous one what the placement keeps
+    on one fabric (:func:`het_plugin.placement.local_group_fits`)."""
     per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])
     src = cluster.source
-    if not isinstance(cp, int) or cp < 1 or per_node % cp:
-        raise ConfigError(f"cp={cp} does not divide the accelerators per node ({per_node})", field="cp",
-                          fix=f"use cp in {_divisors(per_node)}")
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ConfigError(f"cp={cp!r} is not a positive integer", field="cp", fix="give a positive integer")
     heads, kv = model.num_attention_heads, model.kv_heads
-    tps = [t for t in _divisors(per_node // cp) if heads % t == 0 and kv % t == 0]
+    fits = (lambda t: True) if cluster.is_homogeneous else (lambda t: local_group_fits(per_node, t, cp))
+    tps = [t for t in _divisors(per_node) if fits(t) and heads % t == 0 and kv % t == 0]
     if isinstance(tp, int) and tp >= 1:          # placeability first: it names the values that fit
-        if per_node % (tp * cp):
-            raise ConfigError(f"tp={tp}: tp*cp must divide the accelerators of every node ({per_node}); TP "
-                              "groups stay inside one node", source=src, field="tp", fix=f"use tp in {tps}")
+        if not cluster.is_homogeneous and not local_group_fits(per_node, tp, cp):
+            raise ConfigError(f"tp={tp}, cp={cp}: on a heterogeneous cluster TP stays inside a node ({per_node} "
+                              "accelerators) and tp*cp inside a node or on whole nodes", source=src, field="tp",
+                              fix=f"use tp in {tps}" if tps else "use cp with tp*cp dividing or a multiple of "
+                                                                 f"{per_node}")
         if heads % tp or kv % tp:
             raise ConfigError(f"tp={tp} does not divide num_attention_heads={heads} and num_query_groups="
                               f"{kv}", field="tp", fix=f"use tp in {tps}")
+    elif not tps:
+        raise ConfigError(f"cp={cp}: no tp keeps tp*cp inside a node ({per_node} accelerators) or on whole nodes",
+                          source=src, field="cp", fix=f"use cp dividing or a multiple of {per_node}")
     if isinstance(pp, int) and pp > model.num_layers:
         raise ConfigError(f"a pipeline of {pp} stages cannot hold {model.num_layers} layers", field="pp",
                           fix=f"use pp <= {model.num_layers} (num_layers)")
-    request = Degrees(cluster.world_size, tp=tp, pp=pp, dp=dp, cp=cp, source=src)
+    request = Degrees(cluster.world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, order=order, source=src)
+    request.check_expert_rules(tps, model.num_layers)
     out = [d for d in request.candidates(tps, model.num_layers)
            if model.global_batch_size % (d.dp * (fixed_mb or 1)) == 0]
     if not out:
@@ -237,11 +249,12 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
 
 def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
                     dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
-                    profile: Optional[Profile] = None) -> list[Candidate]:
+                    profile: Optional[Profile] = None, ep: int = 1, etp: Optional[int] = None,
+                    order: str = DEFAULT_ORDER) -> list[Candidate]:
     """The best few plans of the het-aware search, best first, on any cluster (homogeneous ones too:
     benchmarks use it for the best a sub-cluster could do on its own)."""
     fixed_mb = micro_batch_size or model.micro_batch_size
-    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb)
+    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
     return _search_planned(cluster, model, options, fixed_mb, True, profile).best
 
 
@@ -284,8 +297,12 @@ def _describe(cand: Candidate, what: str) -> str:
 
 def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
               dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
-              progress: Optional[Progress] = None, profile: Optional[Profile] = None) -> Plan:
+              progress: Optional[Progress] = None, profile: Optional[Profile] = None, ep: int = 1,
+              etp: Optional[int] = None, order: str = DEFAULT_ORDER) -> Plan:
     """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected.
+
+    ``ep``/``etp`` (expert parallel sizes) and ``order`` (Megatron's rank order) are the framework's, taken
+    as given: on a homogeneous cluster the plan is the framework's own numbering in that order.
 
     ``profile`` (measured layer times and link bandwidths) overrides the analytic estimates. ``progress``
     (see :data:`Progress`) hears how far the search is; the planner itself prints nothing. Raises a
@@ -295,7 +312,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     if fixed_mb is not None and model.global_batch_size % fixed_mb:
         raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of micro_batch_size "
                           f"{fixed_mb}", field="micro_batch_size", fix="use a divisor of global_batch_size")
-    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb)
+    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
     overlap = True
     if cluster.is_homogeneous:
         for dist_opt in (False, True):      # Megatron's default first; the distributed optimizer if needed

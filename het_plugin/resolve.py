@@ -15,7 +15,7 @@ from .cluster import Cluster, load_cluster
 from .errors import ConfigError
 from .model import ModelSpec, load_model, preset_model
 from .plan import Plan, looks_like_plan
-from .topology import Degrees
+from .topology import Degrees, parse_order
 
 PathLike = Union[str, Path]
 ModelArg = Union[ModelSpec, dict, PathLike, None, Callable[[], ModelSpec]]
@@ -88,7 +88,7 @@ def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
     fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
     try:
         return make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
-                         micro_batch_size=micro_batch_size)
+                         ep=degrees.ep, etp=degrees.etp, order=degrees.order, micro_batch_size=micro_batch_size)
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):
             raise
@@ -107,8 +107,11 @@ def check_plan_fits(plan: Plan, launch: Launch, degrees: Degrees, model: Optiona
         raise ConfigError(f"the plan is for {plan.world_size} ranks, but {launch.world_size} were launched",
                           source=where, field="world_size",
                           fix=f"launch {plan.world_size} ranks, or re-plan for the nodes you launch")
-    for key in ("tp", "pp", "dp", "cp"):
-        given, planned = getattr(degrees, key), getattr(plan, key)
+    planned_dims = plan.dims
+    for key in ("tp", "pp", "dp", "cp", "ep", "etp", "order"):
+        given, planned = getattr(degrees, key), getattr(planned_dims, key)
+        if key == "order":
+            given = "-".join(parse_order(given, degrees.ep))
         if given is not None and given != planned:
             name = names.get(key, key)
             raise ConfigError(f"{name}={given} was passed, but the plan was made for {planned}", source=where,

@@ -8,76 +8,150 @@ permutation serves both frameworks. Pure Python: no torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Optional, Sequence
 
 from .errors import ConfigError
 
-ORDER = ("tp", "cp", "ep", "dp", "pp")
+ORDER = ("tp", "cp", "ep", "dp", "pp")        # Megatron's default order (tp fastest); DeepSpeed's too
+DEFAULT_ORDER = "-".join(ORDER)
 
 # Group kinds Megatron-Core builds from its decoder RankGenerator (plus 'embedding', derived from pp).
 GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-pp", "tp-dp", "tp-dp-cp")
+# ... and from its expert RankGenerator (tp = expert-tensor-parallel size, ep, dp = expert data parallel).
+EXPERT_KINDS = ("expert-tp", "expert-ep", "expert-tp-ep", "expert-tp-ep-pp", "expert-dp")
+
+
+def parse_order(order: str, ep: int = 1) -> tuple[str, ...]:
+    """Megatron's order string -> its five names, as ``RankGenerator`` reads it: names left out are
+    appended (allowed only for a size-1 name: ep > 1 must be placed explicitly)."""
+    names = tuple(t.strip().lower() for t in str(order).split("-") if t.strip())
+    unknown = [n for n in names if n not in ORDER]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"order {order!r} must name each of {', '.join(ORDER)} at most once")
+    if ep > 1 and "ep" not in names:
+        raise ValueError(f"order {order!r} leaves out ep, but ep={ep} (Megatron needs its place in the order)")
+    return names + tuple(n for n in ORDER if n not in names)
+
+
+def order_keeps_expert_dp(order: str, pp: int, dp: int, expert_dp: int) -> bool:
+    """Megatron's rule: unless pp is the slowest name (or pp == 1), expert and dense data parallelism match."""
+    return order.split("-")[-1] == "pp" or pp == 1 or expert_dp == dp
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The degrees of one plan (every degree known); coordinate <-> logical rank, and the groups."""
+    """The degrees of one plan (every degree known); coordinate <-> logical rank, and the groups.
+
+    As Megatron-Core numbers ranks: ``dp`` is the dense layers' data-parallel size (world = tp*cp*dp*pp);
+    the expert layers view the same ranks as etp x ep x expert-dp x pp (``etp`` defaults to ``tp``), and
+    ``order`` says which coordinate varies fastest ('tp-cp-ep-dp-pp', or 'tp-cp-ep-pp-dp' for
+    ``--use-tp-pp-dp-mapping``).
+    """
     tp: int = 1
     cp: int = 1
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    etp: Optional[int] = None
+    order: str = DEFAULT_ORDER
 
     def __post_init__(self):
-        for name in ORDER:
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        for name in ORDER + ("etp",):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.ep != 1:
-            raise ValueError("expert parallelism (ep > 1) is not planned by het_plugin yet; use ep=1")
+        object.__setattr__(self, "order", "-".join(parse_order(self.order, self.ep)))
+        if self.stage_size % (self.etp * self.ep):
+            raise ValueError(f"expert layers need etp*ep = {self.etp}*{self.ep} to divide tp*cp*dp = {self.stage_size} "
+                             "(the ranks of one pipeline stage)")
+        if not order_keeps_expert_dp(self.order, self.pp, self.dp, self.expert_dp):
+            raise ValueError(f"order {self.order} does not end in pp, so Megatron needs the expert layers' data-parallel "
+                             f"size tp*cp*dp/(etp*ep) = {self.expert_dp} to equal dp = {self.dp}")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.ep * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
     @property
     def stage_size(self) -> int:
         """Ranks holding one pipeline stage (all its TP, CP and DP replicas)."""
-        return self.tp * self.cp * self.ep * self.dp
+        return self.tp * self.cp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel size of the expert layers."""
+        return self.stage_size // (self.etp * self.ep)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The five names in this order, fastest first."""
+        return tuple(self.order.split("-"))
+
+    @property
+    def is_default_order(self) -> bool:
+        return self.order == DEFAULT_ORDER
 
     def sizes(self) -> tuple[int, ...]:
-        return tuple(getattr(self, n) for n in ORDER)
+        """Sizes of the dense layers' generator in ``order`` (ep is 1 there, as in Megatron)."""
+        size = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
+        return tuple(size[n] for n in self.names)
+
+    def expert_sizes(self) -> tuple[int, ...]:
+        size = {"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.expert_dp, "pp": self.pp}
+        return tuple(size[n] for n in self.names)
 
     def coord(self, logical_rank: int) -> dict[str, int]:
         out = {}
         r = logical_rank
-        for name, size in zip(ORDER, self.sizes()):
+        for name, size in zip(self.names, self.sizes()):
             out[name] = r % size
             r //= size
         return out
 
     def logical_rank(self, **coord: int) -> int:
         rank, stride = 0, 1
-        for name, size in zip(ORDER, self.sizes()):
+        for name, size in zip(self.names, self.sizes()):
             rank += coord.get(name, 0) * stride
             stride *= size
         return rank
+
+    def canonical(self) -> "ParallelDims":
+        """The same degrees in the default order (what the placement and the cost model reason in)."""
+        return self if self.is_default_order else replace(self, order=DEFAULT_ORDER)
+
+    def to_canonical(self) -> list[int]:
+        """``out[r]``: the default-order logical rank of this order's logical rank ``r`` (same coordinate)."""
+        if self.is_default_order:
+            return list(range(self.world_size))
+        canon = self.canonical()
+        return [canon.logical_rank(**self.coord(r)) for r in range(self.world_size)]
 
     def placed_groups(self, kind: str, rank_of_logical: Sequence[int],
                       embedding_stages: Optional[Sequence[int]] = None) -> list[list[int]]:
         """Every ``kind`` group as physical ranks: each logical rank through the permutation."""
         return [[rank_of_logical[r] for r in g] for g in self.groups(kind, embedding_stages)]
 
+    def stage_logical(self, stage: int) -> list[int]:
+        """Logical ranks of pipeline stage ``stage`` (a contiguous block in the default order)."""
+        if self.names[-1] == "pp":
+            return list(range(stage * self.stage_size, (stage + 1) * self.stage_size))
+        return masked_orthogonal_groups(self.sizes(), [n != "pp" for n in self.names])[stage]
+
     def placed_stage(self, stage: int, rank_of_logical: Sequence[int]) -> list[int]:
-        """Physical ranks holding pipeline stage ``stage`` (a contiguous block of logical ranks)."""
-        return list(rank_of_logical[stage * self.stage_size:(stage + 1) * self.stage_size])
+        """Physical ranks holding pipeline stage ``stage``."""
+        return [rank_of_logical[r] for r in self.stage_logical(stage)]
 
     def groups(self, kind: str, embedding_stages: Optional[Sequence[int]] = None) -> list[list[int]]:
-        """Logical rank lists of every group of ``kind`` (e.g. 'tp', 'dp-cp', 'tp-pp'), in Megatron's order.
+        """Logical rank lists of every group of ``kind`` (e.g. 'tp', 'dp-cp', 'tp-pp', 'expert-tp-ep'), in
+        Megatron's order.
 
         'embedding' takes the members of each pipeline group at ``embedding_stages`` (default: Megatron-Core's
-        first and last stage; see ``ModelSpec.embedding_stages`` for untied embeddings and MTP)."""
+        first and last stage; see ``ModelSpec.embedding_stages`` for untied embeddings and MTP). 'expert-*'
+        kinds are the expert generator's ('expert-tp' is the expert-tensor-parallel group)."""
         if kind == "embedding":
             stages = default_embedding_stages(self.pp) if embedding_stages is None else sorted(set(embedding_stages))
             if not stages or stages[0] != 0 or stages[-1] >= self.pp:
@@ -85,12 +159,15 @@ class ParallelDims:
             return [[g[s] for s in stages] for g in self.groups("pp")]
         if kind == "position_embedding":
             return [[g[0]] for g in self.groups("pp")]
+        sizes = self.sizes()
+        if kind.startswith("expert-"):
+            kind, sizes = kind[len("expert-"):], self.expert_sizes()
         names = kind.split("-")
         unknown = [n for n in names if n not in ORDER]
         if unknown:
             raise ValueError(f"unknown group kind {kind!r}")
-        mask = [n in names for n in ORDER]
-        return masked_orthogonal_groups(self.sizes(), mask)
+        mask = [n in names for n in self.names]
+        return masked_orthogonal_groups(sizes, mask)
 
 
 def default_embedding_stages(pp: int) -> tuple[int, ...]:
@@ -117,6 +194,8 @@ class Degrees:
     dp: Optional[int] = None
     cp: int = 1
     ep: int = 1
+    etp: Optional[int] = None          # expert tensor parallel; None: = tp
+    order: str = DEFAULT_ORDER
     source: Optional[str] = field(default=None, compare=False)
     names: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -124,22 +203,24 @@ class Degrees:
         if not _is_count(self.world_size):
             raise ConfigError(f"world size {self.world_size!r} is not a positive integer", source=self.source,
                               field="world_size", fix="launch at least one rank")
-        for name in ("tp", "pp", "dp", "cp", "ep"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "etp"):
             v = getattr(self, name)
-            if v is None and name in SEARCHED or v == -1 and name in SEARCHED or _is_count(v):
+            if v is None and name in SEARCHED + ("etp",) or v == -1 and name in SEARCHED or _is_count(v):
                 continue
             raise ConfigError(f"{self._name(name)}={v!r} is not a positive integer", source=self.source,
                               field=self._name(name), fix=f"give a positive integer{' (or leave it unset)' if name in SEARCHED else ''}")
-        if self.ep != 1:
-            raise ConfigError("expert parallelism (ep > 1) is not planned by het_plugin yet", source=self.source,
-                              field=self._name("ep"), fix="use ep=1")
+        try:
+            parse_order(self.order, self.ep)
+        except ValueError as exc:
+            raise ConfigError(str(exc), source=self.source, field=self._name("order"),
+                              fix=f"use Megatron's '{DEFAULT_ORDER}' or 'tp-cp-ep-pp-dp'") from None
         infer = [n for n in SEARCHED if getattr(self, n) == -1]
         unset = [n for n in SEARCHED if getattr(self, n) is None]
         if len(infer) > 1 or (infer and unset):
             raise ConfigError(f"{self._name(infer[0])}=-1 asks to infer it, but {self._list(infer[1:] + unset)} "
                               "is not given", source=self.source, field=self._name(infer[0]),
                               fix="give every other degree, or leave the degrees to the planner (unset)")
-        fixed = {n: getattr(self, n) for n in ("tp", "cp", "ep", "pp", "dp")
+        fixed = {n: getattr(self, n) for n in ("tp", "cp", "pp", "dp")
                  if _is_count(getattr(self, n)) and (n in SEARCHED or getattr(self, n) > 1)}
         product = prod(fixed.values())
         if self.world_size % product or (not infer and not unset and product != self.world_size):
@@ -157,6 +238,29 @@ class Degrees:
             raise ConfigError(problem, source=self.source, field=self._list(list(fixed)), fix=fix)
         if infer:
             object.__setattr__(self, infer[0], self.world_size // product)
+        if not unset:
+            self._check_experts(self.tp, self.cp, self.dp, self.pp)
+
+    def _expert_fit(self, tp: int, cp: int, dp: int, pp: int) -> bool:
+        split = (self.etp or tp) * self.ep
+        return (tp * cp * dp) % split == 0 and order_keeps_expert_dp(
+            "-".join(parse_order(self.order, self.ep)), pp, dp, tp * cp * dp // split)
+
+    def _check_experts(self, tp: int, cp: int, dp: int, pp: int) -> None:
+        """Megatron's rules for the expert layers: etp*ep divides the ranks of one pipeline stage, and with
+        an order not ending in pp the expert data-parallel size is dp."""
+        etp = self.etp or tp
+        if (tp * cp * dp) % (etp * self.ep):
+            raise ConfigError(f"{self._name('etp')}*{self._name('ep')} = {etp}*{self.ep} does not divide "
+                              f"{self._list(['tp', 'cp', 'dp'])} product {tp * cp * dp} (the ranks of one pipeline "
+                              "stage, which the expert layers split into etp x ep x expert-dp)",
+                              source=self.source, field=self._name("ep"),
+                              fix="choose expert parallel sizes whose product divides tp*cp*dp")
+        if not self._expert_fit(tp, cp, dp, pp):
+            raise ConfigError(f"{self._name('order')} {self.order} does not end in pp, so Megatron needs the expert "
+                              f"data-parallel size tp*cp*dp/(etp*ep) = {tp * cp * dp // (etp * self.ep)} to equal "
+                              f"dp = {dp}", source=self.source, field=self._name("order"),
+                              fix="use the default order, or etp*ep = tp*cp")
 
     def _name(self, degree: str) -> str:
         return self.names.get(degree, degree)
@@ -169,22 +273,33 @@ class Degrees:
         missing = [n for n in SEARCHED if getattr(self, n) is None]
         if missing:
             raise ValueError(f"degrees {missing} are left to the planner")
-        return ParallelDims(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep)
+        return ParallelDims(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp,
+                            order=self.order)
 
     def candidates(self, tps: Sequence[int], max_pp: int) -> list[ParallelDims]:
-        """Every full assignment with tp in ``tps`` and pp <= ``max_pp`` that keeps the fixed degrees."""
-        out = []
+        """Every full assignment with tp in ``tps`` and pp <= ``max_pp`` that keeps the fixed degrees and
+        Megatron's expert rules (:meth:`check_expert_rules` says why none does)."""
+        return [ParallelDims(tp=t, cp=self.cp, pp=p, dp=d, ep=self.ep, etp=self.etp, order=self.order)
+                for t, p, d in self._assignments(tps, max_pp) if self._expert_fit(t, self.cp, d, p)]
+
+    def check_expert_rules(self, tps: Sequence[int], max_pp: int) -> None:
+        """Raise the expert rule's message when the degrees multiply out but no assignment meets it."""
+        options = list(self._assignments(tps, max_pp))
+        if options and not any(self._expert_fit(t, self.cp, d, p) for t, p, d in options):
+            t, p, d = options[0]
+            self._check_experts(t, self.cp, d, p)
+
+    def _assignments(self, tps: Sequence[int], max_pp: int):
         for t in ([self.tp] if self.tp is not None else tps):
-            if self.world_size % (t * self.cp * self.ep):
+            if self.world_size % (t * self.cp):
                 continue
-            rest = self.world_size // (t * self.cp * self.ep)
+            rest = self.world_size // (t * self.cp)
             for p in range(1, rest + 1):
                 if rest % p or p > max_pp or (self.pp is not None and p != self.pp):
                     continue
                 if self.dp is not None and rest // p != self.dp:
                     continue
-                out.append(ParallelDims(tp=t, cp=self.cp, pp=p, dp=rest // p, ep=self.ep))
-        return out
+                yield t, p, rest // p
 
 
 def _is_count(v) -> bool:

@@ -251,9 +251,12 @@ def test_accelerators_per_node_not_divisible_by_tp(tmp_path):
     assert "[1, 2, 4]" in err.fix   # divisors of both 8 and 4
 
 
-def test_cp_counts_towards_the_node(tmp_path):
-    c = load_cluster(write(tmp_path, GOOD))
-    with pytest.raises(ConfigError, match="tp\\*cp = 8"):
+def test_cp_sits_inside_a_node_or_on_whole_nodes(tmp_path):
+    c = load_cluster(write(tmp_path, GOOD))           # nodes of 8 and of 4 accelerators
+    with pytest.raises(ConfigError, match="tp\\*cp = 6 neither divides it nor is a multiple of it"):
+        check_dims(c, ParallelDims(tp=2, cp=3, pp=1, dp=3))
+    # tp*cp = 8: one 8-node, or two whole 4-nodes (a CP ring across nodes): the node check passes
+    with pytest.raises(ConfigError, match="world size is 20"):
         check_dims(c, ParallelDims(tp=4, cp=2, pp=1, dp=5))
 
 

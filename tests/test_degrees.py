@@ -22,7 +22,8 @@ def test_minus_one_is_inferred_from_the_others():
     (dict(tp=True), "tp", "tp=True is not a positive integer"),
     (dict(pp=0), "pp", "pp=0 is not a positive integer"),
     (dict(cp=-1), "cp", "cp=-1 is not a positive integer"),          # only tp, pp, dp are searched
-    (dict(ep=2), "ep", "expert parallelism"),
+    (dict(tp=2, pp=2, dp=4, ep=16), "ep", "etp*ep = 2*16 does not divide tp, cp, dp product 8"),
+    (dict(tp=2, pp=2, dp=4, ep=2, order="tp-cp-dp-pp"), "order", "leaves out ep"),
 ])
 def test_bad_degrees_name_the_field(kwargs, field, words):
     with pytest.raises(ConfigError) as info:
@@ -55,3 +56,12 @@ def test_candidates_keep_what_is_fixed_and_multiply_to_the_world(world, data):
         assert tp is None or d.tp == tp
         assert pp is None or d.pp == pp
     assert len(set(got)) == len(got)
+
+
+def test_expert_degrees_follow_megatrons_arithmetic():
+    # ep is not a factor of the world size: the expert layers re-split one stage's tp*cp*dp ranks.
+    assert Degrees(16, tp=2, pp=2, dp=4, ep=8, etp=1).exact() == ParallelDims(tp=2, pp=2, dp=4, ep=8, etp=1)
+    got = Degrees(16, ep=4).candidates([1, 2, 4], max_pp=16)
+    assert got and all((d.tp * d.cp * d.dp) % (d.etp * d.ep) == 0 for d in got)
+    assert {(d.tp, d.pp) for d in got} >= {(1, 1), (2, 2), (4, 1)} and (4, 4) not in {(d.tp, d.pp) for d in got}
+    assert Degrees(16, tp=1, pp=2, dp=8, order="tp-cp-ep-pp-dp").exact().order == "tp-cp-ep-pp-dp"

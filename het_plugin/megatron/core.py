@@ -23,7 +23,7 @@ from ..report import startup_summary
 from ..resolve import Launch
 from ..resolve import resolve_plan as resolve_any
 from ..runtime.applied import AppliedPlan
-from ..topology import Degrees
+from ..topology import DEFAULT_ORDER, Degrees, parse_order
 
 log = logging.getLogger("het_plugin.megatron")
 
@@ -35,7 +35,8 @@ _current: Optional[AppliedPlan] = None
 
 # What Megatron calls the degrees (error messages name the user's own argument).
 MEGATRON_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-                  "cp": "context_parallel_size", "dp": "data_parallel_size"}
+                  "cp": "context_parallel_size", "dp": "data_parallel_size", "ep": "expert_model_parallel_size",
+                  "etp": "expert_tensor_parallel_size", "order": "order"}
 
 
 def current_plan() -> Optional[AppliedPlan]:
@@ -46,10 +47,13 @@ def current_plan() -> Optional[AppliedPlan]:
 def resolve_megatron_plan(source: Union[Plan, Cluster, PathLike, None] = None, *,
                  model: Union[ModelSpec, PathLike, None] = None, world_size: int, rank: Optional[int] = None,
                  local_world_size: Optional[int] = None, tp: Optional[int] = None, pp: Optional[int] = None,
-                 cp: Optional[int] = None, micro_batch_size: Optional[int] = None) -> Plan:
+                 cp: Optional[int] = None, micro_batch_size: Optional[int] = None, ep: int = 1,
+                 etp: Optional[int] = None, order: str = DEFAULT_ORDER) -> Plan:
     """:func:`het_plugin.resolve.resolve_plan` with Megatron's names for the degrees (None: the planner
-    chooses; a plan file must agree with what is given)."""
-    degrees = Degrees(world_size, tp=tp, pp=pp, cp=cp or 1, names=MEGATRON_NAMES, source="Megatron arguments")
+    chooses; a plan file must agree with what is given). ``ep``, ``etp`` and ``order`` are Megatron's
+    expert sizes and rank order, taken as given."""
+    degrees = Degrees(world_size, tp=tp, pp=pp, cp=cp or 1, ep=ep or 1, etp=etp, order=order or DEFAULT_ORDER,
+                      names=MEGATRON_NAMES, source="Megatron arguments")
     return resolve_any(source, launch=Launch(world_size, rank, local_world_size), model=model, degrees=degrees,
                        micro_batch_size=micro_batch_size, names=MEGATRON_NAMES)
 
@@ -65,14 +69,37 @@ def original_initialize_model_parallel():
     return fn
 
 
-UNSUPPORTED = {
-    "order": ("tp-cp-ep-dp-pp", "het_plugin places ranks in Megatron's default order tp-cp-ep-dp-pp",
-              "drop --use-tp-pp-dp-mapping / order="),
-    "virtual_pipeline_model_parallel_size": (None, "interleaved pipelines are not planned by het_plugin yet",
-                                             "drop the virtual pipeline size"),
-    "expert_model_parallel_size": (1, "expert parallelism is not planned by het_plugin yet",
-                                   "use expert_model_parallel_size=1"),
-}
+def plan_degrees(megatron_kwargs: dict) -> dict[str, Any]:
+    """The expert sizes and rank order in Megatron's initialize_model_parallel arguments (the planner
+    takes them as given)."""
+    return {"ep": megatron_kwargs.get("expert_model_parallel_size") or 1,
+            "etp": megatron_kwargs.get("expert_tensor_parallel_size") or None,
+            "order": megatron_kwargs.get("order") or DEFAULT_ORDER}
+
+
+def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
+    """Megatron's own arguments must describe the plan's groups; refuse what the plan cannot express."""
+    wanted = plan_degrees(megatron_kwargs)
+    dims = plan.dims
+    for key, name, value, have in (
+            ("ep", "expert_model_parallel_size", wanted["ep"], dims.ep),
+            ("etp", "expert_tensor_parallel_size", wanted["etp"] or plan.tp, dims.etp),
+            ("order", "order", "-".join(parse_order(wanted["order"], wanted["ep"])), dims.order)):
+        if have != value:
+            raise ConfigError(f"{name}={value!r}, but the plan was made for {have!r}", field=name,
+                              fix=f"plan with the same {name} (`het-plugin plan --{key} ...`), or pass {have!r}")
+    if plan.is_identity:
+        return            # the framework's own numbering: whatever else Megatron builds is its own
+    for key in ("gtp_remat_size", "expert_gtp_remat_size"):
+        if (megatron_kwargs.get(key) or 1) != 1:
+            raise ConfigError(f"{key}={megatron_kwargs[key]}: the GTP weight-rematerialisation axis re-orders "
+                              "Megatron's ranks, and het_plugin's placement does not model it", field=key,
+                              fix=f"use {key}=1 on a heterogeneous cluster")
+    if (megatron_kwargs.get("virtual_pipeline_model_parallel_size") or 1) > 1 and len(set(plan.layers_per_stage)) > 1:
+        raise ConfigError("an interleaved pipeline (virtual_pipeline_model_parallel_size > 1) with the plan's "
+                          f"uneven split {plan.layers_per_stage} is not expressed by het_plugin yet",
+                          field="virtual_pipeline_model_parallel_size",
+                          fix="drop the virtual pipeline size, or plan with a pp that splits the layers evenly")
 
 
 def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLike] = None) -> AppliedPlan:
@@ -83,10 +110,7 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
     from .version import check_megatron_version
 
     check_megatron_version()
-
-    for key, (default, why, fix) in UNSUPPORTED.items():
-        if megatron_kwargs.get(key, default) != default:
-            raise ConfigError(f"{key}={megatron_kwargs[key]!r}: {why}", field=key, fix=fix)
+    check_kwargs_fit(plan, megatron_kwargs)
     kwargs = dict(megatron_kwargs)
     kwargs.update(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
                   context_parallel_size=plan.cp)
@@ -178,7 +202,8 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     def make() -> Plan:
         return resolve_megatron_plan(plan if plan is not None else cluster, model=model, world_size=world, rank=rank,
                             local_world_size=int(lws) if lws else None, tp=tensor_model_parallel_size,
-                            pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size)
+                            pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size,
+                            **plan_degrees(megatron_kwargs))
 
     agreed = agree_on_plan(make, rank=rank, world_size=world)
     build_groups(agreed, megatron_kwargs, plan_out=plan_out)
