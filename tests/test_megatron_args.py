@@ -36,6 +36,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--global-batch-size", type=int)
     return parser
@@ -159,8 +160,7 @@ def test_planning_errors_are_kept_for_the_agreement_not_raised(argv, monkeypatch
 
 
 @pytest.mark.parametrize("flag,value", [("--pipeline-model-parallel-layout", "Ett|ttL"),
-                                        ("--decoder-first-pipeline-num-layers", "3"),
-                                        ("--use-tp-pp-dp-mapping", None)])
+                                        ("--decoder-first-pipeline-num-layers", "3")])
 def test_options_het_plugin_cannot_honour_are_refused(argv, flag, value):
     argv(*MODEL, flag, *([value] if value else []), "--heterogeneous-nic", str(CLUSTER_8))
     mod = fake_arguments_module()
@@ -173,7 +173,39 @@ def test_options_het_plugin_cannot_honour_are_refused(argv, flag, value):
 def test_degrees_given_reads_the_command_line_not_the_defaults():
     a = megatron_parser().parse_args(MODEL + ["--pipeline-model-parallel-size=2"])
     given = hargs.degrees_given(a, MODEL + ["--pipeline-model-parallel-size=2"])
-    assert given == {"tp": None, "pp": 2, "cp": 1, "micro_batch_size": 2}
+    assert given == {"tp": None, "pp": 2, "cp": 1, "micro_batch_size": 2, "ep": 1, "etp": None,
+                     "order": "tp-cp-ep-dp-pp"}
+
+
+def test_the_other_rank_order_and_expert_sizes_reach_the_plan(argv, monkeypatch):
+    """--use-tp-pp-dp-mapping and --expert-model-parallel-size are Megatron's to take: the plan numbers ranks
+    in that order and carries the expert sizes (refused before: never refuse what Megatron accepts)."""
+    argv(*MODEL, "--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping", "--heterogeneous-nic", str(CLUSTER_8))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    mod.parse_args(None)
+    assert lm.state.error is None
+    plan = lm.state.plan
+    assert plan.order == "tp-cp-ep-pp-dp" and not plan.is_identity
+    # in the pp-dp order the pipeline partners are logical neighbours; the placement still puts stages on fabrics
+    for g in plan.groups["dp"]:
+        assert len({plan.node_of(r).cluster for r in g.ranks}) == 1
+    a = megatron_parser().parse_args(MODEL + ["--use-tp-pp-dp-mapping"])
+    a.expert_model_parallel_size, a.expert_tensor_parallel_size = 2, 1
+    assert {k: v for k, v in hargs.degrees_given(a, MODEL).items() if k in ("ep", "etp", "order")} == \
+        {"ep": 2, "etp": 1, "order": "tp-cp-ep-pp-dp"}
+
+
+def test_an_interleaved_pipeline_with_an_uneven_plan_is_refused_with_the_fix(argv, monkeypatch):
+    argv(*MODEL, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+         "--heterogeneous-nic", str(CLUSTER_8))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    with pytest.raises(ConfigError) as e:
+        mod.parse_args(None)
+    assert "--num-layers-per-virtual-pipeline-stage" in str(e.value) and "unevenly" in str(e.value)
 
 
 def test_repeated_parses_of_one_command_line_plan_once_and_all_get_the_plan(argv, monkeypatch):

@@ -56,9 +56,10 @@ def option_given(argv: Sequence[str], option: str) -> bool:
 # Megatron-LM flags that split the pipeline themselves: het_plugin sets the split from the plan.
 SPLIT_OPTIONS = {"pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
                  "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
-                 "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
-                 "num_layers_per_virtual_pipeline_stage": "--num-layers-per-virtual-pipeline-stage",
-                 "num_virtual_stages_per_pipeline_rank": "--num-virtual-stages-per-pipeline-rank"}
+                 "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers"}
+# Interleaved (virtual) pipelines: taken as given where the plan's split is Megatron's even one.
+VIRTUAL_OPTIONS = {"num_layers_per_virtual_pipeline_stage": "--num-layers-per-virtual-pipeline-stage",
+                   "num_virtual_stages_per_pipeline_rank": "--num-virtual-stages-per-pipeline-rank"}
 
 
 def check_compatible(args: Any) -> None:
@@ -67,13 +68,11 @@ def check_compatible(args: Any) -> None:
         if getattr(args, attr, None) is not None:
             raise ConfigError(f"{flag} is set, but {FLAG} sets the pipeline split from the plan",
                               source="command line", field=flag, fix=f"drop {flag}")
-    if getattr(args, "use_tp_pp_dp_mapping", False):
-        raise ConfigError("--use-tp-pp-dp-mapping orders ranks tp-cp-ep-pp-dp; het_plugin places Megatron's "
-                          "default order tp-cp-ep-dp-pp", source="command line", field="--use-tp-pp-dp-mapping",
-                          fix="drop --use-tp-pp-dp-mapping")
-    if (getattr(args, "expert_model_parallel_size", 1) or 1) != 1:
-        raise ConfigError("expert parallelism is not planned by het_plugin yet", source="command line",
-                          field="--expert-model-parallel-size", fix="use --expert-model-parallel-size 1")
+
+
+def order_of(args: Any) -> str:
+    """Megatron-LM's rank order (initialize.py passes 'tp-cp-ep-pp-dp' with --use-tp-pp-dp-mapping)."""
+    return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
 
 
 def degrees_given(args: Any, argv: Sequence[str]) -> dict[str, Optional[int]]:
@@ -83,6 +82,9 @@ def degrees_given(args: Any, argv: Sequence[str]) -> dict[str, Optional[int]]:
         "pp": args.pipeline_model_parallel_size if option_given(argv, "--pipeline-model-parallel-size") else None,
         "cp": getattr(args, "context_parallel_size", None) or 1,
         "micro_batch_size": args.micro_batch_size if option_given(argv, "--micro-batch-size") else None,
+        "ep": getattr(args, "expert_model_parallel_size", None) or 1,
+        "etp": getattr(args, "expert_tensor_parallel_size", None),
+        "order": order_of(args),
     }
 
 
@@ -103,6 +105,13 @@ def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
     put("global_batch_size", plan.micro_batch_size * plan.dp * plan.num_micro_batches)
     layout = layout_for_plan(plan)
     if layout is not None:
+        virtual = [flag for attr, flag in VIRTUAL_OPTIONS.items() if getattr(args, attr, None) is not None]
+        if virtual:
+            raise ConfigError(f"{virtual[0]} asks for an interleaved pipeline, but the plan splits the layers "
+                              f"unevenly ({plan.layers_per_stage}), which het_plugin does not express with virtual "
+                              "stages yet", source="command line", field=virtual[0],
+                              fix=f"drop {virtual[0]}, or fix --pipeline-model-parallel-size to one that splits "
+                                  "the layers evenly")
         put("pipeline_model_parallel_layout", layout)
     if plan.overlap_grad_reduce:
         put("overlap_grad_reduce", True)

@@ -59,7 +59,9 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
     if source is None or getattr(args, "_het_plugin_prepared", False):
         return args
     argv = sys.argv[1:] if argv is None else argv
-    check_compatible(args)        # the same command line on every rank: raising here stops all alike
+    from .version import check_megatron_version
+    check_megatron_version()      # the same install on every rank: raising here stops all alike
+    check_compatible(args)
     if state.args is None or (state.source, state.argv) != (source, tuple(argv)):
         state = LaunchState(args=args, source=source, argv=tuple(argv),
                             plan_out=getattr(args, "heterogeneous_plan_out", None))
@@ -93,7 +95,8 @@ def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int]
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     return resolve_megatron_plan(None if source == DISCOVER else source, model=model, world_size=world, rank=rank,
                         local_world_size=int(lws) if lws else None, tp=given["tp"], pp=given["pp"],
-                        cp=given["cp"], micro_batch_size=given["micro_batch_size"])
+                        cp=given["cp"], micro_batch_size=given["micro_batch_size"], ep=given.get("ep", 1),
+                        etp=given.get("etp"), order=given.get("order") or "tp-cp-ep-dp-pp")
 
 
 def install_initialize_wrapper() -> None:
@@ -179,8 +182,10 @@ def planned_initialize_model_parallel(*args, **kwargs):
             raise state.error
         if state.plan is not None:
             return state.plan
+        from .core import plan_degrees
         fixed = {"tp": kwargs.get("tensor_model_parallel_size", 1), "pp": kwargs.get("pipeline_model_parallel_size", 1),
-                 "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": margs.micro_batch_size}
+                 "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": margs.micro_batch_size,
+                 **plan_degrees(kwargs)}
         return _plan_for(margs, fixed, DISCOVER, rank=rank, world_size=world)
 
     plan = agree_on_plan(make, rank=rank, world_size=world)
