@@ -14,6 +14,9 @@ CUDA-only multi-tensor kernels). Usage, from a test or a plain script::
 
     from integration_tests.support.megatron_cpu import enable_cpu_shims
     enable_cpu_shims()          # before building any Megatron model
+
+A MoE model (the local spec's SequentialMLP experts) also needs ``enable_moe_cpu_shims()``: 0.16's missing
+Transformer Engine names in moe_utils, and the alltoall token dispatcher's side stream and host copies.
 """
 from __future__ import annotations
 
@@ -98,3 +101,77 @@ def enable_cpu_shims() -> None:
     # model_parallel_cuda_manual_seed calls torch.cuda.manual_seed for the data-parallel stream.
     torch.cuda.manual_seed = lambda seed: None
     _enabled = True
+
+
+def enable_moe_cpu_shims() -> None:
+    """The MoE layer's CPU shims (idempotent; call with ``enable_cpu_shims``, before the first MoE forward).
+
+    megatron-core 0.16's moe_utils imports Transformer Engine's fused MoE kernels in a ``try`` whose
+    ``except ImportError`` leaves their names undefined, and ``RouterGatingLinearFunction`` (the router's
+    gating GEMM) tests ``te_general_gemm is not None``: a NameError without TE. Define the missing names as
+    None, as 0.19's moe_utils does itself, so the router takes its torch.mm path.
+    """
+    from megatron.core.transformer.moe import moe_utils
+    for name in ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute", "te_general_gemm"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+    # MoEAlltoAllTokenDispatcher copies its split sizes to the host on a side stream: torch.cuda.Stream() in
+    # __init__, torch.cuda.stream(...), record_event().synchronize() in _maybe_dtoh_and_synchronize. On CPU
+    # there is one stream and nothing to wait for.
+    from megatron.core.transformer.moe import token_dispatcher
+    if not isinstance(token_dispatcher.torch, _TorchWithNullStreams):
+        token_dispatcher.torch = _TorchWithNullStreams(token_dispatcher.torch)
+        # ... and its maybe_move_tensor_to_cpu(split sizes, as_numpy=True) converts only CUDA tensors: CPU split
+        # sizes would reach all_to_all_single as tensors (a TypeError). Convert them as on a GPU.
+        move = token_dispatcher.maybe_move_tensor_to_cpu
+
+        def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+            if as_numpy and getattr(tensor, "device", None) is not None and tensor.device.type == "cpu":
+                return tensor.numpy()
+            return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+class _NullStream:
+    """One CPU 'stream': waits and events do nothing (everything already ran in order)."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+_NULL_STREAM = _NullStream()
+
+
+class _CudaStreamsOnCpu(types.ModuleType):
+    """``torch.cuda`` for one Megatron module, with its stream calls on the single CPU stream."""
+
+    def __init__(self, cuda_module):
+        super().__init__("torch.cuda")
+        self.__dict__["_cuda"] = cuda_module
+        self.__dict__["Stream"] = lambda *a, **k: _NULL_STREAM
+        self.__dict__["current_stream"] = lambda *a, **k: _NULL_STREAM
+        self.__dict__["stream"] = lambda *a, **k: contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(self._cuda, name)
+
+
+class _TorchWithNullStreams(types.ModuleType):
+    """A stand-in for ``torch`` inside one Megatron module whose ``torch.cuda`` streams are the CPU's."""
+
+    def __init__(self, torch_module):
+        super().__init__("torch")
+        self.__dict__["_torch"] = torch_module
+        self.__dict__["cuda"] = _CudaStreamsOnCpu(torch_module.cuda)
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)

@@ -1,13 +1,15 @@
 """A tiny Megatron-Core GPT trainer for CPU/gloo runs (TEST AND BENCHMARK SUPPORT, not product code).
 
-Builds a GPTModel with TP x PP (and an uneven layer split) either through het_plugin.megatron (a
-cluster file or plan) or through plain Megatron-Core (``use_plugin=False``), trains N steps on
-synthetic data with a fixed seed and returns the per-step losses and step times.
+Builds a GPTModel with TP x PP (and an uneven layer split; optionally a MoE with expert parallelism, or
+an interleaved pipeline of virtual stages) either through het_plugin.megatron (a cluster file or plan)
+or through plain Megatron-Core (``use_plugin=False``), trains N steps on synthetic data with a fixed
+seed and returns the per-step losses and step times.
 
 Two runs compute the same function whatever their parallel layout: every weight is drawn from a
-generator seeded by its *global* identity (global layer number + parameter name; a tensor-parallel
-shard is a slice of the full tensor), dropout is off, and every step's global batch is the same
-tokens split over the data-parallel ranks. So losses can be compared across placements and splits.
+generator seeded by its *global* identity (global layer number + parameter name, and the global
+expert number; a tensor-parallel shard is a slice of the full tensor), dropout is off, and every step's
+global batch is the same tokens split over the data-parallel ranks. So losses can be compared across
+placements and splits.
 
 Use from a plain script run under torchrun or ``integration_tests.support.launch.run_ranks``::
 
@@ -18,13 +20,14 @@ Use from a plain script run under torchrun or ``integration_tests.support.launch
 from __future__ import annotations
 
 import os
+import re
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Optional, Sequence
 
-from .megatron_cpu import enable_cpu_shims
+from .megatron_cpu import enable_cpu_shims, enable_moe_cpu_shims
 
 
 @dataclass
@@ -40,6 +43,13 @@ class TinyGPT:
     seed: int = 1234
     lr: float = 0.5
     bucket_size: int = 10_000      # DDP bucket (parameters) when gradient reduction overlaps backward
+    # Mixture of experts (None: dense MLP). Megatron-Core's own MoE layer on the local (non-TE) spec: one
+    # SequentialMLP per rank (grouped GEMM and permute fusion are CUDA kernels: off), a top-k router with
+    # the load-balancing aux loss, and the given token dispatcher.
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_token_dispatcher_type: str = "allgather"
+    moe_aux_loss_coeff: float = 1e-2
 
     def model_spec(self):
         from het_plugin.model import ModelSpec
@@ -64,6 +74,8 @@ class TrainResult:
     process_groups: dict[str, list[int]] = field(default_factory=dict)   # see process_group_ranks()
     plan_hash: Optional[str] = None
     overlap_grad_reduce: bool = False
+    chunk_layer_numbers: list[list[int]] = field(default_factory=list)   # per model chunk (virtual stage)
+    schedule: str = ""                  # Megatron's forward-backward function that ran
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -106,13 +118,21 @@ def _full_tensor(key: str, shape, seed: int):
     return torch.randn(*shape, generator=g) * 0.02
 
 
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
 def deterministic_init(model, seed: int) -> None:
-    """Give every matrix a value that depends only on its global identity, not on this rank's piece."""
+    """Give every matrix a value that depends only on its global identity, not on this rank's piece.
+
+    An expert's identity is its global expert number (this rank's expert-parallel rank times the local
+    experts, plus the local index), and its shards are slices over the expert-tensor-parallel group."""
     import torch
     from megatron.core import parallel_state as ps
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     layer_of = {f"decoder.layers.{i}.": layer.layer_number for i, layer in enumerate(model.decoder.layers)} \
         if hasattr(model, "decoder") else {}
+    num_local = getattr(model.config, "num_moe_experts", None) or 1
+    num_local //= ps.get_expert_model_parallel_world_size()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() < 2:
@@ -123,12 +143,19 @@ def deterministic_init(model, seed: int) -> None:
                     key = f"layer{number}." + name[len(prefix):]
             if key == "output_layer.weight":
                 key = "embedding.word_embeddings.weight"     # tied: the same matrix on both ends
+            shard_tp, shard_rank = tp, tp_rank
+            expert = _LOCAL_EXPERT.search(key)
+            if expert:
+                number = ps.get_expert_model_parallel_rank() * num_local + int(expert.group(1))
+                key = key[:expert.start()] + f".mlp.experts.expert{number}." + key[expert.end():]
+                shard_tp = ps.get_expert_tensor_parallel_world_size()
+                shard_rank = ps.get_expert_tensor_parallel_rank()
             shape = list(param.shape)
             if getattr(param, "tensor_model_parallel", False):
                 dim = param.partition_dim
-                shape[dim] *= tp
+                shape[dim] *= shard_tp
                 full = _full_tensor(key, shape, seed)
-                param.copy_(full.chunk(tp, dim=dim)[tp_rank])
+                param.copy_(full.chunk(shard_tp, dim=dim)[shard_rank])
             else:
                 param.copy_(_full_tensor(key, shape, seed))
 
@@ -161,11 +188,15 @@ def _forward_step(data_iterator, model):
 
 def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=None, plan=None,
           use_plugin: bool = True, layers_per_stage: Optional[Sequence[int]] = None,
-          overlap_grad_reduce: Optional[bool] = None) -> TrainResult:
+          overlap_grad_reduce: Optional[bool] = None, ep: int = 1, vpp: Optional[int] = None) -> TrainResult:
     """Initialise groups (through het_plugin or plain Megatron-Core), build the model, train ``steps`` steps.
 
     ``use_plugin=False`` is the reference run: Megatron-Core's own groups; ``layers_per_stage`` then
     gives its split (default: even), through Megatron-Core's own pipeline_model_parallel_layout.
+    ``ep``: expert_model_parallel_size (with ``cfg.num_moe_experts``); ``vpp``:
+    virtual_pipeline_model_parallel_size (an interleaved pipeline: ``vpp`` model chunks per rank, each
+    with its own DDP wrapper, as Megatron-LM builds them). Both go to initialize_model_parallel as
+    Megatron's own keyword arguments, through het_plugin or not.
     """
     import torch
     import torch.distributed as dist
@@ -184,18 +215,32 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
                          num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
                          hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
                          pipeline_dtype=torch.float32, params_dtype=torch.float32)
+    # Megatron's own initialize_model_parallel arguments beyond tp and pp (only those set: the default call
+    # stays what it was).
+    megatron_kwargs = {}
+    if ep > 1:
+        megatron_kwargs["expert_model_parallel_size"] = ep
+    if vpp is not None:
+        megatron_kwargs["virtual_pipeline_model_parallel_size"] = vpp
+    config_kwargs.update(megatron_kwargs)
+    if cfg.num_moe_experts:
+        enable_moe_cpu_shims()
+        config_kwargs.update(num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
+                             moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+                             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_grouped_gemm=False,
+                             moe_permute_fusion=False)
     plan_hash = None
     if use_plugin:
         from het_plugin.megatron import apply_plan_to_config, initialize_model_parallel
         the_plan = initialize_model_parallel(tp, pp, cluster=cluster, plan=plan, model=cfg.model_spec(),
-                                             micro_batch_size=cfg.micro_batch_size)
+                                             micro_batch_size=cfg.micro_batch_size, **megatron_kwargs)
         plan_hash = the_plan.hash
         tp, pp = the_plan.tp, the_plan.pp
         config_kwargs = apply_plan_to_config(dict(config_kwargs, tensor_model_parallel_size=tp,
                                                   pipeline_model_parallel_size=pp), the_plan)
         ddp_overlap = the_plan.overlap_grad_reduce if overlap_grad_reduce is None else overlap_grad_reduce
     else:
-        ps.initialize_model_parallel(tp, pp)
+        ps.initialize_model_parallel(tp, pp, **megatron_kwargs)
         config_kwargs.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         if layers_per_stage is not None and pp > 1:
             from het_plugin.megatron.pipeline_layout import layout_string
@@ -204,18 +249,32 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
     model_parallel_cuda_manual_seed(cfg.seed)
     config = TransformerConfig(**config_kwargs)
 
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=cfg.vocab_size,
-                     max_sequence_length=cfg.seq_length, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=True)
-    deterministic_init(model, cfg.seed)
-    layer_numbers = [layer.layer_number for layer in model.decoder.layers]
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
+    chunk_stages = list(range(vpp)) if vpp is not None else [None]
+    chunks = []
+    for vp_stage in chunk_stages:
+        extra = {} if vp_stage is None else {"vp_stage": vp_stage}
+        model = GPTModel(config, spec, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
+                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+                         share_embeddings_and_output_weights=True, **extra)
+        deterministic_init(model, cfg.seed)
+        chunks.append(model)
+    chunk_layer_numbers = [[layer.layer_number for layer in m.decoder.layers] for m in chunks]
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=ddp_overlap, use_distributed_optimizer=False,
                                                bucket_size=cfg.bucket_size if ddp_overlap else None)
-    ddp = DistributedDataParallel(config, ddp_config, module=model)
-    config.no_sync_func = ddp.no_sync
+    # Megatron-LM's get_model: bucketing only in the first chunk.
+    ddps = [DistributedDataParallel(config, ddp_config, module=m, disable_bucketing=i > 0)
+            for i, m in enumerate(chunks)]
+    if len(ddps) == 1:
+        config.no_sync_func = ddps[0].no_sync
+        if ddp_overlap:
+            config.grad_sync_func = ddps[0].start_grad_sync
+    else:
+        config.no_sync_func = [d.no_sync for d in ddps]
+        if ddp_overlap:
+            config.grad_sync_func = [d.start_grad_sync for d in ddps]
     config.finalize_model_grads_func = finalize_model_grads
-    if ddp_overlap:
-        config.grad_sync_func = ddp.start_grad_sync
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     num_mb = cfg.global_batch_size // (dp * cfg.micro_batch_size)
@@ -224,15 +283,19 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
     losses, times = [], []
     for step in range(steps):
         t0 = time.perf_counter()
-        ddp.zero_grad_buffer()
-        out = fb(forward_step_func=_forward_step, data_iterator=_batches(cfg, step, dp, dp_rank), model=[ddp],
+        for d in ddps:
+            d.zero_grad_buffer()
+        # Each chunk reads the step's micro-batches in order (only the first and last stage use them).
+        data = [_batches(cfg, step, dp, dp_rank) for _ in ddps]
+        out = fb(forward_step_func=_forward_step, data_iterator=data[0] if len(data) == 1 else data, model=ddps,
                  num_microbatches=num_mb, seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
                  forward_only=False)
         with torch.no_grad():
-            for p in model.parameters():
-                grad = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-                if grad is not None:
-                    p.add_(grad, alpha=-cfg.lr)
+            for model in chunks:
+                for p in model.parameters():
+                    grad = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+                    if grad is not None:
+                        p.add_(grad, alpha=-cfg.lr)
         local = torch.zeros(1, dtype=torch.float64)
         if ps.is_pipeline_last_stage():
             local += torch.stack([d["lm loss"] for d in out]).double().mean()
@@ -243,9 +306,11 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
         losses.append(float(total.item()))
         times.append(time.perf_counter() - t0)
     return TrainResult(losses=losses, step_times=times, rank=dist.get_rank(), tp=tp, pp=pp, dp=dp,
-                       stage=ps.get_pipeline_model_parallel_rank(), layer_numbers=layer_numbers, groups=my_groups(),
+                       stage=ps.get_pipeline_model_parallel_rank(),
+                       layer_numbers=[n for numbers in chunk_layer_numbers for n in numbers], groups=my_groups(),
                        process_groups=process_group_ranks(),
-                       plan_hash=plan_hash, overlap_grad_reduce=ddp_overlap)
+                       plan_hash=plan_hash, overlap_grad_reduce=ddp_overlap, chunk_layer_numbers=chunk_layer_numbers,
+                       schedule=getattr(fb, "__name__", type(fb).__name__))
 
 
 def shutdown() -> None:

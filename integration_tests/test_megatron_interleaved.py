@@ -1,0 +1,138 @@
+"""An interleaved (virtual) pipeline trained through het_plugin.megatron on CPU/gloo.
+
+4 ranks, pp=2 x dp=2, virtual_pipeline_model_parallel_size=2, a 4-layer tiny GPT: each rank holds two
+model chunks of one layer (stage 0 layers 1 and 3, stage 1 layers 2 and 4), each chunk in its own DDP
+wrapper, trained by Megatron's interleaved 1F1B schedule.
+
+On a homogeneous cluster het_plugin must be invisible: Megatron's own groups and chunks, bit-identical
+losses. On a heterogeneous cluster whose plan splits the layers evenly (two IB islands joined by Ethernet,
+launched interleaved: the ranks are permuted) every group Megatron creates is the plan's, each rank holds
+the virtual stages of its planned pipeline stage, and the model trains as Megatron's own run does.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from het_plugin.cluster import load_cluster
+from het_plugin.plan import Plan
+from integration_tests.support.launch import run_ranks
+from integration_tests.test_megatron import PROCESS_GROUP_KIND, _expected_members
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "ranks" / "megatron_train_ep_vpp.py"
+DATA = HERE / "data"
+HOMOGENEOUS_4 = DATA / "megatron-homogeneous-4.yaml"
+TWO_IB_ISLANDS_4 = DATA / "megatron-two-ib-islands-4.yaml"
+STEPS = 3
+PP, VPP, LAYERS = 2, 2, 4
+INTERLEAVED = ["--tp", "1", "--pp", str(PP), "--vpp", str(VPP), "--layers", str(LAYERS), "--steps", str(STEPS)]
+SCHEDULE = "forward_backward_pipelining_with_interleaving"
+
+
+def megatron_chunks(stage: int) -> list[list[int]]:
+    """Megatron's even interleaved split: chunk c of pipeline rank s holds virtual stage c * pp + s."""
+    per = LAYERS // (PP * VPP)
+    return [[(c * PP + stage) * per + i + 1 for i in range(per)] for c in range(VPP)]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    """Megatron-Core alone: its own groups and its even interleaved split."""
+    return run_ranks(SCRIPT, 4, INTERLEAVED + ["--baseline"], ranks_per_node=2, timeout=150)
+
+
+@pytest.fixture(scope="module")
+def homogeneous():
+    """Through het_plugin on 2 identical IB nodes (2 ranks each)."""
+    return run_ranks(SCRIPT, 4, INTERLEAVED + ["--cluster", str(HOMOGENEOUS_4)], ranks_per_node=2, timeout=150)
+
+
+@pytest.fixture(scope="module")
+def hetero_even():
+    """Through het_plugin on two IB islands joined by Ethernet, launched interleaved (a, b, a, b)."""
+    return run_ranks(SCRIPT, 4, INTERLEAVED + ["--cluster", str(TWO_IB_ISLANDS_4)], ranks_per_node=1, timeout=150,
+                     env={"HET_PLUGIN_GLOO_IFNAMES": "ib=lo,roce=lo,socket=lo,local=lo"})
+
+
+def _agreed_plan(outs) -> Plan:
+    plan = Plan.from_dict(outs[0].result["plan"])
+    assert {o.result["plan_hash"] for o in outs} == {plan.hash}
+    assert (plan.tp, plan.pp, plan.dp) == (1, PP, 2)
+    return plan
+
+
+def test_baseline_is_an_interleaved_pipeline(baseline):
+    for o in baseline:
+        r = o.result
+        assert r["schedule"] == SCHEDULE
+        assert r["chunk_layer_numbers"] == megatron_chunks(r["stage"]), f"rank {o.rank}"
+
+
+# Product bug: on an identity plan het_plugin still creates a member list that is not ascending with
+# sort_ranks=False (het_plugin/runtime/groups.py, spec_for), so this group, which Megatron concatenates from
+# the expert generator's tp-ep-pp groups ([0, 2] + [1, 3] here), keeps the order [0, 2, 1, 3], where
+# torch.distributed.new_group sorts it to [0, 1, 2, 3] in Megatron's own run. Same members, other group ranks.
+GROUP_RANK_ORDER_DIFFERS = {"_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"}
+
+
+def test_homogeneous_interleaved_is_megatrons_own(homogeneous, baseline):
+    plan = _agreed_plan(homogeneous)
+    assert plan.homogeneous and plan.is_identity
+    for ours, ref in zip(homogeneous, baseline):
+        r, b = ours.result, ref.result
+        assert r["schedule"] == SCHEDULE
+        assert set(r["process_groups"]) == set(b["process_groups"]), f"rank {ours.rank}"
+        for name, members in r["process_groups"].items():
+            if name in GROUP_RANK_ORDER_DIFFERS:
+                assert sorted(members) == sorted(b["process_groups"][name]), f"rank {ours.rank} {name}"
+            else:
+                assert members == b["process_groups"][name], f"rank {ours.rank} {name}"
+        assert (r["stage"], r["chunk_layer_numbers"]) == (b["stage"], b["chunk_layer_numbers"]), f"rank {ours.rank}"
+        # Same groups, chunks and data: the same arithmetic, so the losses are bit-identical.
+        assert r["losses"] == b["losses"], f"rank {ours.rank}"
+
+
+@pytest.mark.xfail(strict=True, reason="product bug: sort_ranks=False on an identity plan keeps Megatron's "
+                   "concatenated intra-distributed-optimizer group unsorted (see GROUP_RANK_ORDER_DIFFERS)")
+def test_homogeneous_interleaved_keeps_megatrons_group_rank_order(homogeneous, baseline):
+    for ours, ref in zip(homogeneous, baseline):
+        assert ours.result["process_groups"] == ref.result["process_groups"], f"rank {ours.rank}"
+
+
+def test_hetero_even_split_groups_and_chunks_follow_the_plan(hetero_even):
+    plan = _agreed_plan(hetero_even)
+    assert not plan.homogeneous and not plan.is_identity, "the test cluster must make het_plugin permute ranks"
+    assert plan.layers_per_stage == [LAYERS // PP] * PP, "identical islands: an even split, Megatron's own"
+    cluster = load_cluster(TWO_IB_ISLANDS_4)
+    for o in hetero_even:
+        rank, r = o.rank, o.result
+        assert r["schedule"] == SCHEDULE
+        unmapped = set(r["process_groups"]) - set(PROCESS_GROUP_KIND)
+        assert not unmapped, f"Megatron built groups this test does not know: {unmapped}"
+        for name, members in r["process_groups"].items():
+            assert members == _expected_members(plan, name, rank), f"rank {rank} {name}"
+        # The planned stage, and Megatron's interleaved chunks of it.
+        assert r["stage"] == plan.stage_of(rank)
+        assert r["chunk_layer_numbers"] == megatron_chunks(r["stage"]), f"rank {rank}"
+        # Each stage on one island: data parallelism stays on InfiniBand, only the pipeline crosses Ethernet.
+        assert {cluster.node_of(x).cluster for x in r["process_groups"]["_DATA_PARALLEL_GROUP"]} == \
+            {cluster.node_of(rank).cluster}
+        assert len({cluster.node_of(x).cluster for x in r["process_groups"]["_PIPELINE_MODEL_PARALLEL_GROUP"]}) == 2
+    # Megatron's own numbering would put stage 1 on ranks 2 and 3 (a-1, b-1): the placement moved it.
+    assert sorted(o.rank for o in hetero_even if o.result["stage"] == 1) != [2, 3]
+
+
+def test_hetero_even_split_trains_as_megatron_does(hetero_even, baseline):
+    ours = [o.result["losses"] for o in hetero_even]
+    reference = baseline[0].result["losses"]
+    assert all(len(l) == STEPS for l in ours)
+    assert all(l == ours[0] for l in ours), "every rank reports the same global loss"
+    assert all(math.isfinite(x) for x in ours[0])
+    assert ours[0][2] < ours[0][0], "the batch of step 0 comes back at step 2 with a lower loss"
+    # The same function and split on a permuted placement (observed bit-identical; 1e-6 leaves room for a
+    # reduction whose order follows the placement).
+    for step, (a, b) in enumerate(zip(ours[0], reference)):
+        assert math.isclose(a, b, rel_tol=1e-6), f"step {step}: {a} vs {b}"
