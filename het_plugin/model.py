@@ -1,10 +1,11 @@
 """Model description: a decoder-only transformer, as much as the cost model needs."""
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from .yamlio import load_validated
 
@@ -28,6 +29,32 @@ class ModelSpec(BaseModel):
     activation: Literal["gelu", "swiglu"] = "gelu"
     tie_embeddings: bool = True
     mtp_layers: NonNegativeInt = 0                       # multi-token prediction depth (Megatron --mtp-num-layers)
+    # Mixture of experts, named as Megatron's arguments (--num-experts is num_moe_experts in its config).
+    num_moe_experts: Optional[NonNegativeInt] = None     # None or 0: a dense model
+    moe_router_topk: PositiveInt = 2                     # experts each token is routed to (Megatron's default 2)
+    moe_ffn_hidden_size: Optional[PositiveInt] = None    # one expert's FFN width; default: the FFN width
+    moe_shared_expert_intermediate_size: Optional[PositiveInt] = None   # shared experts' FFN width; None: none
+    moe_layer_freq: Union[PositiveInt, tuple[int, ...]] = 1   # every k-th layer is MoE (layer 0 first), or 0/1 per layer
+
+    @field_validator("moe_layer_freq", mode="before")
+    @classmethod
+    def _freq(cls, v):
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, (int, list, tuple)):
+            raise ValueError(f"moe_layer_freq must be a whole number k (every k-th layer is an MoE layer) or a list "
+                             f"of 0/1, one per layer (got {v!r}) | fix: write e.g. 1, 2 or [0, 1, 1, 1] (Megatron's "
+                             "pattern strings such as \"([0]+[1]*3)\" are not evaluated: write the list out)")
+        if isinstance(v, int):
+            if v < 1:
+                raise ValueError(f"moe_layer_freq {v} must be at least 1 | fix: use 1 (every layer is an MoE "
+                                 "layer) or k > 1 (every k-th)")
+            return v
+        bad = [x for x in v if isinstance(x, bool) or x not in (0, 1)]
+        if bad:
+            raise ValueError(f"moe_layer_freq lists {bad[0]!r}; a pattern holds 1 (MoE layer) or 0 (dense layer) "
+                             "per layer | fix: write only 0 and 1")
+        return tuple(int(x) for x in v)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -43,7 +70,33 @@ class ModelSpec(BaseModel):
             raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
                              f"{self.micro_batch_size} | field: micro_batch_size"
                              " | fix: use a micro_batch_size that divides global_batch_size, or leave it out")
+        self._check_moe()
         return self
+
+    def _check_moe(self) -> None:
+        moe_fields = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                      "moe_layer_freq")
+        if not self.is_moe:
+            # Defaults pass (a dumped dense model carries them); a value of its own is a mistake.
+            given = [f for f in moe_fields if getattr(self, f) != type(self).model_fields[f].default]
+            if given:
+                raise ValueError(f"{given[0]} is set, but the model has no experts (num_moe_experts is "
+                                 f"{self.num_moe_experts}) | field: {given[0]} | fix: set num_moe_experts (the "
+                                 f"number of experts per MoE layer), or remove {', '.join(given)}")
+            return
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(f"moe_router_topk {self.moe_router_topk} routes each token to more experts than the "
+                             f"{self.num_moe_experts} there are | field: moe_router_topk | fix: use moe_router_topk "
+                             f"<= num_moe_experts ({self.num_moe_experts})")
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            if len(freq) != self.num_layers:
+                raise ValueError(f"moe_layer_freq lists {len(freq)} layers, the model has num_layers "
+                                 f"{self.num_layers} | field: moe_layer_freq | fix: give one 0/1 per layer "
+                                 f"({self.num_layers} entries), or a whole number k (every k-th layer)")
+            if not any(freq):
+                raise ValueError("moe_layer_freq marks no layer as an MoE layer | field: moe_layer_freq | fix: put "
+                                 "a 1 where a layer has experts, or drop num_moe_experts for a dense model")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -60,13 +113,79 @@ class ModelSpec(BaseModel):
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    def mlp_params(self, ffn: int) -> int:
+        """Weights of one MLP of width ``ffn`` (three matrices with swiglu, two with gelu)."""
+        return (3 if self.activation == "swiglu" else 2) * self.hidden_size * ffn
+
     @property
-    def params_per_layer(self) -> int:
+    def attention_params(self) -> int:
         h = self.hidden_size
         kv = h * self.kv_heads // self.num_attention_heads
-        attn = h * (h + 2 * kv) + h * h
-        mlp = (3 if self.activation == "swiglu" else 2) * h * self.ffn
-        return attn + mlp + 4 * h   # + layernorms
+        return h * (h + 2 * kv) + h * h
+
+    @property
+    def params_per_layer(self) -> int:
+        """Parameters of one dense transformer layer (see :attr:`moe_layer_params` for an MoE layer)."""
+        return self.attention_params + self.mlp_params(self.ffn) + 4 * self.hidden_size   # + layernorms
+
+    # ---- mixture of experts ----------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    @property
+    def moe_ffn(self) -> int:
+        """One expert's FFN width (Megatron: moe_ffn_hidden_size, default ffn_hidden_size)."""
+        return self.moe_ffn_hidden_size or self.ffn
+
+    @cached_property
+    def moe_pattern(self) -> tuple[int, ...]:
+        """1 for each MoE layer, 0 for each dense one (Megatron: layer i is MoE when i % k == 0)."""
+        if not self.is_moe:
+            return (0,) * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            return freq
+        return tuple(1 if i % freq == 0 else 0 for i in range(self.num_layers))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_pattern)
+
+    @property
+    def moe_fraction(self) -> float:
+        """Share of the decoder layers that are MoE layers (the cost model's per-layer average uses it)."""
+        return self.num_moe_layers / self.num_layers
+
+    @property
+    def expert_params_per_moe_layer(self) -> int:
+        """The routed experts' weights of one MoE layer (split over ep and etp; reduced over expert-dp)."""
+        return (self.num_moe_experts or 0) * self.mlp_params(self.moe_ffn)
+
+    @property
+    def moe_layer_params(self) -> int:
+        """Parameters of one MoE layer outside the routed experts: attention, router, shared experts, norms
+        (split over tp, reduced over the dense data-parallel group)."""
+        shared = self.mlp_params(self.moe_shared_expert_intermediate_size or 0)
+        router = self.hidden_size * (self.num_moe_experts or 0)
+        return self.attention_params + router + shared + 4 * self.hidden_size
+
+    @property
+    def expert_params(self) -> int:
+        """Every routed expert's weights, all MoE layers."""
+        return self.num_moe_layers * self.expert_params_per_moe_layer
+
+    @property
+    def decoder_params(self) -> int:
+        moe = self.num_moe_layers
+        return (self.num_layers - moe) * self.params_per_layer + moe * (self.moe_layer_params
+                                                                        + self.expert_params_per_moe_layer)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: the top-k experts of each MoE layer instead of all."""
+        routed = self.num_moe_layers * self.moe_router_topk * self.mlp_params(self.moe_ffn) if self.is_moe else 0
+        return self.total_params - self.expert_params + routed
 
     @property
     def embedding_params(self) -> int:
@@ -81,7 +200,7 @@ class ModelSpec(BaseModel):
 
     @property
     def total_params(self) -> int:
-        out = self.num_layers * self.params_per_layer + self.embedding_params + self.mtp_params
+        out = self.decoder_params + self.embedding_params + self.mtp_params
         return out if self.tie_embeddings else out + self.embedding_params
 
     def embedding_stages(self, pp: int) -> tuple[int, ...]:
@@ -93,15 +212,36 @@ class ModelSpec(BaseModel):
             return (0, pp - 1)
         return (0,)
 
+    def attention_core_flops_fwd(self, micro_batch: int) -> float:
+        """Scores and values of one layer's attention (what ring attention overlaps its exchanges with)."""
+        return 4.0 * micro_batch * self.seq_length * self.seq_length * self.hidden_size
+
     def layer_flops_fwd(self, micro_batch: int) -> float:
-        """Forward FLOPs of one transformer layer for one micro-batch (matmuls + attention)."""
+        """Forward FLOPs of one dense transformer layer for one micro-batch (matmuls + attention)."""
         tokens = micro_batch * self.seq_length
-        h = self.hidden_size
-        kv = h * self.kv_heads // self.num_attention_heads
-        mlp = (3 if self.activation == "swiglu" else 2) * h * self.ffn
-        matmul = 2 * tokens * (h * (h + 2 * kv) + h * h + mlp)
-        attention = 4 * tokens * self.seq_length * h
-        return float(matmul + attention)
+        matmul = 2 * tokens * (self.attention_params + self.mlp_params(self.ffn))
+        return float(matmul + self.attention_core_flops_fwd(micro_batch))
+
+    def moe_layer_flops_fwd(self, micro_batch: int) -> float:
+        """Forward FLOPs of one MoE layer: attention, the router, the top-k experts' FFN of every token and
+        the shared experts (balanced routing; the all-to-all is communication, in the cost model)."""
+        tokens = micro_batch * self.seq_length
+        ffn = (self.moe_router_topk * self.mlp_params(self.moe_ffn)
+               + self.mlp_params(self.moe_shared_expert_intermediate_size or 0))
+        router = self.hidden_size * (self.num_moe_experts or 0)
+        matmul = 2 * tokens * (self.attention_params + router + ffn)
+        return float(matmul + self.attention_core_flops_fwd(micro_batch))
+
+    def mean_layer_flops_fwd(self, micro_batch: int) -> float:
+        """Forward FLOPs of the average decoder layer (dense and MoE layers in the model's proportion)."""
+        if not self.is_moe:
+            return self.layer_flops_fwd(micro_batch)
+        f = self.moe_fraction
+        return (1 - f) * self.layer_flops_fwd(micro_batch) + f * self.moe_layer_flops_fwd(micro_batch)
+
+    def decoder_flops_fwd(self, micro_batch: int) -> float:
+        """Forward FLOPs of every decoder layer for one micro-batch."""
+        return self.num_layers * self.mean_layer_flops_fwd(micro_batch)
 
     def logits_flops_fwd(self, micro_batch: int) -> float:
         return 2.0 * micro_batch * self.seq_length * self.hidden_size * self.vocab_size

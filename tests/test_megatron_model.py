@@ -54,3 +54,32 @@ def test_inconsistent_arguments_are_a_config_error():
     with pytest.raises(ConfigError) as e:
         model_from_args(args(hidden_size=4000, num_attention_heads=3))
     assert "num_attention_heads" in str(e.value)
+
+
+def test_moe_arguments_of_the_same_names():
+    m = model_from_args(args(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336, swiglu=True,
+                             moe_shared_expert_intermediate_size=None, moe_layer_freq=[0] + [1] * 31))
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn, m.num_moe_layers) == (8, 2, 14336, 31)
+    assert m.moe_shared_expert_intermediate_size is None
+    # Megatron's defaults on a dense launch (num_experts None, topk 2, freq 1) leave the model dense
+    dense = model_from_args(args(num_experts=None, moe_router_topk=2, moe_layer_freq=1))
+    assert not dense.is_moe
+
+
+def test_moe_arguments_that_do_not_fit_name_the_field():
+    with pytest.raises(ConfigError) as e:
+        model_from_args(args(num_experts=2, moe_router_topk=4))
+    assert "moe_router_topk" in str(e.value)
+
+
+def test_real_megatron_parser_gives_the_moe_fields(monkeypatch):
+    """megatron.training's own parse_args (0.19 pass): --num-experts, --moe-* reach the ModelSpec."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "64",
+                                     "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings",
+                                     "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--num-experts", "8",
+                                     "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
+                                     "--moe-shared-expert-intermediate-size", "64", "--moe-layer-freq", "([0]+[1]*3)"])
+    m = model_from_args(arguments.parse_args())
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (8, 2, 128)
+    assert m.moe_shared_expert_intermediate_size == 64 and m.moe_pattern == (0, 1, 1, 1)

@@ -86,3 +86,64 @@ def test_missing_field(tmp_path):
 def test_malformed_yaml(tmp_path):
     err = error_of(tmp_path, GOOD.replace("seq_length: 16", "seq_length: [16"))
     assert "malformed YAML at line" in err.problem
+
+
+# ---- mixture of experts -----------------------------------------------------------------------------
+
+MOE = GOOD + "num_moe_experts: 8\nmoe_router_topk: 2\n"
+
+
+def test_moe_fields_and_derived_sizes(tmp_path):
+    path = tmp_path / "moe.yaml"
+    path.write_text(MOE + "moe_ffn_hidden_size: 32\nmoe_shared_expert_intermediate_size: 16\nmoe_layer_freq: 2\n")
+    m = load_model(path)
+    h = 64
+    assert m.is_moe and m.moe_pattern == (1, 0, 1, 0) and m.num_moe_layers == 2      # Megatron: i % k == 0
+    expert = 2 * h * 32                       # gelu: two matrices per expert
+    assert m.expert_params_per_moe_layer == 8 * expert
+    assert m.moe_layer_params == m.attention_params + h * 8 + 2 * h * 16 + 4 * h   # router + shared expert
+    assert m.total_params == 2 * m.params_per_layer + 2 * (m.moe_layer_params + 8 * expert) + 100 * 64
+    # a token passes through its top-2 experts only
+    assert m.active_params == m.total_params - 2 * 8 * expert + 2 * 2 * expert
+    tokens = 2 * 16
+    assert m.moe_layer_flops_fwd(2) == 2 * tokens * (m.attention_params + h * 8 + 2 * expert + 2 * h * 16) \
+        + m.attention_core_flops_fwd(2)
+    assert m.decoder_flops_fwd(2) == pytest.approx(2 * m.layer_flops_fwd(2) + 2 * m.moe_layer_flops_fwd(2))
+
+
+def test_moe_defaults_follow_megatron():
+    m = ModelSpec(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=10, seq_length=8,
+                  global_batch_size=4, num_moe_experts=4)
+    assert m.moe_router_topk == 2 and m.moe_ffn == m.ffn and m.moe_pattern == (1, 1, 1)
+    assert ModelSpec(**m.model_dump()) == m          # a dumped MoE model reads back
+    dense = ModelSpec(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=10, seq_length=8,
+                      global_batch_size=4, num_moe_experts=0)
+    assert not dense.is_moe and dense.expert_params == 0 and dense.active_params == dense.total_params
+    assert ModelSpec(**dense.model_dump()) == dense  # defaults of the MoE fields pass on a dense model
+
+
+def test_mixtral_preset_has_the_published_size():
+    m = preset_model("mixtral-8x7b")
+    assert m.num_moe_layers == 32 and m.num_moe_experts == 8 and m.moe_router_topk == 2
+    assert 46.0e9 < m.total_params < 47.5e9          # "46.7B total parameters"
+    assert 12.5e9 < m.active_params < 13.3e9         # "12.9B active parameters per token"
+
+
+@pytest.mark.parametrize("extra,field,words", [
+    ("moe_router_topk: 9\n", "moe_router_topk (line 9)", "<= num_moe_experts (8)"),
+    ("moe_layer_freq: [1, 0]\n", "moe_layer_freq (line 9)", "one 0/1 per layer (4 entries)"),
+    ("moe_layer_freq: [0, 0, 0, 0]\n", "moe_layer_freq (line 9)", "put a 1 where a layer has experts"),
+    ("moe_layer_freq: [1, 2, 0, 1]\n", "moe_layer_freq (line 9)", "only 0 and 1"),
+    ("moe_layer_freq: 0\n", "moe_layer_freq (line 9)", "use 1"),
+    ("moe_layer_freq: \"([1]*4)\"\n", "moe_layer_freq (line 9)", "write the list out"),
+])
+def test_bad_moe_values(tmp_path, extra, field, words):
+    err = error_of(tmp_path, MOE.replace("moe_router_topk: 2\n", "") + extra)
+    assert err.field == field
+    assert words in err.fix
+
+
+def test_moe_fields_on_a_dense_model_are_refused(tmp_path):
+    err = error_of(tmp_path, GOOD + "moe_ffn_hidden_size: 128\n")
+    assert err.field == "moe_ffn_hidden_size (line 8)"
+    assert "set num_moe_experts" in err.fix and "no experts" in err.problem

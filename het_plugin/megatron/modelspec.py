@@ -54,9 +54,28 @@ def model_from_args(args: Any, *, data_parallel_size: Optional[int] = None) -> M
         tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False),
         mtp_layers=int(_get(args, "mtp_num_layers", 0) or 0),
     )
+    fields.update(moe_fields(args))
     try:
         return ModelSpec(**fields)
     except Exception as exc:   # pydantic's ValidationError: re-raise in het_plugin's shape
         raise ConfigError(f"Megatron's model arguments are inconsistent: {exc}", source="command line",
-                          fix="check --hidden-size, --num-attention-heads, --num-query-groups and the batch sizes"
-                          ) from None
+                          fix="check --hidden-size, --num-attention-heads, --num-query-groups, the batch sizes and "
+                              "the --num-experts / --moe-* arguments") from None
+
+
+def moe_fields(args: Any) -> dict:
+    """The mixture-of-experts fields of ModelSpec from Megatron-LM's arguments of the same names
+    (``--num-experts`` is ``num_experts`` in args, ``num_moe_experts`` in TransformerConfig); none for a
+    dense model (no --num-experts, or 0)."""
+    experts = _get(args, "num_experts") or _get(args, "num_moe_experts")
+    if not experts:
+        return {}
+    out: dict = {"num_moe_experts": int(experts)}
+    for name in ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        value = _get(args, name)
+        if value is not None:
+            out[name] = int(value)
+    freq = _get(args, "moe_layer_freq")
+    if freq is not None:        # Megatron's argument type already turned a pattern string into a list
+        out["moe_layer_freq"] = list(freq) if isinstance(freq, (list, tuple)) else freq
+    return out
