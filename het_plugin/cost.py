@@ -12,7 +12,9 @@ The model, in short (details and constants in docs/planner.md):
   accelerators of the node that talk at once. A group whose transport is ``socket`` uses Ethernet even
   inside an RDMA cluster; ``host-staged`` (cross-vendor shim) also uses sockets and pays a device-host
   copy each way.
-* Pipeline: 1F1B with per-stage forward/backward times and per-hop send times, simulated op by op.
+* Pipeline: 1F1B with per-stage forward/backward times and per-hop send times, simulated op by op; with
+  ``vpp`` virtual stages per rank Megatron's interleaved 1F1B (:mod:`het_plugin.schedule`), its extra hop from
+  the last stage back to the first, and ``overlap_p2p_comm`` (sends hidden behind compute).
 * Data parallel: gradient reduction per stage; with ``overlap_grad_reduce`` (Megatron's bucketed overlap)
   only the last micro-batch's backward can hide it. Tied embeddings (or MTP on the last stage) add the first/last-stage all-reduce.
 * Memory per rank: bf16 weights, fp32 gradients, fp32 master + Adam moments (divided by DP with the
@@ -211,6 +213,7 @@ class Analysis:
     stages: list[StageInfo]
     embedding_paths: tuple[CollectivePath, ...] = ()
     transports: dict[str, set[str]] = field(default_factory=dict)   # kind -> transports seen
+    wrap_hops: tuple[tuple[Tier, int, bool], ...] = ()   # last stage -> first (interleaved)
 
 
 def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = placement_transport,
@@ -291,6 +294,16 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
                 if hop not in hops:
                     hops.append(hop)
         stages.append(StageInfo(accs, capacity, tp_tier, tuple(paths), tuple(hops)))
+    wrap: list[tuple[Tier, int, bool]] = []      # the interleaved schedule's hop from the last stage to the first
+    if dims.pp > 1:
+        last_base, seen_wrap = (dims.pp - 1) * S, set()
+        for i in range(S):
+            a, b, t = node_of_logical[last_base + i], node_of_logical[i], pp_transport[i]
+            if (a, b, t) not in seen_wrap:
+                seen_wrap.add((a, b, t))
+                hop = (net.hop(a, b, t), 1 if a == b else nodes[a].num_accelerators, t == "host-staged")
+                if hop not in wrap:
+                    wrap.append(hop)
     emb_paths: list[CollectivePath] = []
     if dims.pp > 1:
         last = (dims.pp - 1) * S
@@ -299,7 +312,7 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
             transports["embedding"].add(t)
             if path not in emb_paths:
                 emb_paths.append(path)
-    return Analysis(placement, stages, tuple(emb_paths), transports)
+    return Analysis(placement, stages, tuple(emb_paths), transports, wrap_hops=tuple(wrap))
 
 
 # ---- per-stage times and memory -------------------------------------------------------------------
@@ -520,33 +533,132 @@ def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[flo
     return [max(end_b[s][m - 1], free[s]) for s in range(pp)]
 
 
+def _hops_s(hops: Sequence[tuple[Tier, int, bool]], nbytes: float, profile: Optional[Profile]) -> float:
+    """One message over the slowest of ``hops`` (as a stage's send to the next: ``_stage_models``)."""
+    worst = 0.0
+    for tier, share, staged in hops:
+        t = tier.step_s(nbytes, share, profile)
+        if staged:
+            t += 2 * nbytes * 8 / (HOST_COPY_GBPS * 1e9)
+        worst = max(worst, t)
+    return worst
+
+
+def wrap_send_s(model: ModelSpec, analysis: Analysis, mb: int, profile: Optional[Profile] = None) -> float:
+    """One activation (or gradient) from the last stage to the first: the interleaved schedule's extra hop."""
+    dims = analysis.placement.dims
+    act_msg = mb * model.seq_length * model.hidden_size * model.dtype_bytes / (dims.tp * dims.cp)
+    return _hops_s(analysis.wrap_hops, act_msg, profile)
+
+
+def _virtual_times(sts: list[StageModel], virtual_layers: Sequence[Sequence[int]]) -> tuple[list, list]:
+    """Forward and backward of one micro-batch of each virtual stage (chunk): its layers, plus the first stage's
+    fixed part (embedding) on its first chunk and the last stage's (output layer, loss, MTP) on its last."""
+    pp = len(sts)
+    fwd, bwd = [], []
+    for r, (st, row) in enumerate(zip(sts, virtual_layers)):
+        f = [n * st.layer_fwd_s for n in row]
+        b = [n * st.layer_bwd_s for n in row]
+        c = 0 if r == 0 else len(row) - 1 if r == pp - 1 else None
+        if c is not None:
+            f[c] += st.fixed_fwd_s
+            b[c] += st.fixed_bwd_s
+        fwd.append(f)
+        bwd.append(b)
+    return fwd, bwd
+
+
+def _interleaved_pipeline(sts: list[StageModel], virtual_layers: Sequence[Sequence[int]], m: int,
+                          overlap_p2p_comm: bool, wrap_send: float, dp: int, overlap_grad_reduce: bool,
+                          distributed_optimizer: bool, profile: Optional[Profile]) -> tuple[list[float], list[float]]:
+    """Each stage's finish of the interleaved schedule and the end of its gradient reduction: with overlap, each
+    chunk's share (by parameters) starts at its last backward's start and the shares run one after another."""
+    from .schedule import simulate_interleaved
+    fwd, bwd = _virtual_times(sts, virtual_layers)
+    run = simulate_interleaved(fwd, bwd, [st.send_s for st in sts], wrap_send, m, overlap_p2p_comm=overlap_p2p_comm)
+    ends = []
+    pp = len(sts)
+    for r, (st, row) in enumerate(zip(sts, virtual_layers)):
+        n = sum(row)
+        red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
+        if not overlap_grad_reduce or red <= 0:
+            ends.append(run.finish[r] + red)
+            continue
+        params = [k * st.params_per_layer for k in row]
+        params[0 if r == 0 else -1] += st.fixed_params if r in (0, pp - 1) else 0.0
+        total = sum(params) or 1.0
+        done = 0.0
+        for c in sorted(range(len(row)), key=lambda c: run.last_backward_start[r][c]):
+            done = max(done, run.last_backward_start[r][c]) + red * params[c] / total
+        ends.append(max(run.finish[r], done))
+    return run.finish, ends
+
+
+def _interleaved_stage_costs(sts: list[StageModel], num_layers: int, m: int, vpp: int, overlap_p2p_comm: bool,
+                             wrap_send: float, dp: int, overlap: bool, distributed_optimizer: bool,
+                             profile: Optional[Profile]) -> list[list[float]]:
+    """The exact partition's cost tables for the interleaved schedule (a lower bound of each stage's part of the
+    iteration): compute, and its sends -- blocking, or with overlap_p2p_comm only where its busiest outgoing link
+    is slower than its compute -- plus the reduction the last chunk's backward cannot hide."""
+    pp = len(sts)
+    tables = []
+    for r, st in enumerate(sts):
+        nxt = st.send_s if r < pp - 1 else wrap_send          # activations out, vpp per micro-batch (one less on
+        prv = sts[r - 1].send_s if r > 0 else wrap_send       # the last rank); gradients back, likewise (first)
+        n_next, n_prev = vpp - (r == pp - 1), vpp - (r == 0)
+        if pp == 2:                                            # one link each way carries both
+            links = [n_next * nxt + n_prev * prv]
+        else:
+            links = [n_next * nxt, n_prev * prv]
+        row = []
+        for n in range(num_layers + 1):
+            compute = st.fixed_fwd_s + st.fixed_bwd_s + n * (st.layer_fwd_s + st.layer_bwd_s)
+            red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
+            exposed = max(0.0, (red - st.fixed_bwd_s - n * st.layer_bwd_s) / vpp) if overlap else red
+            if overlap_p2p_comm:
+                busy = m * max([compute] + links)
+            else:
+                busy = m * (compute + n_next * nxt + n_prev * prv)
+            row.append(busy + exposed)
+        tables.append(row)
+    return tables
+
+
 # ---- prediction -----------------------------------------------------------------------------------
 
 
 def evaluate(model: ModelSpec, analysis: Analysis, layers_per_stage: Sequence[int], micro_batch_size: int, *,
              overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
-             profile: Optional[Profile] = None, description: str = "") -> Prediction:
+             profile: Optional[Profile] = None, description: str = "", vpp: int = 1,
+             overlap_p2p_comm: Optional[bool] = None) -> Prediction:
     """Predict one layer split of an analyzed placement."""
     return SplitCosts(model, analysis, micro_batch_size, overlap_grad_reduce=overlap_grad_reduce,
-                      distributed_optimizer=distributed_optimizer, profile=profile).predict(layers_per_stage,
-                                                                                             description)
+                      distributed_optimizer=distributed_optimizer, profile=profile, vpp=vpp,
+                      overlap_p2p_comm=overlap_p2p_comm).predict(layers_per_stage, description)
 
 
 def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: int, layers_per_stage: Sequence[int],
               overlap_grad_reduce: bool, distributed_optimizer: bool, profile: Optional[Profile],
-              description: str) -> Prediction:
+              description: str, virtual_layers: Optional[Sequence[Sequence[int]]] = None,
+              overlap_p2p_comm: bool = False, wrap_send: float = 0.0) -> Prediction:
+    """``virtual_layers`` (each stage's layers per virtual stage, vpp > 1): the interleaved schedule."""
     dims = analysis.placement.dims
     fwd = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers_per_stage)]
     bwd = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers_per_stage)]
     send = [st.send_s for st in sts]
-    finish = simulate_1f1b(fwd, bwd, send, m)
+    interleaved_ends = None
+    if virtual_layers is not None and len(virtual_layers[0]) > 1:
+        finish, interleaved_ends = _interleaved_pipeline(sts, virtual_layers, m, overlap_p2p_comm, wrap_send, dims.dp,
+                                                         overlap_grad_reduce, distributed_optimizer, profile)
+    else:
+        finish = simulate_1f1b(fwd, bwd, send, m)
     pipeline = max(finish)
     ends = []
     opt = 0.0
     for s, (st, n) in enumerate(zip(sts, layers_per_stage)):
         red = _dp_reduce_s(st, n, dims.dp, distributed_optimizer, profile)
         exposed = max(0.0, red - bwd[s]) if overlap_grad_reduce else red
-        ends.append(finish[s] + exposed)
+        ends.append(finish[s] + exposed if interleaved_ends is None else interleaved_ends[s])
         params = st.fixed_params + n * st.params_per_layer
         if distributed_optimizer:
             params /= dims.dp
@@ -578,11 +690,15 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
 class SplitCosts:
     """The layer split's side of the predictor, for one analyzed placement, micro-batch size and optimizer
     setting: what the exact partition needs (:meth:`tables`, :meth:`max_layers`), how far a split misses
-    memory (:meth:`overflow_gib`), and the prediction of a split (:meth:`predict`)."""
+    memory (:meth:`overflow_gib`), and the prediction of a split (:meth:`predict`).
+
+    ``vpp > 1``: Megatron's interleaved schedule with ``vpp`` virtual stages per rank (each stage's layers split
+    by :func:`het_plugin.layer_split.virtual_split`), ``overlap_p2p_comm`` (None: on, Megatron-LM's default
+    there); the in-flight activations are the interleaved schedule's (warm-up + 1 chunks on each rank)."""
 
     def __init__(self, model: ModelSpec, analysis: Analysis, micro_batch_size: int, *,
                  overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
-                 profile: Optional[Profile] = None):
+                 profile: Optional[Profile] = None, vpp: int = 1, overlap_p2p_comm: Optional[bool] = None):
         dims = analysis.placement.dims
         self.model, self.analysis, self.micro_batch_size = model, analysis, micro_batch_size
         self.overlap_grad_reduce, self.distributed_optimizer, self.profile = (overlap_grad_reduce,
@@ -592,6 +708,21 @@ class SplitCosts:
         #: per stage: its times per micro-batch and bytes per rank, linear in its layer count
         self.stages: list[StageModel] = _stage_models(model, analysis, micro_batch_size, self.num_micro_batches,
                                                       profile)
+        self.vpp = vpp
+        self.overlap_p2p_comm = (vpp > 1) if overlap_p2p_comm is None else bool(overlap_p2p_comm) and vpp > 1
+        self.wrap_send_s = 0.0
+        if vpp > 1:
+            import dataclasses
+
+            from .schedule import check_micro_batches, warmup_count
+            m, pp = self.num_micro_batches, dims.pp
+            if pp < 2:
+                raise ValueError(f"an interleaved pipeline (vpp={vpp}) needs pp >= 2")
+            check_micro_batches(pp, m)
+            self.wrap_send_s = wrap_send_s(model, analysis, micro_batch_size, profile)
+            # warm-up + 1 chunks of about n / vpp layers each hold activations (Megatron's 1 + (pp-1)/(pp vpp))
+            self.stages = [dataclasses.replace(st, in_flight=min(warmup_count(pp, s, m, vpp) + 1, m * vpp) / vpp)
+                           for s, st in enumerate(self.stages)]
 
     def max_layers(self) -> list[int]:
         """Per stage, the most layers its memory holds (-1: not even its fixed part fits)."""
@@ -600,6 +731,10 @@ class SplitCosts:
 
     def tables(self) -> list[list[float]]:
         """Per stage, its busy time in one iteration with 0..num_layers layers (the exact partition's costs)."""
+        if self.vpp > 1:
+            return _interleaved_stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.vpp,
+                                            self.overlap_p2p_comm, self.wrap_send_s, self.dp, self.overlap_grad_reduce,
+                                            self.distributed_optimizer, self.profile)
         return _stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.dp,
                             self.overlap_grad_reduce, self.distributed_optimizer, self.profile)
 
@@ -610,8 +745,13 @@ class SplitCosts:
 
     def predict(self, layers_per_stage: Sequence[int], description: str = "") -> Prediction:
         """The prediction of one split (``fits == False`` and the reason in its description if it does not fit)."""
+        virtual = None
+        if self.vpp > 1:
+            from .layer_split import virtual_split
+            virtual = virtual_split(layers_per_stage, self.vpp)
         return _evaluate(self.model, self.analysis, self.stages, self.num_micro_batches, layers_per_stage,
-                         self.overlap_grad_reduce, self.distributed_optimizer, self.profile, description)
+                         self.overlap_grad_reduce, self.distributed_optimizer, self.profile, description,
+                         virtual, self.overlap_p2p_comm, self.wrap_send_s)
 
 
 def params_memory_gib(model: ModelSpec, dims: ParallelDims, distributed_optimizer: bool) -> float:
@@ -635,9 +775,10 @@ def memory_problem(pred: Prediction) -> Optional[str]:
 def predict(cluster: Cluster, model: ModelSpec, placement: Placement, layers_per_stage: Sequence[int],
             micro_batch_size: int, *, transport_fn: TransportFn = placement_transport,
             overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
-            profile: Optional[Profile] = None, description: str = "") -> Prediction:
+            profile: Optional[Profile] = None, description: str = "", vpp: int = 1,
+            overlap_p2p_comm: Optional[bool] = None) -> Prediction:
     """Predict one plan. A plan whose memory does not fit gets ``fits == False`` and the reason in its
-    description (the planner rejects it)."""
+    description (the planner rejects it). ``vpp > 1``: the interleaved schedule (:class:`SplitCosts`)."""
     dims = placement.dims
     if len(layers_per_stage) != dims.pp or sum(layers_per_stage) != model.num_layers:
         raise ValueError(f"layers_per_stage {list(layers_per_stage)} must have {dims.pp} entries summing to "
@@ -647,4 +788,5 @@ def predict(cluster: Cluster, model: ModelSpec, placement: Placement, layers_per
                          f"{dims.dp}*{micro_batch_size}")
     analysis = analyze(cluster, placement, transport_fn)
     return evaluate(model, analysis, layers_per_stage, micro_batch_size, overlap_grad_reduce=overlap_grad_reduce,
-                    distributed_optimizer=distributed_optimizer, profile=profile, description=description)
+                    distributed_optimizer=distributed_optimizer, profile=profile, description=description,
+                    vpp=vpp, overlap_p2p_comm=overlap_p2p_comm)

@@ -84,3 +84,31 @@ def exact_partition(num_layers: int, costs: Sequence[Sequence[float]], max_layer
 
 def bottleneck(costs: Sequence[Sequence[float]], counts: Sequence[int]) -> float:
     return max(costs[s][n] for s, n in enumerate(counts))
+
+
+def virtual_split(layers_per_stage: Sequence[int], vpp: int) -> list[list[int]]:
+    """Each stage's layers over its ``vpp`` virtual stages (an interleaved pipeline), as evenly as possible.
+
+    Where a stage's layers do not divide by ``vpp``, the extra layers go to the virtual stages that hold
+    neither the embedding (virtual stage 0 of the first stage) nor the output layer and loss (the last virtual
+    stage of the last stage), earliest first. An even stage keeps Megatron's own even split. Every virtual
+    stage gets at least one layer: a stage needs ``vpp`` layers or more.
+    """
+    if vpp < 1:
+        raise ValueError(f"vpp must be >= 1, got {vpp}")
+    pp = len(layers_per_stage)
+    out = []
+    for s, n in enumerate(layers_per_stage):
+        if n < vpp:
+            raise ValueError(f"stage {s} has {n} layers, fewer than its {vpp} virtual stages")
+        base, extra = divmod(n, vpp)
+        row = [base] * vpp
+        order = list(range(vpp))
+        if s == 0:                        # the embedding's virtual stage takes an extra layer last
+            order = order[1:] + order[:1]
+        if s == pp - 1:                   # ... and so does the output layer's
+            order = [c for c in order if c != vpp - 1] + [vpp - 1]
+        for c in order[:extra]:
+            row[c] += 1
+        out.append(row)
+    return out

@@ -25,8 +25,13 @@ from .transport import Member, transport_rule
 
 # 2: the plan carries the link kinds between clusters ('links'); 'order' dropped (nothing read it).
 # 3: 'embedding_stages' (untied embeddings and MTP change which stages share the word embedding); 'order'
-#    (Megatron's rank order: rank_of_logical is in its numbering) and 'etp' with expert groups 'expert-*'.
+#    (Megatron's rank order: rank_of_logical is in its numbering) and 'etp' with expert groups 'expert-*';
+#    'vpp', 'layers_per_virtual_stage' and 'overlap_p2p_comm' (interleaved pipelines), which the hash leaves out
+#    at their defaults (a plan written before them keeps its hash).
 FORMAT_VERSION = 3
+
+# Keys added to format 3 after plans were written with it: hashed only when they differ from the default.
+_HASHED_UNLESS_DEFAULT = {"vpp": 1, "layers_per_virtual_stage": [], "overlap_p2p_comm": False}
 
 
 @dataclass
@@ -63,6 +68,7 @@ class Prediction:
     dp_exposed_s: float = 0.0          # gradient reduction not hidden behind backward
     optimizer_s: float = 0.0
     bubble_fraction: float = 0.0
+    alltoall_s: float = 0.0            # MoE token dispatch + combine on the busiest stage (blocking, not overlapped)
     stage_compute_s: list[float] = field(default_factory=list)   # fwd+bwd of one micro-batch per stage
     memory_gib_per_stage: list[float] = field(default_factory=list)
     capacity_gib_per_stage: list[float] = field(default_factory=list)
@@ -96,6 +102,12 @@ class Plan:
     etp: int = 0                      # expert tensor parallel size (0 in a hand-written plan: = tp)
     order: str = DEFAULT_ORDER        # Megatron's rank order ('tp-cp-ep-pp-dp' with --use-tp-pp-dp-mapping)
     links: list[LinkPlan] = field(default_factory=list)
+    # Interleaved (virtual) pipeline: virtual stages per pipeline rank (Megatron's
+    # virtual_pipeline_model_parallel_size; 1: not interleaved), and each stage's layers split over its virtual
+    # stages ([] when vpp == 1). Megatron's layout puts virtual stage c of rank r at segment c*pp + r.
+    vpp: int = 1
+    layers_per_virtual_stage: list[list[int]] = field(default_factory=list)
+    overlap_p2p_comm: bool = False    # pipeline send/receive overlapped with compute (interleaved schedule only)
     overlap_grad_reduce: bool = True
     distributed_optimizer: bool = False
     homogeneous: bool = False
@@ -121,6 +133,22 @@ class Plan:
     @property
     def is_identity(self) -> bool:
         return all(i == r for i, r in enumerate(self.rank_of_logical))
+
+    @property
+    def virtual_layers(self) -> list[list[int]]:
+        """Layers of each virtual stage, per pipeline rank (``[[n] for n in layers_per_stage]`` when vpp == 1)."""
+        if self.vpp == 1 and not self.layers_per_virtual_stage:
+            return [[n] for n in self.layers_per_stage]
+        return [list(row) for row in self.layers_per_virtual_stage]
+
+    def accepts_vpp(self, vpp: Optional[int]) -> bool:
+        """Whether a launch asking for ``vpp`` virtual stages per pipeline rank (None: whatever the plan says)
+        runs this plan: its own vpp, or, on an identity plan whose split is the framework's even one, any vpp
+        (Megatron then interleaves its own even split, as without het_plugin)."""
+        if vpp is None or vpp == self.vpp:
+            return True
+        even = len({n for row in self.virtual_layers for n in row}) == 1
+        return self.is_identity and even
 
     def coord(self, physical_rank: int) -> dict[str, int]:
         return self.dims.coord(self.logical_of_physical[physical_rank])
@@ -200,6 +228,11 @@ class Plan:
             raise ConfigError(f"embedding_stages {stages} must be ascending pipeline stages starting with 0, "
                               f"below pp={self.pp}", source=source, field="embedding_stages",
                               fix="re-create the plan with `het-plugin plan -o`")
+        check_virtual_split(self.layers_per_stage, self.vpp, self.layers_per_virtual_stage, source)
+        if self.overlap_p2p_comm and self.vpp == 1:
+            raise ConfigError("overlap_p2p_comm is set, but Megatron overlaps pipeline send/receive only in the "
+                              "interleaved schedule (vpp > 1)", source=source, field="overlap_p2p_comm",
+                              fix="set overlap_p2p_comm to false, or re-plan with `het-plugin plan --vpp N`")
         if sum(n.num_ranks for n in self.nodes) != self.world_size:
             raise ConfigError(f"the node table holds {sum(n.num_ranks for n in self.nodes)} ranks, the plan "
                               f"{self.world_size}", source=source, field="nodes",
@@ -260,7 +293,12 @@ class Plan:
         return plan
 
     def canonical_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), default=_json_default)
+        data = asdict(self)
+        for key, default in _HASHED_UNLESS_DEFAULT.items():
+            if data[key] == default:
+                del data[key]
+        _drop_zero_alltoall(data)
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), default=_json_default)
 
     @property
     def hash(self) -> str:
@@ -274,6 +312,31 @@ class Plan:
     def load(cls, path: str | Path) -> "Plan":
         from .yamlio import read_data
         return cls.from_dict(read_data(path), str(path))
+
+
+def check_virtual_split(layers_per_stage: Sequence[int], vpp: int, layers_per_virtual_stage: Sequence[Sequence[int]],
+                        source: str = "<plan>") -> None:
+    """The virtual split must be ``vpp`` counts (>= 1 each) per pipeline rank adding up to the rank's layers."""
+    fix = "re-create the plan with `het-plugin plan --vpp N -o`"
+    if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1:
+        raise ConfigError(f"vpp={vpp!r} is not a positive integer", source=source, field="vpp", fix=fix)
+    if vpp == 1 and not layers_per_virtual_stage:
+        return
+    rows = [list(r) for r in layers_per_virtual_stage]
+    if (len(rows) != len(layers_per_stage) or any(len(r) != vpp for r in rows)
+            or any(not isinstance(n, int) or n < 1 for r in rows for n in r)
+            or [sum(r) for r in rows] != list(layers_per_stage)):
+        raise ConfigError(f"layers_per_virtual_stage {rows} must hold, for each of the {len(layers_per_stage)} "
+                          f"pipeline stages, vpp={vpp} counts of at least 1 adding up to its layers "
+                          f"{list(layers_per_stage)}", source=source, field="layers_per_virtual_stage", fix=fix)
+
+
+def _drop_zero_alltoall(data: dict) -> None:
+    """Predictions gained 'alltoall_s' (MoE) after plans were written with format 3: hashed only when not 0,
+    so a dense model's plan keeps its hash."""
+    for key in ("prediction", "baseline"):
+        if data.get(key) is not None and data[key].get("alltoall_s") == 0.0:
+            del data[key]["alltoall_s"]
 
 
 def _json_default(o):

@@ -17,7 +17,7 @@ from . import cost
 from .cluster import Cluster
 from .errors import ConfigError
 from .model import ModelSpec
-from .layer_split import bottleneck, exact_partition
+from .layer_split import bottleneck, exact_partition, virtual_split
 from .placement import (Placement, baseline_transport, default_placement, domain_orders, local_group_fits, place,
                         stage_domains, transport)
 from .profile import Profile
@@ -39,8 +39,9 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
                   micro_batch_size: int, *, prediction: Optional[Prediction] = None,
                   baseline: Optional[Prediction] = None, overlap_grad_reduce: bool = True,
                   distributed_optimizer: bool = False, alternatives: Sequence[dict] = (),
-                  extra_warnings: Sequence[str] = ()) -> Plan:
-    """Turn a placement and a split into a Plan: every group kind with its transport, node table, warnings."""
+                  extra_warnings: Sequence[str] = (), vpp: int = 1, overlap_p2p_comm: bool = False) -> Plan:
+    """Turn a placement and a split into a Plan: every group kind with its transport, node table, warnings.
+    ``vpp > 1``: an interleaved pipeline, each stage's layers split by :func:`layer_split.virtual_split`."""
     dims = placement.dims
     if sum(layers_per_stage) != model.num_layers or len(layers_per_stage) != dims.pp:
         raise ValueError(f"layers_per_stage {list(layers_per_stage)} must have {dims.pp} entries summing to "
@@ -73,7 +74,8 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         order=dims.order, micro_batch_size=micro_batch_size, num_micro_batches=model.global_batch_size // per_mb,
         rank_of_logical=list(placement.framework_rank_of_logical), layers_per_stage=list(layers_per_stage),
         groups=groups, embedding_stages=list(embedding_stages), nodes=nodes, links=links,
-        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_grad_reduce=overlap_grad_reduce, vpp=vpp, overlap_p2p_comm=overlap_p2p_comm and vpp > 1,
+        layers_per_virtual_stage=virtual_split(layers_per_stage, vpp) if vpp > 1 else [],
         distributed_optimizer=distributed_optimizer, homogeneous=cluster.is_homogeneous,
         prediction=prediction, baseline=baseline, alternatives=list(alternatives), warnings=warnings)
 
@@ -185,21 +187,25 @@ def placeable_degrees(cluster: Cluster, model: ModelSpec, cp: int = 1) -> list[t
     return sorted({(d.tp, d.pp) for d in options})
 
 
-def _micro_batches(model: ModelSpec, dims: ParallelDims, fixed_mb: Optional[int]) -> list[int]:
+def _micro_batches(model: ModelSpec, dims: ParallelDims, fixed_mb: Optional[int], vpp: int = 1) -> list[int]:
+    """Micro-batch sizes to try; with vpp > 1 only those whose micro-batch count pp divides (Megatron's
+    interleaved schedule, its default microbatch_group_size_per_vp_stage = pp)."""
     choices = [fixed_mb] if fixed_mb else list(MICRO_BATCH_CHOICES)
-    return [mb for mb in choices if model.global_batch_size % (dims.dp * mb) == 0]
+    return [mb for mb in choices if model.global_batch_size % (dims.dp * mb) == 0
+            and (vpp == 1 or (model.global_batch_size // (dims.dp * mb)) % dims.pp == 0)]
 
 
 def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDims, mb: int,
                     layers: Optional[list[int]], search: _Search, order_index: int, dist_opt: bool,
-                    overlap: bool, profile: Optional[Profile], label: str) -> None:
-    """Partition (when ``layers`` is None) and predict one candidate; offer it or record why not."""
+                    overlap: bool, profile: Optional[Profile], label: str, sched: tuple = (1, None)) -> None:
+    """Partition (when ``layers`` is None) and predict one candidate; offer it or record why not.
+    ``sched``: (vpp, overlap_p2p_comm) of the pipeline schedule."""
     split = cost.SplitCosts(model, analysis, mb, overlap_grad_reduce=overlap, distributed_optimizer=dist_opt,
-                            profile=profile)
+                            profile=profile, vpp=sched[0], overlap_p2p_comm=sched[1])
     caps = split.max_layers()
     if layers is None:
         tables = split.tables()
-        layers = exact_partition(model.num_layers, tables, caps)
+        layers = exact_partition(model.num_layers, tables, caps, min_layers=sched[0])
         if layers is None:
             search.miss(split.overflow_gib(uniform_layers(model.num_layers, dims.pp)), f"{label} mb={mb}")
             return
@@ -218,7 +224,8 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
 
 
 def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
-                    overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None) -> _Search:
+                    overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None,
+                    sched: tuple = (1, None)) -> _Search:
     """Het-aware search: every domain order, the exact partition, with and without the distributed
     optimizer, for each degree combination."""
     found = _Search(keep=NUM_ALTERNATIVES + 1)
@@ -238,10 +245,10 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                 continue
             seen.add(placement.rank_of_logical)
             analysis = cost.analyze(cluster, placement, transport, net)
-            for mb in _micro_batches(model, dims, fixed_mb):
+            for mb in _micro_batches(model, dims, fixed_mb, sched[0]):
                 for dist_opt in dist_opts:
                     _evaluate_split(model, analysis, dims, mb, None, found, k, dist_opt, overlap, profile,
-                                    _label(dims))
+                                    _label(dims), sched)
         if progress is not None:
             progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
@@ -260,13 +267,13 @@ def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = N
 
 def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
                     fixed_pp: bool, dist_opt: bool, overlap: bool, profile: Optional[Profile],
-                    transport_fn, progress: Optional[Progress] = None) -> _Search:
+                    transport_fn, progress: Optional[Progress] = None, sched: tuple = (1, None)) -> _Search:
     """The frameworks' default: identity placement, uniform layers (pp must divide the layers, as
     Megatron-Core requires without a layout, unless the user fixed such a pp), ``transport_fn``."""
     found = _Search(keep=NUM_ALTERNATIVES + 1)
     net = cost.Network(cluster, transport_fn)
     for i, dims in enumerate(options):
-        uneven = model.num_layers % dims.pp != 0
+        uneven = model.num_layers % (dims.pp * sched[0]) != 0     # Megatron's own split: even virtual stages too
         if uneven and not fixed_pp:
             continue
         states = cost.params_memory_gib(model, dims, dist_opt)
@@ -275,9 +282,10 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
             found.miss(states - most_memory, _label(dims))
             continue
         analysis = cost.analyze(cluster, default_placement(cluster, dims), transport_fn, net)
-        for mb in _micro_batches(model, dims, fixed_mb):
+        for mb in _micro_batches(model, dims, fixed_mb, sched[0]):
             layers = None if uneven else uniform_layers(model.num_layers, dims.pp)
-            _evaluate_split(model, analysis, dims, mb, layers, found, 0, dist_opt, overlap, profile, _label(dims))
+            _evaluate_split(model, analysis, dims, mb, layers, found, 0, dist_opt, overlap, profile, _label(dims),
+                            sched)
         if progress is not None:
             progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
@@ -295,10 +303,41 @@ def _describe(cand: Candidate, what: str) -> str:
             + (", distributed optimizer" if cand.distributed_optimizer else ""))
 
 
+def _interleaved_options(model: ModelSpec, options: list[ParallelDims], pp: Optional[int], fixed_mb: Optional[int],
+                         vpp: int, overlap_p2p_comm: Optional[bool]) -> tuple[list[ParallelDims], tuple[int, bool]]:
+    """The degree options an interleaved pipeline of ``vpp`` virtual stages per rank can run, and the schedule
+    (vpp, overlap_p2p_comm). Megatron needs pp >= 2 (pp > 2 without p2p overlap: Megatron-LM's validate_args),
+    at least one layer per virtual stage here, and a micro-batch count that pp divides."""
+    if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1:
+        raise ConfigError(f"vpp={vpp!r} is not a positive integer", field="vpp",
+                          fix="give the virtual pipeline stages per rank (1: not interleaved)")
+    if vpp == 1:
+        return options, (1, False)
+    overlap = True if overlap_p2p_comm is None else bool(overlap_p2p_comm)
+    least = 2 if overlap else 3
+    if pp is not None and pp < least:
+        raise ConfigError(f"an interleaved pipeline (vpp={vpp}) needs pp >= {least}"
+                          + ("" if overlap else " without p2p overlap (Megatron-LM's rule)") + f", got pp={pp}",
+                          field="vpp", fix=f"use vpp=1, or pp >= {least}"
+                                           + ("" if overlap else ", or overlap p2p communication"))
+    keep = [d for d in options if d.pp >= least and d.pp * vpp <= model.num_layers]
+    if not keep:
+        raise ConfigError(f"no pipeline size fits {vpp} virtual stages per rank: pp >= {least} and pp * vpp <= "
+                          f"{model.num_layers} layers (one layer per virtual stage at least)", field="vpp",
+                          fix=f"use a smaller vpp (at most {model.num_layers // least}), or vpp=1")
+    if not any(_micro_batches(model, d, fixed_mb, vpp) for d in keep):
+        raise ConfigError(f"the interleaved schedule needs micro-batches per pipeline (global_batch_size / (dp * "
+                          f"micro_batch_size)) to be a multiple of pp; none of pp {sorted({d.pp for d in keep})} "
+                          f"gets that from global_batch_size={model.global_batch_size}", field="global_batch_size",
+                          fix="use a global batch size that gives a multiple of pp micro-batches, or vpp=1")
+    return keep, (vpp, overlap)
+
+
 def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
               dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
               progress: Optional[Progress] = None, profile: Optional[Profile] = None, ep: int = 1,
-              etp: Optional[int] = None, order: str = DEFAULT_ORDER) -> Plan:
+              etp: Optional[int] = None, order: str = DEFAULT_ORDER, vpp: int = 1,
+              overlap_p2p_comm: Optional[bool] = None) -> Plan:
     """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected.
 
     ``ep``/``etp`` (expert parallel sizes) and ``order`` (Megatron's rank order) are the framework's, taken
@@ -307,25 +346,31 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     ``profile`` (measured layer times and link bandwidths) overrides the analytic estimates. ``progress``
     (see :data:`Progress`) hears how far the search is; the planner itself prints nothing. Raises a
     ConfigError naming the field when no plan is possible (degrees, memory).
+
+    ``vpp`` (virtual pipeline stages per rank, Megatron's interleaved schedule) is taken as given: each stage's
+    layers go over its ``vpp`` virtual stages (:func:`layer_split.virtual_split`), the cost model simulates the
+    interleaved 1F1B, and ``overlap_p2p_comm`` (None: on, Megatron-LM's default with interleaving) says whether
+    it hides the pipeline's sends behind compute.
     """
     fixed_mb = micro_batch_size or model.micro_batch_size
     if fixed_mb is not None and model.global_batch_size % fixed_mb:
         raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of micro_batch_size "
                           f"{fixed_mb}", field="micro_batch_size", fix="use a divisor of global_batch_size")
     options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
+    options, sched = _interleaved_options(model, options, pp, fixed_mb, vpp, overlap_p2p_comm)
     overlap = True
     if cluster.is_homogeneous:
         for dist_opt in (False, True):      # Megatron's default first; the distributed optimizer if needed
             planned = _search_default(cluster, model, options, fixed_mb, pp is not None, dist_opt, overlap,
-                                      profile, transport, progress)
+                                      profile, transport, progress, sched)
             if planned.best:
                 break
         if not planned.best and planned.closest_overflow is None:
             # No degree option has a pp that divides num_layers (Megatron's uniform default needs one):
             # the exact split over identical stages, which the layout knob expresses, is the next best.
-            planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress)
+            planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched)
     else:
-        planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress)
+        planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched)
     if not planned.best:
         raise _memory_error(cluster, model, planned)
     base_best = planned.best[0] if cluster.is_homogeneous else None
@@ -333,7 +378,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
         # What a user gets today, at its best: either optimizer setting, the best degrees for it.
         for base_dist_opt in (False, True):
             found = _search_default(cluster, model, options, fixed_mb, pp is not None, base_dist_opt, overlap,
-                                    profile, baseline_transport)
+                                    profile, baseline_transport, sched=sched)
             if found.best and (base_best is None or found.best[0].key < base_best.key):
                 base_best = found.best[0]
     best = planned.best[0]
@@ -353,7 +398,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     return assemble_plan(cluster, model, best.placement, best.layers, best.micro_batch_size,
                          prediction=best.prediction, baseline=baseline, overlap_grad_reduce=overlap,
                          distributed_optimizer=best.distributed_optimizer,
-                         alternatives=[c.summary() for c in planned.best[1:]], extra_warnings=warnings)
+                         alternatives=[c.summary() for c in planned.best[1:]], extra_warnings=warnings,
+                         vpp=sched[0], overlap_p2p_comm=bool(sched[1]))
 
 
 def _memory_error(cluster: Cluster, model: ModelSpec, found: _Search) -> ConfigError:

@@ -216,6 +216,9 @@ def render_text(plan: Plan, cluster=None) -> str:
         extra = f" + {' + '.join(st['extra'])}" if st["extra"] else ""
         lines.append(f"  stage {st['stage']:>2d}: {st['layers']:>3d} layers{extra:<22s} on {where}")
     lines.append(f"  total {sum(plan.layers_per_stage)} layers: {plan.layers_per_stage}")
+    if plan.vpp > 1:
+        lines.append(f"  interleaved: {plan.vpp} virtual stages per rank, layers {plan.layers_per_virtual_stage}; "
+                     f"pipeline sends {'overlapped with compute' if plan.overlap_p2p_comm else 'blocking'}")
     crossings = boundary_crossings(plan)
     if crossings:
         hops = "; ".join(f"stage {s} -> {s + 1} ({a} -> {b})" for s, a, b in crossings)

@@ -67,15 +67,27 @@ def load_source(source: Source, what: str = "cluster") -> Union[Plan, Cluster, N
 
 def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
                  degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
-                 names: Optional[dict[str, str]] = None) -> Plan:
+                 names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
+                 overlap_p2p_comm: Optional[bool] = None) -> Plan:
     """The plan this launch runs (see the module docstring). ``degrees``: what the user fixed (None
-    entries are the planner's to choose); ``names``: what the user calls tp/pp/dp/cp, for messages."""
+    entries are the planner's to choose); ``names``: what the user calls tp/pp/dp/cp, for messages.
+    ``vpp``: virtual pipeline stages per rank (an interleaved pipeline; None: 1, or what a plan file says) and
+    ``overlap_p2p_comm`` (None: the planner's default, on with vpp > 1), taken as given."""
     degrees = degrees or Degrees(launch.world_size)
     names = names or {}
     loaded = load_source(source)
     if isinstance(loaded, Plan):
         where = str(source) if isinstance(source, (str, Path)) else "<plan>"
         check_plan_fits(loaded, launch, degrees, model_from_arg(model), where, names)
+        if not loaded.accepts_vpp(vpp):
+            name = names.get("vpp", "vpp")
+            raise ConfigError(f"{name}={vpp} was passed, but the plan was made for {loaded.vpp} virtual stages per "
+                              "pipeline rank", source=where, field=name,
+                              fix=f"pass {loaded.vpp} (or drop it), or re-plan with `het-plugin plan --vpp {vpp}`")
+        if overlap_p2p_comm is not None and loaded.vpp > 1 and overlap_p2p_comm != loaded.overlap_p2p_comm:
+            name = names.get("overlap_p2p_comm", "overlap_p2p_comm")
+            raise ConfigError(f"{name}={overlap_p2p_comm} was passed, but the plan assumed {loaded.overlap_p2p_comm}",
+                              source=where, field=name, fix="re-plan with the same setting, or drop it")
         return loaded
     cluster = loaded if loaded is not None else discover()
     from .placement import check_world_size
@@ -88,7 +100,8 @@ def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
     fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
     try:
         return make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
-                         ep=degrees.ep, etp=degrees.etp, order=degrees.order, micro_batch_size=micro_batch_size)
+                         ep=degrees.ep, etp=degrees.etp, order=degrees.order, micro_batch_size=micro_batch_size,
+                         vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm)
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):
             raise

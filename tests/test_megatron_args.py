@@ -37,6 +37,8 @@ def megatron_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--global-batch-size", type=int)
     return parser
@@ -174,7 +176,7 @@ def test_degrees_given_reads_the_command_line_not_the_defaults():
     a = megatron_parser().parse_args(MODEL + ["--pipeline-model-parallel-size=2"])
     given = hargs.degrees_given(a, MODEL + ["--pipeline-model-parallel-size=2"])
     assert given == {"tp": None, "pp": 2, "cp": 1, "micro_batch_size": 2, "ep": 1, "etp": None,
-                     "order": "tp-cp-ep-dp-pp"}
+                     "order": "tp-cp-ep-dp-pp", "vpp": None, "overlap_p2p_comm": None}
 
 
 def test_the_other_rank_order_and_expert_sizes_reach_the_plan(argv, monkeypatch):
@@ -197,15 +199,75 @@ def test_the_other_rank_order_and_expert_sizes_reach_the_plan(argv, monkeypatch)
         {"ep": 2, "etp": 1, "order": "tp-cp-ep-pp-dp"}
 
 
-def test_an_interleaved_pipeline_with_an_uneven_plan_is_refused_with_the_fix(argv, monkeypatch):
-    argv(*MODEL, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+# 16 sequences: 2 micro-batches per pipeline at dp 4, a multiple of pp 2 (Megatron's interleaved schedule)
+MODEL_16 = [a if a != "8" else "16" for a in MODEL]
+
+
+def test_an_interleaved_pipeline_with_an_uneven_plan_gets_a_layout_of_pp_times_vpp_segments(argv, monkeypatch):
+    """--num-virtual-stages-per-pipeline-rank reaches the planner; the plan's uneven split goes to Megatron as a layout
+    of pp*vpp segments, and the VPP flag is cleared (Megatron's validate_args takes at most one of them and the
+    layout); the change is in what het_plugin logs as set from the plan."""
+    argv(*MODEL_16, "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
          "--heterogeneous-nic", str(CLUSTER_8))
-    monkeypatch.setenv("WORLD_SIZE", "8")
     mod = fake_arguments_module()
     hook.patch_arguments_module(mod)
-    with pytest.raises(ConfigError) as e:
-        mod.parse_args(None)
-    assert "--num-layers-per-virtual-pipeline-stage" in str(e.value) and "unevenly" in str(e.value)
+    args = mod.parse_args(None)
+    assert lm.state.error is None
+    plan = lm.state.plan
+    assert plan.vpp == 2 and plan.overlap_p2p_comm and len(set(plan.layers_per_stage)) > 1
+    assert args.pipeline_model_parallel_layout.count("|") == 2 * 2 - 1
+    assert args.num_virtual_stages_per_pipeline_rank is None and args.num_layers_per_virtual_pipeline_stage is None
+    assert args.overlap_p2p_comm is True
+    assert "num_virtual_stages_per_pipeline_rank=None" in lm.state.changes
+    assert f"pipeline_model_parallel_layout={args.pipeline_model_parallel_layout}" in lm.state.changes
+
+
+def test_layers_per_virtual_stage_needs_the_pipeline_size_and_no_overlap_reaches_the_plan(argv, monkeypatch):
+    argv(*MODEL_16, "--num-layers-per-virtual-pipeline-stage", "1", "--heterogeneous-nic", str(CLUSTER_8))
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    mod.parse_args(None)
+    err = lm.state.error
+    assert isinstance(err, ConfigError) and err.field == "--num-layers-per-virtual-pipeline-stage"
+    assert "--num-virtual-stages-per-pipeline-rank" in err.fix
+    # with the pipeline size: 4 layers / (2 stages x 1 layer) = 2 virtual stages ...
+    argv(*[a if a != "5" else "4" for a in MODEL_16], "--pipeline-model-parallel-size", "2",
+         "--num-layers-per-virtual-pipeline-stage", "1", "--heterogeneous-nic", str(CLUSTER_8))
+    args = mod.parse_args(None)
+    assert lm.state.error is None and lm.state.plan.vpp == 2
+    assert args.num_layers_per_virtual_pipeline_stage is None
+    # ... and Megatron-LM's own rule: no p2p overlap needs pp > 2 with interleaving
+    argv(*MODEL_16, "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+         "--no-overlap-p2p-communication", "--heterogeneous-nic", str(CLUSTER_8))
+    mod.parse_args(None)
+    assert isinstance(lm.state.error, ConfigError) and lm.state.error.field == "vpp"
+    assert "pp >= 3" in str(lm.state.error)
+    for bad in (["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "1"],):
+        a = megatron_parser().parse_args(MODEL_16 + bad)
+        with pytest.raises(ConfigError, match="both set"):
+            hargs.degrees_given(a, MODEL_16 + bad)
+
+
+def test_an_interleaved_plan_passes_megatron_lms_own_validate_args(argv, monkeypatch):
+    """The real megatron.training (0.19: the wheel ships it) takes the arguments het_plugin wrote: the layout alone
+    gives the virtual pipeline size, and the model config gets the layout, vpp and p2p overlap."""
+    pytest.importorskip("megatron.training.arguments", reason="megatron-core 0.16.1's wheel has no megatron.training")
+    import megatron.training.arguments as margs
+    argv("--num-layers", "5", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--vocab-size", "128", "--tokenizer-type", "NullTokenizer",
+         "--micro-batch-size", "2", "--global-batch-size", "16", "--pipeline-model-parallel-size", "2",
+         "--num-virtual-stages-per-pipeline-rank", "2", "--heterogeneous-nic", str(CLUSTER_8))
+    monkeypatch.setattr(margs, "parse_args", margs.parse_args)      # the wrapper goes again after the test
+    hook.patch_arguments_module(margs)
+    args = margs.parse_args()
+    assert lm.state.error is None and lm.state.plan.vpp == 2
+    margs.validate_args(args)
+    assert args.virtual_pipeline_model_parallel_size == 2 and args.overlap_p2p_comm
+    cfg = margs.core_transformer_config_from_args(args)
+    from megatron.core.transformer.enums import LayerType
+    layout = cfg.pipeline_model_parallel_layout
+    assert cfg.virtual_pipeline_model_parallel_size == 2 and cfg.overlap_p2p_comm and not cfg.batch_p2p_comm
+    assert [[chunk.count(LayerType.decoder) for chunk in row] for row in layout.layout] == lm.state.plan.virtual_layers
 
 
 def test_repeated_parses_of_one_command_line_plan_once_and_all_get_the_plan(argv, monkeypatch):

@@ -23,6 +23,9 @@ def register(sub) -> None:
     p.add_argument("--dp", type=int)
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--vpp", type=int, default=1,
+                   help="virtual pipeline stages per rank: Megatron's interleaved schedule "
+                        "(--num-virtual-stages-per-pipeline-rank); default 1 (not interleaved)")
     p.add_argument("--profile", metavar="FILE",
                    help="measured profile (layer times, link bandwidths) overriding the analytic estimates; "
                         "format in docs/planner.md")
@@ -93,7 +96,8 @@ def run(args) -> int:
         show = ProgressLine() if sys.stderr.isatty() else None
         try:
             plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
-                             micro_batch_size=args.micro_batch_size, progress=show, profile=profile)
+                             micro_batch_size=args.micro_batch_size, progress=show, profile=profile,
+                             vpp=args.vpp)
         finally:
             if show is not None:
                 show.close()

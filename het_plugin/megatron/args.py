@@ -57,9 +57,12 @@ def option_given(argv: Sequence[str], option: str) -> bool:
 SPLIT_OPTIONS = {"pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
                  "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
                  "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers"}
-# Interleaved (virtual) pipelines: taken as given where the plan's split is Megatron's even one.
+# Interleaved (virtual) pipelines: the number of virtual stages per rank goes to the planner; the plan's split
+# (uneven where stages differ) reaches Megatron as a layout of pp * vpp segments, which replaces these flags
+# (Megatron's validate_args takes at most one of them and --pipeline-model-parallel-layout).
 VIRTUAL_OPTIONS = {"num_layers_per_virtual_pipeline_stage": "--num-layers-per-virtual-pipeline-stage",
                    "num_virtual_stages_per_pipeline_rank": "--num-virtual-stages-per-pipeline-rank"}
+NO_OVERLAP_P2P = "--no-overlap-p2p-communication"
 
 
 def check_compatible(args: Any) -> None:
@@ -75,16 +78,50 @@ def order_of(args: Any) -> str:
     return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
 
 
+def virtual_stages(args: Any, pp: Optional[int]) -> Optional[int]:
+    """Virtual stages per pipeline rank the command line asks for (None: not interleaved), from
+    --num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage (the latter needs the
+    pipeline size, as in Megatron: layers / (pp * layers per virtual stage))."""
+    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    vs, vl = VIRTUAL_OPTIONS["num_virtual_stages_per_pipeline_rank"], VIRTUAL_OPTIONS["num_layers_per_virtual_pipeline_stage"]
+    if stages is not None and per_stage is not None:
+        raise ConfigError(f"{vl} and {vs} are both set (Megatron takes one)", source="command line", field=vl,
+                          fix=f"keep {vs} only")
+    if stages is not None:
+        if stages < 1:
+            raise ConfigError(f"{vs} {stages} is not a positive integer", source="command line", field=vs,
+                              fix="give 1 or more")
+        return stages
+    if per_stage is None:
+        return None
+    layers = getattr(args, "num_layers", None)
+    if pp is None:
+        raise ConfigError(f"{vl} {per_stage} means layers / (pipeline size x {per_stage}) virtual stages, but the "
+                          "pipeline size is the planner's to choose here", source="command line", field=vl,
+                          fix=f"use {vs} N (het_plugin splits each stage's layers over its N virtual stages), or "
+                              "give --pipeline-model-parallel-size")
+    if per_stage < 1 or not layers or layers % (pp * per_stage):
+        raise ConfigError(f"{vl} {per_stage} does not divide the {layers} layers into {pp} pipeline stages of "
+                          f"equal virtual stages", source="command line", field=vl,
+                          fix=f"use {vs} N: het_plugin splits each stage's layers (even or not) over N virtual stages")
+    return layers // (pp * per_stage)
+
+
 def degrees_given(args: Any, argv: Sequence[str]) -> dict[str, Optional[int]]:
     """The degrees the user passed (None where Megatron's default would apply: the planner chooses)."""
+    pp = args.pipeline_model_parallel_size if option_given(argv, "--pipeline-model-parallel-size") else None
     return {
         "tp": args.tensor_model_parallel_size if option_given(argv, "--tensor-model-parallel-size") else None,
-        "pp": args.pipeline_model_parallel_size if option_given(argv, "--pipeline-model-parallel-size") else None,
+        "pp": pp,
         "cp": getattr(args, "context_parallel_size", None) or 1,
         "micro_batch_size": args.micro_batch_size if option_given(argv, "--micro-batch-size") else None,
         "ep": getattr(args, "expert_model_parallel_size", None) or 1,
         "etp": getattr(args, "expert_tensor_parallel_size", None),
         "order": order_of(args),
+        "vpp": virtual_stages(args, pp),
+        # Megatron-LM overlaps pipeline p2p in the interleaved schedule unless told not to
+        "overlap_p2p_comm": False if option_given(argv, NO_OVERLAP_P2P) else None,
     }
 
 
@@ -105,14 +142,15 @@ def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
     put("global_batch_size", plan.micro_batch_size * plan.dp * plan.num_micro_batches)
     layout = layout_for_plan(plan)
     if layout is not None:
-        virtual = [flag for attr, flag in VIRTUAL_OPTIONS.items() if getattr(args, attr, None) is not None]
-        if virtual:
-            raise ConfigError(f"{virtual[0]} asks for an interleaved pipeline, but the plan splits the layers "
-                              f"unevenly ({plan.layers_per_stage}), which het_plugin does not express with virtual "
-                              "stages yet", source="command line", field=virtual[0],
-                              fix=f"drop {virtual[0]}, or fix --pipeline-model-parallel-size to one that splits "
-                                  "the layers evenly")
+        # the layout carries the virtual stages (pp * vpp segments); Megatron takes no VPP flag beside it
+        for attr in VIRTUAL_OPTIONS:
+            put(attr, None)
         put("pipeline_model_parallel_layout", layout)
+    elif plan.vpp > 1:                    # an even interleaved split: Megatron's own, from the count alone
+        put("num_layers_per_virtual_pipeline_stage", None)
+        put("num_virtual_stages_per_pipeline_rank", plan.vpp)
+    if plan.vpp > 1:
+        put("overlap_p2p_comm", plan.overlap_p2p_comm)
     if plan.overlap_grad_reduce:
         put("overlap_grad_reduce", True)
     if plan.distributed_optimizer:        # the plan's memory estimate assumed sharded optimizer state

@@ -36,7 +36,8 @@ _current: Optional[AppliedPlan] = None
 # What Megatron calls the degrees (error messages name the user's own argument).
 MEGATRON_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
                   "cp": "context_parallel_size", "dp": "data_parallel_size", "ep": "expert_model_parallel_size",
-                  "etp": "expert_tensor_parallel_size", "order": "order"}
+                  "etp": "expert_tensor_parallel_size", "order": "order",
+                  "vpp": "virtual_pipeline_model_parallel_size", "overlap_p2p_comm": "overlap_p2p_comm"}
 
 
 def current_plan() -> Optional[AppliedPlan]:
@@ -48,14 +49,17 @@ def resolve_megatron_plan(source: Union[Plan, Cluster, PathLike, None] = None, *
                  model: Union[ModelSpec, PathLike, None] = None, world_size: int, rank: Optional[int] = None,
                  local_world_size: Optional[int] = None, tp: Optional[int] = None, pp: Optional[int] = None,
                  cp: Optional[int] = None, micro_batch_size: Optional[int] = None, ep: int = 1,
-                 etp: Optional[int] = None, order: str = DEFAULT_ORDER) -> Plan:
+                 etp: Optional[int] = None, order: str = DEFAULT_ORDER, vpp: Optional[int] = None,
+                 overlap_p2p_comm: Optional[bool] = None) -> Plan:
     """:func:`het_plugin.resolve.resolve_plan` with Megatron's names for the degrees (None: the planner
     chooses; a plan file must agree with what is given). ``ep``, ``etp`` and ``order`` are Megatron's
-    expert sizes and rank order, taken as given."""
+    expert sizes and rank order, ``vpp`` its virtual pipeline size (None: not interleaved, or a plan file's),
+    taken as given."""
     degrees = Degrees(world_size, tp=tp, pp=pp, cp=cp or 1, ep=ep or 1, etp=etp, order=order or DEFAULT_ORDER,
                       names=MEGATRON_NAMES, source="Megatron arguments")
     return resolve_any(source, launch=Launch(world_size, rank, local_world_size), model=model, degrees=degrees,
-                       micro_batch_size=micro_batch_size, names=MEGATRON_NAMES)
+                       micro_batch_size=micro_batch_size, names=MEGATRON_NAMES, vpp=vpp,
+                       overlap_p2p_comm=overlap_p2p_comm)
 
 
 # ---- applying a plan to Megatron-Core ---------------------------------------------------------------
@@ -74,7 +78,8 @@ def plan_degrees(megatron_kwargs: dict) -> dict[str, Any]:
     takes them as given)."""
     return {"ep": megatron_kwargs.get("expert_model_parallel_size") or 1,
             "etp": megatron_kwargs.get("expert_tensor_parallel_size") or None,
-            "order": megatron_kwargs.get("order") or DEFAULT_ORDER}
+            "order": megatron_kwargs.get("order") or DEFAULT_ORDER,
+            "vpp": megatron_kwargs.get("virtual_pipeline_model_parallel_size")}
 
 
 def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
@@ -88,6 +93,13 @@ def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
         if have != value:
             raise ConfigError(f"{name}={value!r}, but the plan was made for {have!r}", field=name,
                               fix=f"plan with the same {name} (`het-plugin plan --{key} ...`), or pass {have!r}")
+    vpp = megatron_kwargs.get("virtual_pipeline_model_parallel_size")
+    if not plan.accepts_vpp(vpp):
+        raise ConfigError(f"virtual_pipeline_model_parallel_size={vpp}, but the plan was made for {plan.vpp} "
+                          "virtual stages per pipeline rank", field="virtual_pipeline_model_parallel_size",
+                          fix=f"plan with the same virtual stages (`het-plugin plan --vpp {vpp}`, or "
+                              f"initialize_model_parallel(..., cluster=...) with it), or pass "
+                              f"{plan.vpp if plan.vpp > 1 else None}")
     if plan.is_identity:
         return            # the framework's own numbering: whatever else Megatron builds is its own
     for key in ("gtp_remat_size", "expert_gtp_remat_size"):
@@ -95,11 +107,6 @@ def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
             raise ConfigError(f"{key}={megatron_kwargs[key]}: the GTP weight-rematerialisation axis re-orders "
                               "Megatron's ranks, and het_plugin's placement does not model it", field=key,
                               fix=f"use {key}=1 on a heterogeneous cluster")
-    if (megatron_kwargs.get("virtual_pipeline_model_parallel_size") or 1) > 1 and len(set(plan.layers_per_stage)) > 1:
-        raise ConfigError("an interleaved pipeline (virtual_pipeline_model_parallel_size > 1) with the plan's "
-                          f"uneven split {plan.layers_per_stage} is not expressed by het_plugin yet",
-                          field="virtual_pipeline_model_parallel_size",
-                          fix="drop the virtual pipeline size, or plan with a pp that splits the layers evenly")
 
 
 def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLike] = None) -> AppliedPlan:
@@ -114,6 +121,8 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
     kwargs = dict(megatron_kwargs)
     kwargs.update(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
                   context_parallel_size=plan.cp)
+    if plan.vpp > 1 and kwargs.get("virtual_pipeline_model_parallel_size") is None:
+        kwargs["virtual_pipeline_model_parallel_size"] = plan.vpp    # the model gets plan.vpp chunks per rank
     for key in RANK_CALLBACKS:
         if kwargs.get(key) is not None:
             kwargs[key] = through_plan(plan, kwargs[key])

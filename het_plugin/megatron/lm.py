@@ -96,7 +96,8 @@ def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int]
     return resolve_megatron_plan(None if source == DISCOVER else source, model=model, world_size=world, rank=rank,
                         local_world_size=int(lws) if lws else None, tp=given["tp"], pp=given["pp"],
                         cp=given["cp"], micro_batch_size=given["micro_batch_size"], ep=given.get("ep", 1),
-                        etp=given.get("etp"), order=given.get("order") or "tp-cp-ep-dp-pp")
+                        etp=given.get("etp"), order=given.get("order") or "tp-cp-ep-dp-pp", vpp=given.get("vpp"),
+                        overlap_p2p_comm=given.get("overlap_p2p_comm"))
 
 
 def install_initialize_wrapper() -> None:
@@ -185,7 +186,9 @@ def planned_initialize_model_parallel(*args, **kwargs):
         from .core import plan_degrees
         fixed = {"tp": kwargs.get("tensor_model_parallel_size", 1), "pp": kwargs.get("pipeline_model_parallel_size", 1),
                  "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": margs.micro_batch_size,
-                 **plan_degrees(kwargs)}
+                 **plan_degrees(kwargs),
+                 # validated by Megatron already: its interleaved schedule overlaps p2p unless told not to
+                 "overlap_p2p_comm": None if getattr(margs, "overlap_p2p_comm", True) else False}
         return _plan_for(margs, fixed, DISCOVER, rank=rank, world_size=world)
 
     plan = agree_on_plan(make, rank=rank, world_size=world)

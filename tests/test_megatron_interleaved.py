@@ -1,0 +1,78 @@
+"""Interleaved (virtual) pipelines through the Megatron-Core drop-in: the plan's vpp, Megatron's
+virtual_pipeline_model_parallel_size, plan files, and the plan's own checks of its virtual split."""
+from __future__ import annotations
+
+import pytest
+
+from het_plugin.cluster import load_cluster
+from het_plugin.errors import ConfigError
+from het_plugin.megatron import core
+from het_plugin.megatron.core import resolve_megatron_plan
+from het_plugin.megatron.pipeline_layout import layout_for_plan
+from het_plugin.plan import Plan
+from het_plugin.planner import make_plan
+
+from megatron_common import DATA, MODEL
+
+MODEL_16 = MODEL.model_copy(update={"global_batch_size": 16})     # 2 micro-batches of 2 per pipeline at dp 4
+
+
+@pytest.fixture(scope="module")
+def plan_vpp():
+    return make_plan(load_cluster(DATA / "megatron-ib-roce-8.yaml"), MODEL_16, tp=1, pp=2, vpp=2)
+
+
+def test_the_drop_in_plans_megatrons_virtual_size_and_passes_it_on(plan_vpp, monkeypatch):
+    import torch.distributed as dist
+    assert plan_vpp.vpp == 2 and not plan_vpp.is_identity and layout_for_plan(plan_vpp).count("|") == 3
+    plan = resolve_megatron_plan(DATA / "megatron-ib-roce-8.yaml", model=MODEL_16, world_size=8, tp=1, pp=2, vpp=2)
+    assert plan.hash == plan_vpp.hash
+    calls = []
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(core, "original_initialize_model_parallel", lambda: lambda **kw: calls.append(kw))
+    core.build_groups(plan_vpp, {"virtual_pipeline_model_parallel_size": 2})
+    core.build_groups(plan_vpp, {})                     # None: the plan's
+    assert [kw["virtual_pipeline_model_parallel_size"] for kw in calls] == [2, 2]
+
+
+def test_a_virtual_size_the_plan_was_not_made_for_is_refused_with_the_fix(plan_vpp, plan8, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        core.check_kwargs_fit(plan_vpp, {"virtual_pipeline_model_parallel_size": 4})
+    assert e.value.field == "virtual_pipeline_model_parallel_size" and "--vpp 4" in e.value.fix
+    with pytest.raises(ConfigError, match="virtual_pipeline_model_parallel_size=2, but the plan was made for 1"):
+        core.check_kwargs_fit(plan8, {"virtual_pipeline_model_parallel_size": 2})
+    # an identity plan with Megatron's own even split: Megatron interleaves it itself, as without het_plugin
+    homogeneous = make_plan(load_cluster(DATA / "megatron-homogeneous-4.yaml"), MODEL_16.model_copy(
+        update={"num_layers": 4}), tp=1, pp=2)
+    core.check_kwargs_fit(homogeneous, {"virtual_pipeline_model_parallel_size": 2})
+    # a plan file is the plan of its vpp
+    path = tmp_path / "plan.json"
+    plan_vpp.save(path)
+    assert resolve_megatron_plan(path, world_size=8).vpp == 2
+    with pytest.raises(ConfigError) as e:
+        resolve_megatron_plan(path, world_size=8, vpp=3)
+    assert e.value.field == "virtual_pipeline_model_parallel_size" and "--vpp 3" in e.value.fix
+
+
+def test_the_plan_checks_its_virtual_split(plan_vpp):
+    data = plan_vpp.to_dict()
+    del data["hash"]
+    first, last = plan_vpp.layers_per_stage
+    assert plan_vpp.layers_per_virtual_stage != [[0, first], [1, last - 1]]
+    for bad in ([[first, first], [1, last - 1]], [[first], [last]], [[0, first], [1, last - 1]]):
+        with pytest.raises(ConfigError) as e:
+            Plan.from_dict(dict(data, layers_per_virtual_stage=bad))
+        assert e.value.field == "layers_per_virtual_stage"
+    with pytest.raises(ConfigError) as e:
+        Plan.from_dict(dict(data, vpp=1, layers_per_virtual_stage=[], overlap_p2p_comm=True))
+    assert e.value.field == "overlap_p2p_comm"
+
+
+def test_plans_written_before_the_interleaving_keys_keep_their_hash(plan8):
+    """vpp, layers_per_virtual_stage and overlap_p2p_comm are hashed only when they differ from their defaults:
+    a plan file without them (format 3 as first written) loads with its stored hash."""
+    data = plan8.to_dict()
+    for key in ("vpp", "layers_per_virtual_stage", "overlap_p2p_comm"):
+        data.pop(key)
+    assert Plan.from_dict(data).hash == plan8.hash == data["hash"]
