@@ -76,6 +76,7 @@ class TrainResult:
     overlap_grad_reduce: bool = False
     chunk_layer_numbers: list[list[int]] = field(default_factory=list)   # per model chunk (virtual stage)
     schedule: str = ""                  # Megatron's forward-backward function that ran
+    overlap_p2p_comm: bool = False      # the model config's (an interleaved plan may switch it on)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -310,7 +311,8 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
                        layer_numbers=[n for numbers in chunk_layer_numbers for n in numbers], groups=my_groups(),
                        process_groups=process_group_ranks(),
                        plan_hash=plan_hash, overlap_grad_reduce=ddp_overlap, chunk_layer_numbers=chunk_layer_numbers,
-                       schedule=getattr(fb, "__name__", type(fb).__name__))
+                       schedule=getattr(fb, "__name__", type(fb).__name__),
+                       overlap_p2p_comm=bool(getattr(config, "overlap_p2p_comm", False)))
 
 
 def shutdown() -> None:
