@@ -3,6 +3,7 @@
     sudo .venv/bin/python benchmarks/bench_e2e.py            # full run (~12 min on an idle 2-core machine)
     sudo .venv/bin/python benchmarks/bench_e2e.py --quick    # smoke run (one ratio, one round)
     sudo .venv/bin/python benchmarks/bench_e2e.py --framework both --ratios 10 --rounds 2   # + DeepSpeed
+    sudo .venv/bin/python benchmarks/bench_e2e.py --framework interleaved --ratios 10       # + interleaved (vpp)
 
 Two clusters (IB, RoCE; two nodes each, one rank per node), each with its own fast fabric, joined only by
 Ethernet. Six configurations run side by side in one launch, several rounds interleaved, per fast:slow
@@ -29,19 +30,24 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 import e2e_compute  # noqa: E402
-from e2e_plans import (ALL_CONFIGS, CONFIGS, DS_CONFIGS, FAST_LINKS, LINKS, calibrate_pipeline_overhead, setup_ratio,  # noqa: E402
-                       with_pipeline_overhead)
+from e2e_plans import (ALL_CONFIGS, CONFIGS, DS_CONFIGS, FAST_LINKS, LINKS, VPP_CONFIGS, calibrate_pipeline_overhead,  # noqa: E402
+                       setup_ratio, with_pipeline_overhead)
 from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
 from het_plugin.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
 
 CALIBRATION_MBIT = 20_000      # the reference network "unshaped" for the calibration run
-GOALS = {"4/3": 0.60, "4/1": 1.15, "4/2": 0.55}
+GOALS = {"4/3": 0.60, "4/1": 1.15, "4/2": 0.55, "5v/1": 1.05}
 PAIRS = {"4/3": ("4-het_plugin", "3-mixed-today"), "4/1": ("4-het_plugin", "1-all-fast"),
          "4/2": ("4-het_plugin", "2-all-eth"), "4p/3": ("4p-placement", "3-mixed-today"),
          "4t/3": ("4t-place+transport", "3-mixed-today"), "4-ds/3-ds": ("4-ds", "3-ds"),
-         "3-ds/3": ("3-ds", "3-mixed-today"), "4-ds/4": ("4-ds", "4-het_plugin")}
+         "3-ds/3": ("3-ds", "3-mixed-today"), "4-ds/4": ("4-ds", "4-het_plugin"),
+         # interleaved: het_plugin with vpp against the all-fast reference (the goal), against the all-fast
+         # reference with the same interleaving (what the slow hop still costs), and against 1F1B
+         "5v/1": ("5-het_plugin+vpp", "1-all-fast"), "5v/1v": ("5-het_plugin+vpp", "1v-all-fast+vpp"),
+         "5v/4": ("5-het_plugin+vpp", "4-het_plugin"), "1v/1": ("1v-all-fast+vpp", "1-all-fast")}
 FRAMEWORK_CONFIGS = {"megatron": list(CONFIGS), "deepspeed": list(DS_CONFIGS),
-                     "both": ["3-mixed-today", "4-het_plugin", "3-ds", "4-ds"]}
+                     "both": ["3-mixed-today", "4-het_plugin", "3-ds", "4-ds"],
+                     "interleaved": ["1-all-fast", "4-het_plugin", *VPP_CONFIGS]}
 
 
 def log(msg: str) -> None:
@@ -242,7 +248,9 @@ def main(argv=None) -> int:
     p.add_argument("--compute-rounds", type=int, default=2, help="rounds of the compute profile")
     p.add_argument("--framework", choices=list(FRAMEWORK_CONFIGS), default="megatron",
                    help="megatron: configurations 1-4 (default); deepspeed: 3-ds and 4-ds; both: 3, 4, 3-ds, 4-ds "
-                        "interleaved. The DeepSpeed runs print a side-by-side table and leave the docs alone")
+                        "interleaved; interleaved: 1, 4 and their interleaved versions 1v, 5 (Megatron's interleaved "
+                        "schedule, vpp=2). The DeepSpeed and interleaved runs print a side-by-side table and leave "
+                        "the docs alone")
     p.add_argument("--configs", nargs="+", choices=list(ALL_CONFIGS),
                    help="default: the --framework's configurations")
     p.add_argument("--calibration-rounds", type=int, default=2)
@@ -267,7 +275,7 @@ def main(argv=None) -> int:
     except EmulatorUnavailable as exc:
         print(f"bench_e2e: {exc}", file=sys.stderr)
         return 3
-    if any(c in DS_CONFIGS for c in args.configs):
+    if any(c in DS_CONFIGS or c in VPP_CONFIGS for c in args.configs):
         from e2e_report import side_by_side
         print(side_by_side(out))
         return 0

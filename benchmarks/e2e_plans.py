@@ -33,7 +33,13 @@ DS_CONFIGS = {   # run with --framework deepspeed|both (e2e_deepspeed.py)
     "3-ds": "DeepSpeed as run today: default topology (launch order), uniform partition, every group on Ethernet",
     "4-ds": "DeepSpeed through het_plugin.deepspeed: the plan's placement, layer split, per-group transport",
 }
-ALL_CONFIGS = {**CONFIGS, **DS_CONFIGS}
+VPP = 2           # virtual stages per rank of the interleaved configurations
+VPP_CONFIGS = {   # run with --framework interleaved: Megatron's interleaved schedule, p2p overlapped with compute
+    "1v-all-fast+vpp": f"all-fast reference with Megatron's interleaved schedule (vpp={VPP}, overlap_p2p_comm)",
+    "5-het_plugin+vpp": f"het_plugin's plan made for vpp={VPP}: placement, layers per virtual stage, transports, "
+                        "overlap_p2p_comm",
+}
+ALL_CONFIGS = {**CONFIGS, **DS_CONFIGS, **VPP_CONFIGS}
 
 
 @dataclass
@@ -75,6 +81,18 @@ def with_pipeline_overhead(compute: dict, x: float) -> dict:
     return out
 
 
+def with_chunk_overhead(compute: dict, vpp: int, layers_per_stage: int) -> dict:
+    """The compute entries for an interleaved run: each micro-batch calls every stage's ``vpp`` chunks, and each
+    call pays the framework's per-micro-batch overhead (schedule, hooks, p2p calls) that the profile charges once
+    per stage (in the embedding and output entries); the ``vpp - 1`` extra calls go on the layers (1:2 forward to
+    backward), as the profile format has no per-chunk entry."""
+    extra = (vpp - 1) * (compute.get("overhead_per_micro_batch", 0.0)
+                         + compute.get("pipeline_overhead_per_micro_batch", 0.0)) / layers_per_stage
+    out = dict(compute)
+    out["layer"] = [compute["layer"][0] + extra / 3, compute["layer"][1] + 2 * extra / 3]
+    return out
+
+
 def calibrate_pipeline_overhead(shape: TinyShape, compute: dict, ref_link: dict, measured_s: float) -> float:
     """Per-micro-batch cost of the pipelined code path that the single-rank compute profile cannot see
     (p2p calls, schedule, gradient-reduction threads sharing the CPU): the ``x`` for which the predictor
@@ -101,8 +119,10 @@ def calibrate_pipeline_overhead(shape: TinyShape, compute: dict, ref_link: dict,
     return (lo + hi) / 2
 
 
-def _plan(cluster, spec, profile: Optional[Profile]):
+def _plan(cluster, spec, profile: Optional[Profile], vpp: int = 1):
     kwargs = dict(tp=1, pp=PP, dp=DP, micro_batch_size=spec.micro_batch_size)
+    if vpp > 1:
+        kwargs["vpp"] = vpp
     if "profile" in inspect.signature(make_plan).parameters:
         kwargs["profile"] = profile
     return make_plan(cluster, spec, **kwargs)
@@ -125,6 +145,14 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
     plan_path = out_dir / f"plan-{tag}.json"
     plan.save(plan_path)
     placed = Placement(dims, tuple(plan.rank_of_logical), tuple(mixed.domains))
+    # the interleaved runs' profile: the extra chunk calls' framework overhead on the layers (with_chunk_overhead)
+    chunked = with_chunk_overhead(compute, VPP, spec.num_layers // PP)
+    prof_vpp, prof_ref_vpp = build_profile(chunked, links, "fabric"), build_profile(chunked, links, "ref")
+    prof_vpp.save(out_dir / f"profile-{tag}-vpp{VPP}.yaml")
+    plan_vpp = _plan(mixed, spec, prof_vpp, VPP)
+    plan_vpp_path = out_dir / f"plan-{tag}-vpp{VPP}.json"
+    plan_vpp.save(plan_vpp_path)
+    placed_vpp = Placement(dims, tuple(plan_vpp.rank_of_logical), tuple(mixed.domains))
     uniform = uniform_layers(spec.num_layers, PP)
 
     only_place = assemble_plan(mixed, spec, placed, uniform, mb, overlap_grad_reduce=True)
@@ -150,6 +178,11 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
         dict(base, name="3-ds", framework="deepspeed", overlap=False, ifnames=eth_only),
         dict(base, name="4-ds", framework="deepspeed", overlap=False, plan=str(plan_path),
              micro_batch_size=plan.micro_batch_size),
+        # Megatron's own interleaved schedule on the all-fast network, with the p2p overlap het_plugin's plan assumes
+        dict(base, name="1v-all-fast+vpp", ifname="ref0", vpp=VPP,
+             config_overrides={"overlap_p2p_comm": True, "batch_p2p_comm": False}),
+        dict(base, name="5-het_plugin+vpp", plan=str(plan_vpp_path), vpp=VPP, overlap=plan_vpp.overlap_grad_reduce,
+             micro_batch_size=plan_vpp.micro_batch_size),
     ]
     fast = fast_cluster(ratio)
     slow = slow_cluster()
@@ -168,15 +201,27 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
                         overlap_grad_reduce=False, profile=prof),
         "4-ds": predict(mixed, spec, placed, plan.layers_per_stage, plan.micro_batch_size, transport_fn=transport,
                         overlap_grad_reduce=False, profile=prof),
+        "1v-all-fast+vpp": predict(fast, spec, default_placement(fast, dims), uniform, mb, profile=prof_ref_vpp,
+                                   vpp=VPP, overlap_p2p_comm=True),
+        "5-het_plugin+vpp": predict(mixed, spec, placed_vpp, plan_vpp.layers_per_stage, plan_vpp.micro_batch_size,
+                                    transport_fn=transport, overlap_grad_reduce=plan_vpp.overlap_grad_reduce,
+                                    profile=prof_vpp, vpp=VPP, overlap_p2p_comm=plan_vpp.overlap_p2p_comm),
     }
     # het_plugin.cost has no CPU per-step overhead (update, zero-grad, loss sync): add the measured one
     step_overhead = compute.get("overhead_per_step", 0.0)
-    m = {k: spec.global_batch_size // (DP * (plan.micro_batch_size if k in ("4-het_plugin", "4-ds") else mb)) for k in preds}
+    mbs = {"4-het_plugin": plan.micro_batch_size, "4-ds": plan.micro_batch_size,
+           "5-het_plugin+vpp": plan_vpp.micro_batch_size}
+    m = {k: spec.global_batch_size // (DP * mbs.get(k, mb)) for k in preds}
     share = {k: m[k] * max(p.stage_compute_s) / (p.iteration_s + step_overhead) for k, p in preds.items()}
     summary = {"layers_per_stage": plan.layers_per_stage, "rank_of_logical": plan.rank_of_logical,
                "micro_batch_size": plan.micro_batch_size, "num_micro_batches": plan.num_micro_batches,
                "overlap_grad_reduce": plan.overlap_grad_reduce,
                "transports": {k: sorted({g.transport for g in v}) for k, v in plan.groups.items() if v},
-               "hash": plan.hash}
+               "hash": plan.hash,
+               "vpp_plan": {"vpp": plan_vpp.vpp, "layers_per_stage": plan_vpp.layers_per_stage,
+                            "layers_per_virtual_stage": plan_vpp.layers_per_virtual_stage,
+                            "rank_of_logical": plan_vpp.rank_of_logical,
+                            "micro_batch_size": plan_vpp.micro_batch_size,
+                            "overlap_p2p_comm": plan_vpp.overlap_p2p_comm, "hash": plan_vpp.hash}}
     return RatioSetup(ratio, profile_path, configs, {k: p.iteration_s + step_overhead for k, p in preds.items()},
                       share, summary)

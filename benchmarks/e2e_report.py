@@ -138,6 +138,15 @@ def side_by_side(out: dict) -> str:
     for row in _rows(out):
         lines.append(f"ratio {row['ratio']:g}:1  plan: layers {row['plan']['layers_per_stage']}, "
                      f"ranks {row['plan']['rank_of_logical']}, micro-batch {row['plan']['micro_batch_size']}")
+        vpp = row["plan"].get("vpp_plan")
+        if vpp and any("vpp" in c["name"] for c in row["configs"]):
+            lines.append(f"  interleaved plan (5): vpp {vpp['vpp']}, layers per virtual stage "
+                         f"{vpp['layers_per_virtual_stage']}, ranks {vpp['rank_of_logical']}, micro-batch "
+                         f"{vpp['micro_batch_size']}, overlap_p2p_comm {vpp['overlap_p2p_comm']}")
+        links = row.get("links") or {}
+        if links:
+            lines.append("  links (largest message; latency): " + ", ".join(
+                f"{k} {v['bandwidth'][-1][1] * 1e3:.0f} Mbit/s / {v['latency_us']:.0f} us" for k, v in links.items()))
         lines.append(f"  {'configuration':<20} {'median ms':>10} {'per round ms':>24} {'predicted ms':>13}")
         for c in row["configs"]:
             rounds = ", ".join(f"{t * 1e3:.0f}" for t in c["rounds_s"])

@@ -129,12 +129,14 @@ def run_config(shape: dict, cfg: dict, steps: int) -> list[float]:
     try:
         tiny = megatron_tiny.TinyGPT(**dict(shape, micro_batch_size=cfg.get("micro_batch_size",
                                                                               shape["micro_batch_size"])))
+        # interleaved configurations: vpp chunks per rank (the plugin's plan sets the p2p overlap itself)
+        extra = {k: cfg[k] for k in ("vpp", "config_overrides") if cfg.get(k) is not None}
         if cfg["plan"]:
             res = megatron_tiny.train(tiny, tp=1, pp=cfg["pp"], steps=steps, plan=cfg["plan"], use_plugin=True,
-                                      overlap_grad_reduce=cfg["overlap"])
+                                      overlap_grad_reduce=cfg["overlap"], **extra)
         else:
             res = megatron_tiny.train(tiny, tp=1, pp=cfg["pp"], steps=steps, use_plugin=False,
-                                      layers_per_stage=cfg.get("layers"), overlap_grad_reduce=cfg["overlap"])
+                                      layers_per_stage=cfg.get("layers"), overlap_grad_reduce=cfg["overlap"], **extra)
     finally:
         os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
         ps.destroy_model_parallel()

@@ -189,7 +189,8 @@ def _forward_step(data_iterator, model):
 
 def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=None, plan=None,
           use_plugin: bool = True, layers_per_stage: Optional[Sequence[int]] = None,
-          overlap_grad_reduce: Optional[bool] = None, ep: int = 1, vpp: Optional[int] = None) -> TrainResult:
+          overlap_grad_reduce: Optional[bool] = None, ep: int = 1, vpp: Optional[int] = None,
+          config_overrides: Optional[dict] = None) -> TrainResult:
     """Initialise groups (through het_plugin or plain Megatron-Core), build the model, train ``steps`` steps.
 
     ``use_plugin=False`` is the reference run: Megatron-Core's own groups; ``layers_per_stage`` then
@@ -197,7 +198,8 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
     ``ep``: expert_model_parallel_size (with ``cfg.num_moe_experts``); ``vpp``:
     virtual_pipeline_model_parallel_size (an interleaved pipeline: ``vpp`` model chunks per rank, each
     with its own DDP wrapper, as Megatron-LM builds them). Both go to initialize_model_parallel as
-    Megatron's own keyword arguments, through het_plugin or not.
+    Megatron's own keyword arguments, through het_plugin or not. ``config_overrides``: TransformerConfig fields
+    set last (e.g. Megatron's ``overlap_p2p_comm`` for a reference run without het_plugin).
     """
     import torch
     import torch.distributed as dist
@@ -248,7 +250,7 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
             config_kwargs["pipeline_model_parallel_layout"] = layout_string(layers_per_stage)
         ddp_overlap = bool(overlap_grad_reduce)
     model_parallel_cuda_manual_seed(cfg.seed)
-    config = TransformerConfig(**config_kwargs)
+    config = TransformerConfig(**{**config_kwargs, **(config_overrides or {})})
 
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
     chunk_stages = list(range(vpp)) if vpp is not None else [None]
