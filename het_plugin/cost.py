@@ -15,13 +15,22 @@ The model, in short (details and constants in docs/planner.md):
 * Pipeline: 1F1B with per-stage forward/backward times and per-hop send times, simulated op by op; with
   ``vpp`` virtual stages per rank Megatron's interleaved 1F1B (:mod:`het_plugin.schedule`), its extra hop from
   the last stage back to the first, and ``overlap_p2p_comm`` (sends hidden behind compute).
-* Data parallel: gradient reduction per stage; with ``overlap_grad_reduce`` (Megatron's bucketed overlap)
-  only the last micro-batch's backward can hide it. Tied embeddings (or MTP on the last stage) add the first/last-stage all-reduce.
-* Memory per rank: bf16 weights, fp32 gradients, fp32 master + Adam moments (divided by DP with the
-  distributed optimizer), activations of the in-flight micro-batches, logits on the last stage.
+* Data parallel: gradient reduction per stage (dense parameters over dp x cp, routed experts over expert-dp);
+  with ``overlap_grad_reduce`` (Megatron's bucketed overlap) only the last micro-batch's backward can hide
+  it. Tied embeddings (or MTP on the last stage) add the first/last-stage all-reduce.
+* Mixture of experts: per MoE layer the router and the top-k experts' FFN per token (plus shared experts) as
+  compute, token dispatch and combine as all-to-alls over the expert-ep group forward and backward
+  (:class:`AllToAll`: own node, cluster fabric, other clusters), expert weights split over ep x etp. A
+  model whose layers mix dense and MoE is costed per average layer.
+* Context parallel: ring attention's cp - 1 K/V exchanges per layer over the CP group's slowest hop, each
+  hidden behind the attention of one chunk as far as it goes.
+* Memory per rank: bf16 weights, fp32 gradients, fp32 master + Adam moments (divided by dp x cp, or
+  expert-dp, with the distributed optimizer), activations of the in-flight micro-batches, logits on the
+  last stage.
 
 The expensive part (walking every group of a placement) is :func:`analyze`; the rest is cheap, so the
-planner analyzes a placement once and evaluates it for many micro-batch sizes and layer splits.
+planner analyzes a placement once and evaluates it for many micro-batch sizes and layer splits, and
+:func:`analyze_experts` re-does only the expert groups for each (ep, etp) on an analyzed placement.
 
 What the planner uses: :class:`Network` and :func:`analyze` (once per placement), :class:`SplitCosts` (per
 micro-batch size and optimizer setting: the exact partition's cost tables and memory caps, a split's memory
@@ -30,7 +39,10 @@ excess, its prediction) and :func:`params_memory_gib` (a lower bound to skip deg
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from bisect import bisect_right
+from collections import Counter
+from itertools import groupby
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 from .catalog import Accelerator
@@ -197,13 +209,39 @@ def _slowest(tiers: Sequence[Tier]) -> Tier:
 # ---- placement analysis ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class AllToAll:
+    """One expert-ep group's all-to-all as one member sees it: the shares of its bytes that go to members on
+    its own node, on other nodes of its cluster and to other clusters, each over its tier (the legs run at
+    once; the slowest decides)."""
+    legs: tuple[tuple[Tier, float, int], ...]       # (tier, fraction of the bytes, streams sharing the NIC)
+    host_staged: bool = False
+
+    def time_s(self, nbytes: float, profile: Optional[Profile] = None) -> float:
+        t = max((tier.step_s(nbytes * frac, share, profile) for tier, frac, share in self.legs), default=0.0)
+        if self.host_staged and self.legs:
+            remote = sum(frac for tier, frac, _ in self.legs if tier.kind != "local")
+            t += 2 * nbytes * remote * 8 / (HOST_COPY_GBPS * 1e9)
+        return t
+
+
+@dataclass(frozen=True)
+class ExpertInfo:
+    """The expert layers' groups of one stage for one (ep, etp): the all-to-all shapes of its expert-ep groups
+    and the paths of its expert-dp groups (the expert gradients' own reduction)."""
+    alltoalls: tuple[AllToAll, ...]
+    dp_paths: tuple[CollectivePath, ...]
+
+
 @dataclass
 class StageInfo:
     accelerators: tuple[Accelerator, ...]          # distinct device types in the stage
     capacity_gib: float                            # smallest device memory in the stage
     tp_tier: Tier                                  # intra-node link of the TP group
-    dp_paths: tuple[CollectivePath, ...]           # distinct DP (dp-cp) group shapes of the stage
+    dp_paths: tuple[CollectivePath, ...]           # distinct dp-cp group shapes of the stage (gradient reduction)
     hop_next: tuple[tuple[Tier, int, bool], ...] = ()   # (tier, share, host_staged) to stage s+1
+    cp_hops: tuple[tuple[Tier, int, bool], ...] = ()    # slowest ring hop of each CP group shape (cp > 1)
+    expert: Optional[ExpertInfo] = None            # None: the expert groups are the dense ones (ep 1, etp = tp)
 
 
 @dataclass
@@ -213,7 +251,88 @@ class Analysis:
     stages: list[StageInfo]
     embedding_paths: tuple[CollectivePath, ...] = ()
     transports: dict[str, set[str]] = field(default_factory=dict)   # kind -> transports seen
+    node_of_logical: tuple[int, ...] = ()          # node index of each default-order logical rank
+    node_runs: tuple[tuple[int, int], ...] = ()    # (first logical rank, node) of each run on one node
+    expert_span: Optional[str] = None              # why an expert group leaves one domain (None: none does)
     wrap_hops: tuple[tuple[Tier, int, bool], ...] = ()   # last stage -> first (interleaved)
+
+
+def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[CollectivePath, str]:
+    """The hierarchical ring of a group whose members sit on ``members_nodes`` (one entry per member)."""
+    nodes = net.cluster.nodes
+    node_set = frozenset(members_nodes)
+    t = net.transport(node_set)
+    per_node: dict[int, int] = {}
+    for n in members_nodes:
+        per_node[n] = per_node.get(n, 0) + 1
+    by_cluster: dict[str, list[int]] = {}
+    for n in sorted(per_node):
+        by_cluster.setdefault(nodes[n].cluster, []).append(n)
+    share = max(nodes[n].num_accelerators for n in per_node)
+    levels = []
+    k = max(per_node.values())
+    if k > 1:
+        levels.append(Level(_slowest([net.hop(n, n, t) for n in per_node]), k, 1))
+    n_nodes = max(len(v) for v in by_cluster.values())
+    if n_nodes > 1:
+        tiers = [net.hop(v[0], v[1], t) for v in by_cluster.values() if len(v) > 1]
+        levels.append(Level(_slowest(tiers), n_nodes, share))
+    if len(by_cluster) > 1:
+        reps = [v[0] for v in by_cluster.values()]
+        tiers = [net.hop(a, b, t) for i, a in enumerate(reps) for b in reps[i + 1:]]
+        levels.append(Level(_slowest(tiers), len(by_cluster), share))
+    return CollectivePath(tuple(levels), t == "host-staged"), t
+
+
+def _ring_hop(net: Network, ring_nodes: Sequence[int]) -> tuple[Tier, int, bool]:
+    """Slowest hop of a ring (member i sends to i+1, the last to the first) whose members sit on
+    ``ring_nodes``: its tier, how many ranks of the sending node send off it at once, host-staged or not."""
+    nodes = net.cluster.nodes
+    t = net.transport(frozenset(ring_nodes))
+    per_node: dict[int, int] = {}
+    for n in ring_nodes:
+        per_node[n] = per_node.get(n, 0) + 1
+    worst = None
+    for a, b in zip(ring_nodes, list(ring_nodes[1:]) + [ring_nodes[0]]):
+        share = 1 if a == b else max(1, nodes[a].num_accelerators // per_node[a])
+        cand = (net.hop(a, b, t), share)
+        if worst is None or (cand[0].gbps / cand[1], -cand[0].latency_us) < (worst[0].gbps / worst[1],
+                                                                             -worst[0].latency_us):
+            worst = cand
+    return worst[0], worst[1], t == "host-staged"
+
+
+def _alltoall(net: Network, members_nodes: Sequence[int]) -> tuple[AllToAll, str]:
+    """The all-to-all of a group whose members sit on ``members_nodes``: for the member that has the most to
+    send off its node, the shares of its bytes per leg (own node, its cluster's fabric, other clusters)."""
+    nodes = net.cluster.nodes
+    size = len(members_nodes)
+    t = net.transport(frozenset(members_nodes))
+    per_node: dict[int, int] = {}
+    for n in members_nodes:
+        per_node[n] = per_node.get(n, 0) + 1
+    per_cluster: dict[str, int] = {}
+    for n, k in per_node.items():
+        per_cluster[nodes[n].cluster] = per_cluster.get(nodes[n].cluster, 0) + k
+    worst: Optional[tuple] = None
+    for n, k in per_node.items():
+        c = nodes[n].cluster
+        legs = []
+        if k > 1:
+            legs.append((net.hop(n, n, t), (k - 1) / size, 1))
+        same = [m for m in per_node if m != n and nodes[m].cluster == c]
+        if same:
+            legs.append((_slowest([net.hop(n, m, t) for m in same]), (per_cluster[c] - k) / size,
+                         nodes[n].num_accelerators))
+        other = [m for m in per_node if nodes[m].cluster != c]
+        if other:
+            legs.append((_slowest([net.hop(n, m, t) for m in other]), (size - per_cluster[c]) / size,
+                         nodes[n].num_accelerators))
+        cand = AllToAll(tuple(legs), t == "host-staged")
+        cost = cand.time_s(1 << 24)
+        if worst is None or cost > worst[0]:
+            worst = (cost, cand)
+    return worst[1], t
 
 
 def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = placement_transport,
@@ -229,31 +348,9 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
     def dp_path(members_nodes: list[int]) -> tuple[CollectivePath, str]:
         node_set = frozenset(members_nodes)
         cached = path_cache.get(node_set)
-        if cached is not None:
-            return cached
-        t = net.transport(node_set)
-        per_node: dict[int, int] = {}
-        for n in members_nodes:
-            per_node[n] = per_node.get(n, 0) + 1
-        by_cluster: dict[str, list[int]] = {}
-        for n in sorted(per_node):
-            by_cluster.setdefault(nodes[n].cluster, []).append(n)
-        share = max(nodes[n].num_accelerators for n in per_node)
-        levels = []
-        k = max(per_node.values())
-        if k > 1:
-            levels.append(Level(_slowest([net.hop(n, n, t) for n in per_node]), k, 1))
-        n_nodes = max(len(v) for v in by_cluster.values())
-        if n_nodes > 1:
-            tiers = [net.hop(v[0], v[1], t) for v in by_cluster.values() if len(v) > 1]
-            levels.append(Level(_slowest(tiers), n_nodes, share))
-        if len(by_cluster) > 1:
-            reps = [v[0] for v in by_cluster.values()]
-            tiers = [net.hop(a, b, t) for i, a in enumerate(reps) for b in reps[i + 1:]]
-            levels.append(Level(_slowest(tiers), len(by_cluster), share))
-        out = (CollectivePath(tuple(levels), t == "host-staged"), t)
-        path_cache[node_set] = out
-        return out
+        if cached is None:
+            cached = path_cache[node_set] = _collective_path(net, members_nodes)
+        return cached
 
     S = dims.stage_size
     tc = dims.tp * dims.cp
@@ -276,11 +373,24 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
         capacity = min(nodes[n].accelerator.memory_gib for n in stage_nodes)
         tp_tier = Tier("local", min(nodes[n].accelerator.intra_node_gbps for n in stage_nodes), LOCAL_LATENCY_US)
         paths: list[CollectivePath] = []
-        for j in range(tc):
-            path, t = dp_path(node_of_logical[base + j:base + S:tc])
+        for j in range(dims.tp):        # dp-cp groups: the gradients' reduction (the dp groups when cp == 1)
+            path, t = dp_path(node_of_logical[base + j:base + S:dims.tp])
             transports["dp"].add(t)
             if path not in paths:
                 paths.append(path)
+        cp_hops: list[tuple[Tier, int, bool]] = []
+        if dims.cp > 1:
+            seen_rings: set = set()
+            for j in range(0, S, tc):
+                for i in range(dims.tp):
+                    ring = tuple(node_of_logical[base + j + i:base + j + tc:dims.tp])
+                    if ring in seen_rings:
+                        continue
+                    seen_rings.add(ring)
+                    hop = _ring_hop(net, ring)
+                    transports.setdefault("cp", set()).add(net.transport(frozenset(ring)))
+                    if hop not in cp_hops:
+                        cp_hops.append(hop)
         hops: list[tuple[Tier, int, bool]] = []
         if s + 1 < dims.pp:
             seen: set = set()
@@ -293,7 +403,7 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
                 hop = (net.hop(a, b, t), share, t == "host-staged")
                 if hop not in hops:
                     hops.append(hop)
-        stages.append(StageInfo(accs, capacity, tp_tier, tuple(paths), tuple(hops)))
+        stages.append(StageInfo(accs, capacity, tp_tier, tuple(paths), tuple(hops), tuple(cp_hops)))
     wrap: list[tuple[Tier, int, bool]] = []      # the interleaved schedule's hop from the last stage to the first
     if dims.pp > 1:
         last_base, seen_wrap = (dims.pp - 1) * S, set()
@@ -312,7 +422,140 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
             transports["embedding"].add(t)
             if path not in emb_paths:
                 emb_paths.append(path)
-    return Analysis(placement, stages, tuple(emb_paths), transports, wrap_hops=tuple(wrap))
+    out = Analysis(placement, stages, tuple(emb_paths), transports, tuple(node_of_logical),
+                   node_runs=_node_runs(node_of_logical), wrap_hops=tuple(wrap))
+    return analyze_experts(cluster, out, dims, net)
+
+
+def analyze_experts(cluster: Cluster, analysis: Analysis, dims: ParallelDims,
+                    network: Optional[Network] = None) -> Analysis:
+    """The same analysis for the expert sizes of ``dims`` (same tp, cp, pp, dp and placement; any ep, etp):
+    each stage's expert-ep all-to-all shapes and expert-dp paths, and :attr:`Analysis.expert_span`, the first
+    expert group that leaves one domain (cluster fabric + device type). The dense part is reused, so the
+    planner analyzes a placement once and tries every (ep, etp) on it; a stage is looked up by the run
+    lengths and kinds of the nodes it covers (O(nodes)), so stages of the same shape -- across stages,
+    placements and degrees of one search -- are worked out once (O(stage size)) per ``network``."""
+    base_dims = analysis.placement.dims
+    if (dims.tp, dims.cp, dims.pp, dims.dp) != (base_dims.tp, base_dims.cp, base_dims.pp, base_dims.dp):
+        raise ValueError(f"analyze_experts: {dims} differs from the analyzed {base_dims} in tp, cp, pp or dp")
+    placement = analysis.placement if dims == base_dims else replace(analysis.placement, dims=dims)
+    transports = {k: v for k, v in analysis.transports.items() if not k.startswith("expert-")}
+    if (dims.ep, dims.etp) == (1, dims.tp):      # the expert groups are the dense ones
+        stages = [replace(st, expert=None) if st.expert is not None else st for st in analysis.stages]
+        return replace(analysis, placement=placement, stages=stages, transports=transports, expert_span=None)
+    net = network if network is not None else Network(cluster)
+    cache = net.__dict__.setdefault("_expert_stages", {})
+    S = dims.stage_size
+    node_of_logical = analysis.node_of_logical
+    shapes = analysis.__dict__.get("_stage_shapes")      # the same for every (ep, etp) on this placement
+    if shapes is None or shapes[0] is not net:
+        shapes = analysis.__dict__["_stage_shapes"] = (net, _stage_shapes(net, analysis, S))
+    span = None
+    transports["expert-ep"], transports["expert-dp"] = set(), set()
+    stages = []
+    for s, st in enumerate(analysis.stages):
+        base = s * S
+        key = (shapes[1][s], dims.etp, dims.ep, S)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = _expert_stage(net, node_of_logical[base:base + S], dims)
+        info, doms, t_ep, t_dp = got
+        if doms and span is None:
+            span = (f"an expert-ep group of stage {s} (ep={dims.ep}, etp={dims.etp}) spans "
+                    f"{' and '.join(f'{c}/{a}' for c, a in doms)}")
+        transports["expert-ep"] |= t_ep
+        transports["expert-dp"] |= t_dp
+        stages.append(replace(st, expert=info))
+    return replace(analysis, placement=placement, stages=stages, transports=transports, expert_span=span)
+
+
+def _stage_shapes(net: Network, analysis: Analysis, S: int) -> list[tuple]:
+    """Per stage, the run lengths and node kinds of its logical ranks (what its expert groups' costs depend on)."""
+    classes = _node_classes(net)
+    node_of_logical = analysis.node_of_logical
+    runs = analysis.node_runs or _node_runs(node_of_logical)
+    run_starts = [r[0] for r in runs]
+    out = []
+    for s in range(len(analysis.stages)):
+        base = s * S
+        i = bisect_right(run_starts, base) - 1
+        shape = []
+        ids: dict[int, int] = {}
+        while i < len(runs) and runs[i][0] < base + S:
+            stop = runs[i + 1][0] if i + 1 < len(runs) else len(node_of_logical)
+            node = runs[i][1]
+            shape.append((min(stop, base + S) - max(runs[i][0], base), classes[node], ids.setdefault(node, len(ids))))
+            i += 1
+        out.append(tuple(shape))
+    return out
+
+
+def _node_runs(node_of_logical: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(first logical rank, node) of each run of consecutive logical ranks on one node."""
+    out, prev = [], None
+    for i, n in enumerate(node_of_logical):
+        if n != prev:
+            out.append((i, n))
+            prev = n
+    return tuple(out)
+
+
+def _node_classes(net: Network) -> list[tuple]:
+    """Per node, what the expert groups' costs depend on: cluster, device, size, NICs."""
+    classes = net.__dict__.get("_node_classes")
+    if classes is None:
+        classes = net.__dict__["_node_classes"] = [
+            (n.cluster, n.accelerator.name, n.num_accelerators, n.vendor,
+             tuple(sorted((nic.type, nic.gbps) for nic in n.nics))) for n in net.cluster.nodes]
+    return classes
+
+
+def _expert_stage(net: Network, stage_nodes: Sequence[int], dims: ParallelDims):
+    """One stage's expert groups: (ExpertInfo, the domains of the first expert group spanning more than one
+    or None, expert-ep transports, expert-dp transports). ``stage_nodes``: node of each of its logical ranks."""
+    nodes = net.cluster.nodes
+    classes = _node_classes(net)
+    S, etp, ep = len(stage_nodes), dims.etp, dims.ep
+    block = etp * ep
+    a2as: list[AllToAll] = []
+    seen: set = set()
+    doms_spanned = None
+    t_ep: set[str] = set()
+    for start in range(0, S, block):
+        # The etp members at one ep index share a node (etp divides tp, and TP stays in a node), so the
+        # ep group at etp index 0 touches every node of its expert-tp-ep block.
+        members = stage_nodes[start:start + block:etp]
+        ids: dict[int, int] = {}      # groups of the same shape (node kinds, runs, which runs share a node)
+        shape = tuple((classes[n], ids.setdefault(n, len(ids)), len(list(g))) for n, g in groupby(members))
+        if shape in seen:
+            continue
+        seen.add(shape)
+        if ep > 1:
+            a2a, t = _alltoall(net, members)
+            t_ep.add(t)
+        else:
+            a2a = AllToAll(())
+        if a2a not in a2as:
+            a2as.append(a2a)
+        if doms_spanned is None:
+            doms = list(dict.fromkeys(nodes[n].domain for n in members))
+            if len(doms) > 1:
+                doms_spanned = doms
+    dps: list[CollectivePath] = []
+    t_dp: set[str] = set()
+    if dims.expert_dp > 1:
+        done: set = set()
+        for j in range(block):
+            members = stage_nodes[j:S:block]
+            key = (frozenset(members), Counter(members).most_common(1)[0][1])
+            if key in done:
+                continue
+            done.add(key)
+            path, t = _collective_path(net, members)
+            t_dp.add(t)
+            if path not in dps:
+                dps.append(path)
+    return ExpertInfo(tuple(a2as), tuple(dps)), doms_spanned, t_ep, t_dp
 
 
 # ---- per-stage times and memory -------------------------------------------------------------------
@@ -333,6 +576,15 @@ class StageModel:
     in_flight: int
     capacity_gib: float
     paths: tuple[CollectivePath, ...]
+    # Expert layers (MoE models): routed-expert weights per rank and layer (the MoE share of an average
+    # layer), reduced over expert-dp (its own paths; None: the dense paths) and sharded by the distributed
+    # optimizer over expert_dp ranks.
+    expert_params_per_layer: float = 0.0
+    expert_paths: Optional[tuple[CollectivePath, ...]] = None
+    expert_dp: int = 1
+    cp: int = 1                     # the dense gradients are reduced (and sharded) over dp x cp
+    alltoall_per_layer_s: float = 0.0   # token dispatch + combine, forward + backward, of an average layer
+    cp_ring_per_layer_s: float = 0.0    # ring attention's exposed exchanges, forward + backward, per layer
 
 
 def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, cp: int, tp_tier: Tier,
@@ -342,7 +594,7 @@ def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, 
         if measured is not None:
             return measured
     if kind == "layer":
-        flops = model.layer_flops_fwd(mb) / (tp * cp)
+        flops = model.mean_layer_flops_fwd(mb) / (tp * cp)
     elif kind == "output":
         flops = model.logits_flops_fwd(mb) / (tp * cp)
     elif kind == "mtp":
@@ -354,16 +606,73 @@ def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, 
     if kind == "layer" and tp > 1:
         act = mb * model.seq_length * model.hidden_size * model.dtype_bytes / cp
         ar = 2 * (tp - 1) * tp_tier.step_s(act / tp, 1, profile)   # one all-reduce equivalent
-        fwd += 2 * ar
-        bwd += 2 * ar
+        # attention and MLP one each; an MoE layer's MLP moves its tokens by all-to-all instead (_moe_comm_s)
+        per_layer = 2 - model.moe_fraction
+        fwd += per_layer * ar
+        bwd += per_layer * ar
+    return fwd, bwd
+
+
+def _moe_comm_s(model: ModelSpec, mb: int, dims: ParallelDims, info: StageInfo,
+                profile: Optional[Profile]) -> tuple[float, float]:
+    """One MoE layer's expert communication per micro-batch: (all-to-all, forward + backward; expert-TP,
+    forward + backward).
+
+    Each rank routes its ``mb * seq / (tp*cp)`` tokens (sequence parallel) to ``top_k`` experts: token
+    dispatch and combine are each an all-to-all of ``tokens * top_k * hidden * dtype`` bytes over the
+    expert-ep group, forward and again backward. With etp > 1 the dispatched tokens are also all-gathered
+    (dispatch) and reduce-scattered (combine) in the expert-TP group, inside the node."""
+    tokens = mb * model.seq_length / (dims.tp * dims.cp)
+    nbytes = tokens * model.moe_router_topk * model.hidden_size * model.dtype_bytes
+    a2a = 0.0
+    if dims.ep > 1 and info.expert is not None:
+        a2a = max((x.time_s(nbytes, profile) for x in info.expert.alltoalls), default=0.0)
+    etp = 2 * (dims.etp - 1) * info.tp_tier.step_s(nbytes, 1, profile) if dims.etp > 1 else 0.0
+    return 4 * a2a, 4 * etp
+
+
+def _cp_ring_s(model: ModelSpec, mb: int, dims: ParallelDims, info: StageInfo, acc: Accelerator,
+               profile: Optional[Profile]) -> tuple[float, float]:
+    """Ring attention's exposed exchanges of one layer per micro-batch, (forward, backward).
+
+    Forward: cp - 1 steps, each passing this rank's K and V chunk (``2 * mb * seq/cp * kv_dim/tp * dtype``
+    bytes) to the next CP rank while the attention of the chunk in hand runs (1/cp of the layer's attention
+    scores and values); only what the transfer takes beyond that compute is exposed. Backward: cp - 1 steps
+    passing K, V and their gradients (twice the bytes) against twice the compute."""
+    if dims.cp <= 1 or not info.cp_hops:
+        return 0.0, 0.0
+    kv_dim = model.hidden_size * model.kv_heads // model.num_attention_heads
+    kv = 2 * mb * model.seq_length / dims.cp * kv_dim / dims.tp * model.dtype_bytes
+    chunk = model.attention_core_flops_fwd(mb) / (dims.tp * dims.cp) / dims.cp / acc.sustained_flops
+
+    def step(nbytes: float) -> float:
+        worst = 0.0
+        for tier, share, staged in info.cp_hops:
+            t = tier.step_s(nbytes, share, profile)
+            if staged:
+                t += 2 * nbytes * 8 / (HOST_COPY_GBPS * 1e9)
+            worst = max(worst, t)
+        return worst
+
+    fwd = (dims.cp - 1) * max(0.0, step(kv) - chunk)
+    bwd = (dims.cp - 1) * max(0.0, step(2 * kv) - 2 * chunk)
     return fwd, bwd
 
 
 def _activation_bytes_per_layer(model: ModelSpec, mb: int, tp: int, cp: int) -> float:
-    """Saved activations of one layer and micro-batch (Korthikanti et al. 2022, flash attention, SP)."""
+    """Saved activations of one (average) layer and micro-batch (Korthikanti et al. 2022, flash attention,
+    SP). An MoE layer's MLP part holds each token top_k times at the expert width, plus the shared experts,
+    plus the permuted tokens before and after the experts (2 x top_k x hidden x 2 bytes per token)."""
     h = model.hidden_size
-    ffn_mult = model.ffn * (1.5 if model.activation == "swiglu" else 1.0) / (4 * h)
-    return mb * model.seq_length * h * (15 + 19 * ffn_mult) / (tp * cp)
+    swiglu = 1.5 if model.activation == "swiglu" else 1.0
+    dense = 15 + 19 * model.ffn * swiglu / (4 * h)
+    per_token = dense
+    if model.is_moe:
+        width = model.moe_router_topk * model.moe_ffn + (model.moe_shared_expert_intermediate_size or 0)
+        moe = 15 + 19 * width * swiglu / (4 * h) + 4 * model.moe_router_topk
+        f = model.moe_fraction
+        per_token = (1 - f) * dense + f * moe
+    return mb * model.seq_length * h * per_token / (tp * cp)
 
 
 def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batches: int,
@@ -372,10 +681,20 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
     tp, cp, pp = dims.tp, dims.cp, dims.pp
     act_msg = mb * model.seq_length * model.hidden_size * model.dtype_bytes / (tp * cp)
     emb_params = model.embedding_params / tp
+    f_moe = model.moe_fraction if model.is_moe else 0.0
+    dense_params_per_layer = ((1 - f_moe) * model.params_per_layer + f_moe * model.moe_layer_params) / tp
+    expert_params_per_layer = f_moe * model.expert_params_per_moe_layer / (dims.ep * dims.etp)
     out = []
     for s, info in enumerate(analysis.stages):
         layer = max((_compute_s(a, "layer", model, mb, tp, cp, info.tp_tier, profile) for a in info.accelerators),
                     key=lambda fb: fb[0] + fb[1])
+        a2a = etp_comm = 0.0
+        if f_moe:
+            a2a, etp_comm = _moe_comm_s(model, mb, dims, info, profile)
+        slowest = min(info.accelerators, key=lambda a: a.sustained_flops)
+        ring = _cp_ring_s(model, mb, dims, info, slowest, profile)
+        # forward and backward take half of each MoE exchange (dispatch + combine each way)
+        layer = (layer[0] + f_moe * (a2a + etp_comm) / 2 + ring[0], layer[1] + f_moe * (a2a + etp_comm) / 2 + ring[1])
         ff = fb_ = 0.0
         fixed_params = 0.0
         fixed_mem = 0.0
@@ -406,18 +725,36 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
             if staged:
                 t += 2 * act_msg * 8 / (HOST_COPY_GBPS * 1e9)
             send = max(send, t)
-        out.append(StageModel(layer[0], layer[1], ff, fb_, send, model.params_per_layer / tp, fixed_params,
+        expert = info.expert
+        out.append(StageModel(layer[0], layer[1], ff, fb_, send, dense_params_per_layer, fixed_params,
                               _activation_bytes_per_layer(model, mb, tp, cp), fixed_mem, in_flight,
-                              info.capacity_gib, info.dp_paths))
+                              info.capacity_gib, info.dp_paths, expert_params_per_layer,
+                              expert.dp_paths if expert is not None else None, dims.expert_dp, cp,
+                              f_moe * a2a, ring[0] + ring[1]))
     return out
 
 
 def _memory_bytes(st: StageModel, n_layers: int, dp: int, distributed_optimizer: bool) -> float:
+    """Bytes per rank; ``dp`` is the dense data-parallel size (the distributed optimizer shards the dense
+    state over dp x cp and the experts' over expert-dp)."""
     params = st.fixed_params + n_layers * st.params_per_layer
-    opt = OPTIMIZER_STATE_BYTES / dp if distributed_optimizer else OPTIMIZER_STATE_BYTES
+    opt = OPTIMIZER_STATE_BYTES / (dp * st.cp) if distributed_optimizer else OPTIMIZER_STATE_BYTES
     states = params * (WEIGHT_BYTES + GRAD_BYTES + opt)
+    if st.expert_params_per_layer:
+        expert_opt = OPTIMIZER_STATE_BYTES / st.expert_dp if distributed_optimizer else OPTIMIZER_STATE_BYTES
+        states += n_layers * st.expert_params_per_layer * (WEIGHT_BYTES + GRAD_BYTES + expert_opt)
     acts = st.in_flight * n_layers * st.act_bytes_per_layer + st.fixed_mem_bytes
     return states + acts + FRAMEWORK_OVERHEAD_GIB * GIB
+
+
+def _optimizer_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: bool) -> float:
+    """The Adam step of one rank: memory-bound over the parameters it updates."""
+    params = st.fixed_params + n_layers * st.params_per_layer
+    experts = n_layers * st.expert_params_per_layer
+    if distributed_optimizer:
+        params /= dp * st.cp
+        experts /= st.expert_dp
+    return (params + experts) * OPTIMIZER_BYTES_MOVED / HBM_BYTES_PER_S
 
 
 def _max_layers_fitting(st: StageModel, num_layers: int, dp: int, distributed_optimizer: bool) -> int:
@@ -435,18 +772,27 @@ def _max_layers_fitting(st: StageModel, num_layers: int, dp: int, distributed_op
 
 def _dp_reduce_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: bool,
                 profile: Optional[Profile]) -> float:
-    """Gradient reduction of the stage (plus the parameter all-gather of the distributed optimizer)."""
-    if dp <= 1:
-        return 0.0
-    params = st.fixed_params + n_layers * st.params_per_layer
-    worst = 0.0
-    for path in st.paths:
-        if distributed_optimizer:
-            t = path.allreduce_s(params * GRAD_BYTES, profile, 0.5) + path.allreduce_s(params * WEIGHT_BYTES, profile, 0.5)
-        else:
-            t = path.allreduce_s(params * GRAD_BYTES, profile)
-        worst = max(worst, t)
-    return worst
+    """Gradient reduction of the stage (plus the parameter all-gather of the distributed optimizer): the dense
+    parameters over dp x cp, the routed experts' over expert-dp (its own groups), one after the other."""
+
+    def reduce(paths, params: float) -> float:
+        worst = 0.0
+        for path in paths:
+            if distributed_optimizer:
+                t = path.allreduce_s(params * GRAD_BYTES, profile, 0.5) + path.allreduce_s(params * WEIGHT_BYTES,
+                                                                                          profile, 0.5)
+            else:
+                t = path.allreduce_s(params * GRAD_BYTES, profile)
+            worst = max(worst, t)
+        return worst
+
+    total = 0.0
+    if dp * st.cp > 1:
+        total += reduce(st.paths, st.fixed_params + n_layers * st.params_per_layer)
+    if st.expert_params_per_layer and st.expert_dp > 1 and n_layers:
+        total += reduce(st.paths if st.expert_paths is None else st.expert_paths,
+                        n_layers * st.expert_params_per_layer)
+    return total
 
 
 def _stage_costs(sts: list[StageModel], num_layers: int, num_micro_batches: int, dp: int, overlap: bool,
@@ -659,17 +1005,14 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
         red = _dp_reduce_s(st, n, dims.dp, distributed_optimizer, profile)
         exposed = max(0.0, red - bwd[s]) if overlap_grad_reduce else red
         ends.append(finish[s] + exposed if interleaved_ends is None else interleaved_ends[s])
-        params = st.fixed_params + n * st.params_per_layer
-        if distributed_optimizer:
-            params /= dims.dp
-        opt = max(opt, params * OPTIMIZER_BYTES_MOVED / HBM_BYTES_PER_S)
+        opt = max(opt, _optimizer_s(st, n, dims.dp, distributed_optimizer))
     emb = 0.0
     if len(model.embedding_stages(dims.pp)) > 1 and analysis.embedding_paths:   # tied, or MTP on the last stage
         emb_bytes = model.embedding_params / dims.tp * GRAD_BYTES
         emb = max(p.allreduce_s(emb_bytes, profile) for p in analysis.embedding_paths)
     iteration = max(ends) + emb + opt
     tokens = model.global_batch_size * model.seq_length
-    flops = 3.0 * model.global_batch_size * (model.num_layers * model.layer_flops_fwd(1) + model.logits_flops_fwd(1)
+    flops = 3.0 * model.global_batch_size * (model.decoder_flops_fwd(1) + model.logits_flops_fwd(1)
                                              + model.mtp_flops_fwd(1))
     busiest = max(m * (f + b) for f, b in zip(fwd, bwd))
     memory = [_memory_bytes(st, n, dims.dp, distributed_optimizer) / GIB for st, n in zip(sts, layers_per_stage)]
@@ -680,7 +1023,8 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
         pipeline_s=pipeline, dp_exposed_s=max(ends) - pipeline + emb, optimizer_s=opt,
         bubble_fraction=max(0.0, 1.0 - busiest / pipeline) if pipeline > 0 else 0.0,
         stage_compute_s=[f + b for f, b in zip(fwd, bwd)], memory_gib_per_stage=memory,
-        capacity_gib_per_stage=capacity, description=description)
+        capacity_gib_per_stage=capacity, description=description,
+        alltoall_s=max(m * n * st.alltoall_per_layer_s for st, n in zip(sts, layers_per_stage)))
     problem = memory_problem(pred)
     if problem:
         pred.description = (pred.description + "; " if pred.description else "") + problem
@@ -755,11 +1099,13 @@ class SplitCosts:
 
 
 def params_memory_gib(model: ModelSpec, dims: ParallelDims, distributed_optimizer: bool) -> float:
-    """Weights, gradients and optimizer state per device if the model split perfectly over tp*pp: a lower
-    bound of any stage's memory with these degrees."""
-    opt = OPTIMIZER_STATE_BYTES / dims.dp if distributed_optimizer else OPTIMIZER_STATE_BYTES
-    per_param = WEIGHT_BYTES + GRAD_BYTES + opt
-    return model.total_params * per_param / (dims.tp * dims.pp) / GIB
+    """Weights, gradients and optimizer state per device if the model split perfectly over tp*pp (the routed
+    experts over etp*ep*pp): a lower bound of any stage's memory with these degrees."""
+    opt = OPTIMIZER_STATE_BYTES / (dims.dp * dims.cp) if distributed_optimizer else OPTIMIZER_STATE_BYTES
+    expert_opt = OPTIMIZER_STATE_BYTES / dims.expert_dp if distributed_optimizer else OPTIMIZER_STATE_BYTES
+    dense = (model.total_params - model.expert_params) * (WEIGHT_BYTES + GRAD_BYTES + opt) / (dims.tp * dims.pp)
+    experts = model.expert_params * (WEIGHT_BYTES + GRAD_BYTES + expert_opt) / (dims.etp * dims.ep * dims.pp)
+    return (dense + experts) / GIB
 
 
 def memory_problem(pred: Prediction) -> Optional[str]:

@@ -148,7 +148,7 @@ class ModelSpec(BaseModel):
             return freq
         return tuple(1 if i % freq == 0 else 0 for i in range(self.num_layers))
 
-    @property
+    @cached_property
     def num_moe_layers(self) -> int:
         return sum(self.moe_pattern)
 
