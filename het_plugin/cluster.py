@@ -9,20 +9,71 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PositiveInt, field_validator,
+                      model_validator)
 
 from . import catalog
 from .catalog import Accelerator
 from .errors import ConfigError
-from .yamlio import load_validated, validate, with_line
+from .yamlio import read_data, read_text, validate, with_line
 
 FabricType = Literal["ib", "roce", "ethernet"]
 RDMA = ("ib", "roce")
+
+# ---- limits (docs/user-guide.md, "Limits"): past them the planner would take minutes or the numbers mean nothing
+MAX_NODES = 16_384                   # nodes in one file (all clusters together)
+MAX_ACCELERATORS_PER_NODE = 1_024
+MAX_ACCELERATORS = 131_072           # ranks in one file; planning this many takes about half a minute
+MAX_CLUSTERS = 256                   # every pair of clusters has a link: 32,640 pairs at most
+GBPS_RANGE = (0.001, 1e6)            # Gbit/s: 1 Mbit/s .. 1 Pbit/s
+LATENCY_US_MAX = 1e6                 # one second
+TFLOPS_RANGE = (0.001, 1e6)
+MEMORY_GIB_MAX = 2.0 ** 20
+EFFICIENCY_MIN = 0.01
+
+
+def not_bool(v):
+    """YAML reads true/yes/on as a boolean, which pydantic would take as the number 1; .inf and .nan are no
+    measurement either."""
+    if isinstance(v, bool):
+        raise ValueError(f"got {v!r}, a boolean (YAML reads true/false/yes/no/on/off as booleans) | fix: write a "
+                         "number")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"got {v!r}, not a finite number | fix: use a finite number (not .inf or .nan)")
+    return v
+
+
+def at_most(limit: int, unit: str, fix: str):
+    def check(v: int) -> int:
+        if v > limit:
+            raise ValueError(f"{v} {unit} is over the limit of {limit:,} | fix: {fix}")
+        return v
+    return AfterValidator(check)
+
+
+def in_range(lo: float, hi: float, unit: str, fix: str):
+    def check(v: float) -> float:
+        if not lo <= v <= hi:
+            u = f" {unit}" if unit else ""
+            raise ValueError(f"{v:g}{u} is outside the range het_plugin takes, {lo:g} .. {hi:g}{u} | fix: {fix}")
+        return v
+    return AfterValidator(check)
+
+
+Gbps = Annotated[float, BeforeValidator(not_bool), Field(gt=0, allow_inf_nan=False),
+                 in_range(*GBPS_RANGE, "Gbit/s", "give the speed in Gbit/s, e.g. 25 for 25GbE, 200 for HDR InfiniBand")]
+LatencyUs = Annotated[float, BeforeValidator(not_bool), Field(ge=0, allow_inf_nan=False),
+                      in_range(0, LATENCY_US_MAX, "us", "give the one-way latency in microseconds, e.g. 2 (IB) or 50 "
+                                                        "(Ethernet between sites)")]
+Efficiency = Annotated[float, BeforeValidator(not_bool), Field(gt=0, le=1, allow_inf_nan=False),
+                       in_range(EFFICIENCY_MIN, 1, "", "give the sustained fraction of peak, e.g. 0.5")]
 
 
 class _Strict(BaseModel):
@@ -32,13 +83,13 @@ class _Strict(BaseModel):
 class FabricSpec(_Strict):
     """The network inside one cluster; ``gbps`` is what one node can inject into it."""
     type: FabricType
-    gbps: PositiveFloat
-    latency_us: float = Field(default=5.0, ge=0)
+    gbps: Gbps
+    latency_us: LatencyUs = 5.0
 
 
 class NicSpec(_Strict):
     type: FabricType
-    gbps: PositiveFloat
+    gbps: Gbps
     devices: list[str] = []      # RDMA device names, e.g. mlx5_0 (what NCCL_IB_HCA takes)
     interfaces: list[str] = []   # netdev names, e.g. eth0 (what NCCL/GLOO_SOCKET_IFNAME take)
 
@@ -47,18 +98,24 @@ class AcceleratorSpec(_Strict):
     """A part not in the catalog (or a catalog part with different numbers)."""
     name: str
     vendor: str
-    memory_gib: PositiveFloat
-    peak_tflops: PositiveFloat
-    intra_node_gbps: PositiveFloat = 256.0
-    efficiency: float = Field(default=0.5, gt=0, le=1)
+    memory_gib: Annotated[float, BeforeValidator(not_bool), Field(gt=0, allow_inf_nan=False),
+                          in_range(0, MEMORY_GIB_MAX, "GiB", "give the device memory in GiB, e.g. 80")]
+    peak_tflops: Annotated[float, BeforeValidator(not_bool), Field(gt=0, allow_inf_nan=False),
+                           in_range(*TFLOPS_RANGE, "TFLOPS", "give dense BF16 TFLOPS per device, e.g. 989 (H100)")]
+    intra_node_gbps: Gbps = 256.0
+    efficiency: Efficiency = 0.5
 
 
 class NodeGroupSpec(_Strict):
-    count: PositiveInt
+    count: Annotated[PositiveInt, BeforeValidator(not_bool),
+                     at_most(MAX_NODES, "nodes", f"a file describes at most {MAX_NODES:,} nodes; plan a part of the "
+                                                 "cluster, or check the number")]
     accelerator: Union[str, AcceleratorSpec]
-    accelerators_per_node: PositiveInt
-    intra_node_gbps: Optional[PositiveFloat] = None   # default: the catalog's NVLink/xGMI/PCIe figure
-    efficiency: Optional[float] = Field(default=None, gt=0, le=1)
+    accelerators_per_node: Annotated[PositiveInt, BeforeValidator(not_bool),
+                                     at_most(MAX_ACCELERATORS_PER_NODE, "accelerators per node",
+                                             "give the devices of one node (one rank each), e.g. 8")]
+    intra_node_gbps: Optional[Gbps] = None   # default: the catalog's NVLink/xGMI/PCIe figure
+    efficiency: Optional[Efficiency] = None
     nics: list[NicSpec] = []
     hostnames: Optional[list[str]] = None
 
@@ -108,8 +165,8 @@ class LinkSpec(_Strict):
     """A link between two clusters; ``gbps`` is per node (what one node can push across)."""
     between: tuple[str, str]
     type: FabricType = "ethernet"
-    gbps: PositiveFloat
-    latency_us: float = Field(default=50.0, ge=0)
+    gbps: Gbps
+    latency_us: LatencyUs = 50.0
 
 
 class LaunchSpec(_Strict):
@@ -124,16 +181,34 @@ class ClusterFile(_Strict):
     launch: LaunchSpec = LaunchSpec()
 
     @model_validator(mode="after")
+    def _sizes(self):
+        """Totals, before anything is built per node (a count of 10^9 nodes used to build 10^9 objects)."""
+        if len(self.clusters) > MAX_CLUSTERS:
+            raise ValueError(f"{len(self.clusters)} clusters are over the limit of {MAX_CLUSTERS} | field: clusters"
+                             " | fix: describe fewer clusters (nodes of one fabric belong in one cluster)")
+        nodes = sum(g.count for c in self.clusters for g in c.nodes)
+        if nodes > MAX_NODES:
+            raise ValueError(f"{nodes:,} nodes in all (the counts added up) are over the limit of {MAX_NODES:,} | "
+                             "field: clusters | fix: plan a part of the cluster, or check the counts")
+        ranks = sum(g.count * g.accelerators_per_node for c in self.clusters for g in c.nodes)
+        if ranks > MAX_ACCELERATORS:
+            raise ValueError(f"{ranks:,} accelerators in all (count x accelerators_per_node, added up) are over the "
+                             f"limit of {MAX_ACCELERATORS:,} | field: clusters | fix: plan a part of the cluster, or "
+                             "check count and accelerators_per_node")
+        return self
+
+    @model_validator(mode="after")
     def _references(self):
         names = [c.name for c in self.clusters]
+        first: dict[str, int] = {}
         for i, name in enumerate(names):
-            if name in names[:i]:
-                raise ValueError(f"cluster name {name!r} is used twice (clusters[{names.index(name)}] and "
+            if first.setdefault(name, i) != i:
+                raise ValueError(f"cluster name {name!r} is used twice (clusters[{first[name]}] and "
                                  f"clusters[{i}]) | field: clusters[{i}].name | fix: give every cluster a unique name")
         seen: dict[frozenset, int] = {}
         for i, link in enumerate(self.links):
             for end in link.between:
-                if end not in names:
+                if end not in first:
                     raise ValueError(f"link names unknown cluster {end!r} | field: links[{i}].between"
                                      f" | fix: use one of {names}")
             if link.between[0] == link.between[1]:
@@ -289,7 +364,7 @@ def build_cluster(spec: ClusterFile, source: str = "<memory>") -> Cluster:
                                   f"clusters[{ci}].nodes[{gi}]"))
                 k += 1
     names = [n.name for n in nodes]
-    dup = sorted({n for n in names if names.count(n) > 1})
+    dup = sorted(n for n, k in Counter(names).items() if k > 1)     # linear: 16,384 nodes in milliseconds
     if dup:
         raise ConfigError(f"node names repeat: {dup}", source=source, field="clusters[*].nodes[*].hostnames",
                           fix="give every node a unique hostname (generated names are <cluster>-<i>)")
@@ -298,7 +373,7 @@ def build_cluster(spec: ClusterFile, source: str = "<memory>") -> Cluster:
         if sorted(order) != sorted(names):
             missing = sorted(set(names) - set(order))
             extra = sorted(set(order) - set(names))
-            repeated = sorted({n for n in order if order.count(n) > 1})
+            repeated = sorted(n for n, k in Counter(order).items() if k > 1)
             problems = [f"{label} {items}" for label, items in
                         (("missing", missing), ("unknown", extra), ("repeated", repeated)) if items]
             raise ConfigError(f"node_order must list every node exactly once ({'; '.join(problems)})",
@@ -323,11 +398,12 @@ def build_cluster(spec: ClusterFile, source: str = "<memory>") -> Cluster:
 
 def load_cluster(path: str | Path) -> Cluster:
     """Read, validate and flatten a cluster file; every problem is a ConfigError naming the field."""
-    spec = load_validated(ClusterFile, path)
+    text = read_text(path, "cluster file")
+    spec = validate(ClusterFile, read_data(path, text), str(path), text)
     try:
         return build_cluster(spec, str(path))
     except ConfigError as exc:
-        raise with_line(exc, Path(path).read_text()) from None
+        raise with_line(exc, text) from None
 
 
 def cluster_from_dict(data: dict, source: str = "<dict>") -> Cluster:

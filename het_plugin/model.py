@@ -11,6 +11,15 @@ from .yamlio import load_validated
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
+# Largest value of each numeric field (docs/user-guide.md, "Limits"): beyond these the search would take
+# minutes (global_batch_size 10^15 allocated a schedule per micro-batch) or the sizes overflow.
+LIMITS = {
+    "num_layers": 4_096, "hidden_size": 2 ** 20, "num_attention_heads": 2 ** 16, "num_query_groups": 2 ** 16,
+    "ffn_hidden_size": 2 ** 22, "vocab_size": 2 ** 24, "seq_length": 2 ** 24, "global_batch_size": 65_536,
+    "micro_batch_size": 65_536, "mtp_layers": 64, "num_moe_experts": 4_096, "moe_router_topk": 4_096,
+    "moe_ffn_hidden_size": 2 ** 22, "moe_shared_expert_intermediate_size": 2 ** 22,
+}
+
 
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -55,6 +64,23 @@ class ModelSpec(BaseModel):
             raise ValueError(f"moe_layer_freq lists {bad[0]!r}; a pattern holds 1 (MoE layer) or 0 (dense layer) "
                              "per layer | fix: write only 0 and 1")
         return tuple(int(x) for x in v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _limits(cls, data):
+        """Numeric fields: no booleans (YAML's true/yes/on would count as 1), nothing over :data:`LIMITS`."""
+        if not isinstance(data, dict):
+            return data
+        for name, limit in LIMITS.items():
+            v = data.get(name)
+            if isinstance(v, bool):
+                raise ValueError(f"got {v!r}, a boolean (YAML reads true/false/yes/no/on/off as booleans) | field: "
+                                 f"{name} | fix: write a whole number")
+            if isinstance(v, (int, float)) and v > limit:
+                shown = str(v) if len(str(v)) <= 24 else f"{str(v)[:4]}... ({len(str(v))} digits)"
+                raise ValueError(f"{name} {shown} is over the limit of {limit:,} | field: {name} | fix: use at most "
+                                 f"{limit:,}; more is almost surely a typo (docs/user-guide.md lists the limits)")
+        return data
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
+import stat
+import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -15,32 +18,243 @@ from .errors import ConfigError
 T = TypeVar("T", bound=pydantic.BaseModel)
 
 
-def read_data(path: str | Path) -> Any:
-    """Parse a YAML file with ``yaml.safe_load`` (a .json file with ``json``); errors carry the line."""
+# ---- limits on what a file may be (docs/user-guide.md, "Limits") -----------------------------------------
+MAX_YAML_BYTES = 4 * 2 ** 20     # pure-Python YAML reads ~0.3 MB/s: a bigger file would take more than 15 s
+MAX_JSON_BYTES = 64 * 2 ** 20    # a plan for 131,072 ranks is ~28 MB of JSON (read in well under a second)
+MAX_DEPTH = 64                   # mappings/lists inside each other (the schemas need fewer than 10)
+MAX_EXPANDED = 1_000_000         # values a YAML file's aliases (*name) may expand to
+
+
+def _limit_for(path: Path) -> int:
+    return MAX_JSON_BYTES if path.suffix == ".json" else MAX_YAML_BYTES
+
+
+def read_text(path: str | Path, what: str = "file") -> str:
+    """The text of an input file, or one ConfigError naming it: missing, a directory or other non-file,
+    unreadable, too big (see :data:`MAX_YAML_BYTES` / :data:`MAX_JSON_BYTES`), not UTF-8."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError("file not found", source=str(path),
-                          fix="pass an existing file (see examples/clusters and examples/models)")
-    text = path.read_text()
-    if path.suffix == ".json":
-        # Not through YAML: YAML 1.1 reads JSON's 1e-05 as a string, which would change a plan's hash.
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
-                              source=str(path), fix="correct the syntax at that line") from None
+    src = str(path)
     try:
-        return yaml.safe_load(text)
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found", source=src,
+                          fix="pass an existing file (see examples/clusters and examples/models)") from None
+    except PermissionError:
+        raise ConfigError(f"cannot read the {what}: permission denied (on the file or a folder above it)",
+                          source=src, fix="make it readable (chmod a+r, and a+x on its folders) or run as a user "
+                                          "who can read it") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what}: {exc.strerror or exc}", source=src,
+                          fix="pass a file that exists and can be read") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"this is a directory, not a {what}", source=src,
+                          fix="pass one of the files inside it, not the folder")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"not a regular file (a pipe, device or socket); the {what} is read more than once",
+                          source=src, fix="save it to a file first and pass that file")
+    limit = _limit_for(path)
+    if st.st_size > limit:
+        raise ConfigError(f"the {what} is {_mib(st.st_size)}, over the {_mib(limit)} limit for "
+                          f"{'JSON' if limit == MAX_JSON_BYTES else 'YAML'} files", source=src,
+                          fix="pass the right file; big plans are read fastest as JSON (het-plugin plan -o plan.json)"
+                          if limit == MAX_YAML_BYTES else "pass the right file (a plan for the largest cluster "
+                                                          "het_plugin plans is well under this)")
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(limit + 1)
+    except PermissionError:
+        raise ConfigError(f"cannot read the {what}: permission denied", source=src,
+                          fix="make it readable (chmod a+r) or run as a user who can read it") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what}: {exc.strerror or exc}", source=src,
+                          fix="check the file and the disk it is on, or pass another file") from None
+    if len(raw) > limit:        # it grew since stat
+        raise ConfigError(f"the {what} is over the {_mib(limit)} limit", source=src, fix="pass the right file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, column {col}", source=src,
+                          fix="save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > NEW), or pass the "
+                              "right file") from None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB"
+
+
+def read_data(path: str | Path, text: str | None = None) -> Any:
+    """Parse a YAML file with a safe loader (a .json file with ``json``); errors carry the line.
+
+    ``text``: the file's text when the caller has read it already (:func:`read_text`)."""
+    path = Path(path)
+    if text is None:
+        text = read_text(path)
+    if path.suffix == ".json":
+        return parse_json(text, str(path))
+    return parse_yaml(text, str(path))
+
+
+def parse_json(text: str, source: str) -> Any:
+    # Not through YAML: YAML 1.1 reads JSON's 1e-05 as a string, which would change a plan's hash.
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+                          source=source, fix="correct the syntax at that line") from None
+    except RecursionError:
+        raise ConfigError("brackets nested too deeply", source=source,
+                          fix=f"het_plugin's files nest at most {MAX_DEPTH} levels; pass the right file") from None
+    except ValueError as exc:      # an integer of more than 4300 digits
+        raise ConfigError(f"malformed JSON: {exc}".split(";")[0], source=source,
+                          fix="write numbers of a sensible size") from None
+
+
+class _TooDeep(yaml.MarkedYAMLError):
+    pass
+
+
+class SafeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses nesting deeper than :data:`MAX_DEPTH` before recursing into it (the
+    composer is recursive: 50,000 brackets were a RecursionError), and turns a value the constructor
+    cannot convert (an integer of 5,000 digits, a date such as 2024-13-45) into an error with its line."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+        self.saw_alias = False
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.saw_alias = True
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _TooDeep(None, None, f"nested more than {MAX_DEPTH} levels deep", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as exc:
+            value = node.value if isinstance(node.value, str) else ""
+            shown = repr(value) if len(value) <= 40 else repr(value[:20]) + f"... ({len(value)} characters)"
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read the value {shown}: {str(exc).split(';')[0]}", node.start_mark) from None
+
+
+def compose(text: str) -> Any:
+    """The YAML node tree of ``text`` (depth-limited; raises yaml.YAMLError)."""
+    loader = SafeLoader(text)
+    try:
+        return loader.get_single_node()
+    finally:
+        loader.dispose()
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """``text`` as YAML data: safe tags only, depth-limited, duplicate keys and alias bombs refused."""
+    try:
+        loader = SafeLoader(text)       # the reader checks the characters here already
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        context, cmark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-        if context and cmark and (not mark or cmark.line != mark.line):
-            # The parser notices an unclosed bracket or quote later than where it starts: say both.
-            problem += f" ({context} that starts at line {cmark.line + 1}, column {cmark.column + 1})"
-        raise ConfigError(f"malformed YAML at {line}{problem}", source=str(path),
-                          fix="correct the syntax at that line (indentation, a missing ':' or quote)") from None
+        raise _yaml_error(exc, text, source) from None
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(node, source, loader.saw_alias)
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, text, source) from None
+    finally:
+        loader.dispose()
+
+
+def _yaml_error(exc: yaml.YAMLError, text: str, source: str) -> ConfigError:
+    if isinstance(exc, yaml.reader.ReaderError):
+        line = text.count("\n", 0, exc.position) + 1
+        col = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        return ConfigError(f"malformed YAML at line {line}, column {col}: character #x{exc.character:04x} is not "
+                           "allowed in YAML", source=source, fix="remove that character (control characters and "
+                                                                  "NUL bytes cannot appear in YAML)")
+    mark = getattr(exc, "problem_mark", None)
+    line = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if isinstance(exc, _TooDeep):
+        return ConfigError(f"YAML at {line}{problem}", source=source,
+                           fix="het_plugin's files need fewer than 10 levels; pass the right file")
+    context, cmark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and cmark and (not mark or cmark.line != mark.line):
+        # The parser notices an unclosed bracket or quote later than where it starts: say both.
+        problem += f" ({context} that starts at line {cmark.line + 1}, column {cmark.column + 1})"
+    return ConfigError(f"malformed YAML at {line}{problem}", source=source,
+                       fix="correct the syntax at that line (indentation, a missing ':' or quote)")
+
+
+def _check_nodes(root: Any, source: str, aliases: bool) -> None:
+    """Duplicate keys in a mapping (YAML would keep the last one silently; a later error would then point at
+    the wrong line), and, when the file uses aliases, how many values they expand to (a "billion laughs"
+    file is a few lines) and alias cycles. Linear in the number of nodes."""
+    seen: set[int] = set()
+    stack = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: dict = {}
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    first = keys.setdefault((k.tag, k.value), k)
+                    if first is not k:
+                        where = field_path(path + (k.value,))
+                        raise ConfigError(f"duplicate key {k.value!r} (first at line {first.start_mark.line + 1}); "
+                                          "YAML would keep only the last value", source=source,
+                                          field=f"{where} (line {k.start_mark.line + 1})",
+                                          fix=f"keep one {k.value!r} in this mapping")
+                stack.append((v, path + (k.value if isinstance(k, yaml.ScalarNode) else "?",)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, path + (i,)) for i, v in enumerate(node.value))
+    if aliases:
+        _check_expansion(root, source)
+
+
+def _check_expansion(root: Any, source: str) -> None:
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            on_path.discard(key)
+            kids = _children(node)
+            size[key] = 1 + sum(size[id(c)] for c in kids)
+            if size[key] > MAX_EXPANDED:
+                raise ConfigError(f"the aliases (*name) at line {node.start_mark.line + 1} expand to more than "
+                                  f"{MAX_EXPANDED:,} values", source=source,
+                                  fix="write the values out, or use fewer nested aliases")
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            raise ConfigError(f"the alias (*name) at line {node.start_mark.line + 1} refers to a value that "
+                              "contains it (a cycle)", source=source, fix="remove the alias from inside its anchor")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in size)
+
+
+def _children(node: Any) -> list:
+    if isinstance(node, yaml.MappingNode):
+        return [x for pair in node.value for x in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
 
 
 def field_path(loc: tuple) -> str:
@@ -70,8 +284,8 @@ def validate(cls: type[T], data: Any, source: str, text: str | None = None) -> T
 
 def load_validated(cls: type[T], path: str | Path) -> T:
     """Read a YAML/JSON file and validate it; errors name the file, the field path, its line and the fix."""
-    data = read_data(path)
-    return validate(cls, data, str(path), Path(path).read_text())
+    text = read_text(path)
+    return validate(cls, read_data(path, text), str(path), text)
 
 
 def _config_error(cls: type[pydantic.BaseModel], exc: pydantic.ValidationError, source: str,
@@ -80,9 +294,14 @@ def _config_error(cls: type[pydantic.BaseModel], exc: pydantic.ValidationError, 
     # A misspelled field shows up twice: 'missing' for the right name and 'extra_forbidden' for the
     # typo. The typo is the user's actual mistake, so report it first.
     errors.sort(key=lambda e: e["type"] != "extra_forbidden")
-    err = errors[0]
-    # Drop pydantic's union/tag names from the path: they are not fields the user wrote.
     tags = _model_names(cls) | {"str", "int", "float", "bool"}
+    # A union (an accelerator name, or a mapping describing one) fails once per branch; the branch the user
+    # meant is the one that got further: drop a branch error when another went deeper under the same field.
+    deeper = [e for e in errors if not (isinstance(e["loc"][-1:] and e["loc"][-1], str) and e["loc"][-1] in tags
+                                        and any(len(o["loc"]) > len(e["loc"]) and o["loc"][:len(e["loc"]) - 1]
+                                                == e["loc"][:-1] for o in errors))]
+    err = (deeper or errors)[0]
+    # Drop pydantic's union/tag names from the path: they are not fields the user wrote.
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")
                                                                        or p in tags)))
     msg = re.sub(r" or instance of \w+", "", err["msg"].removeprefix("Value error, "))
@@ -154,7 +373,7 @@ def _parse_path(text: str) -> tuple:
 def _line_of(text: str, loc: tuple) -> int | None:
     """1-based line of the YAML node at ``loc`` (a key's line for mapping entries), or None."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = compose(text)
     except yaml.YAMLError:
         return None
     line = node.start_mark.line + 1 if node is not None else None
@@ -195,7 +414,10 @@ _FIXES = {
     "missing": "add this field",
     "int_parsing": "use a whole number",
     "int_type": "use a whole number",
+    "int_from_float": "use a whole number",
     "float_parsing": "use a number",
+    "finite_number": "use a finite number (not .inf or .nan)",
+    "less_than_equal": "use a smaller value (docs/user-guide.md lists the limits)",
     "greater_than": "use a positive value",
     "greater_than_equal": "use a larger value",
     "list_type": "use a YAML list (lines starting with '- ')",
@@ -205,9 +427,96 @@ _FIXES = {
 
 
 def dump_data(data: Any, path: str | Path) -> None:
-    """Write JSON when the path ends in .json, YAML otherwise."""
+    """Write JSON when the path ends in .json, YAML otherwise; atomically (see :func:`write_atomic`).
+
+    A YAML file over :data:`MAX_YAML_BYTES` is refused: het_plugin could not read it back."""
     path = Path(path)
     if path.suffix == ".json":
-        path.write_text(json.dumps(data, indent=1) + "\n")
+        text = json.dumps(data, indent=1) + "\n"
     else:
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        text = yaml.safe_dump(data, sort_keys=False)
+        if len(text.encode()) > MAX_YAML_BYTES:
+            raise ConfigError(f"as YAML this is {_mib(len(text.encode()))}, over the {_mib(MAX_YAML_BYTES)} het_plugin "
+                              "reads from a YAML file", source=str(path), field="-o/--output",
+                              fix=f"write it as JSON: {path.with_suffix('.json')}")
+    write_atomic(path, text)
+
+
+def write_atomic(path: str | Path, text: str | bytes, what: str = "output") -> None:
+    """Write ``path`` so that a reader sees the old file or the whole new one, never a part: a private
+    temporary file (``mkstemp``, mode 0600 until complete) in the same folder, then ``os.replace``. A
+    symlink is followed (its target is replaced). Errors become a ConfigError naming the path."""
+    path = Path(os.path.realpath(path))
+    data = text.encode() if isinstance(text, str) else text
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise _write_error(exc, path, what) from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _unlink_quietly(tmp)
+        raise _write_error(exc, path, what) from None
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def check_writable(path: str | Path, field: str, what: str = "output") -> None:
+    """Fail now, not after minutes of work, when ``path`` cannot be written: its folder is missing or not
+    writable (probed by creating and removing a private temporary file there), or it is a directory."""
+    real = Path(os.path.realpath(path))
+    if real.is_dir():
+        raise ConfigError(f"{path} is a directory", source=str(path), field=field,
+                          fix=f"give a file name, e.g. {Path(path) / ('plan.json' if what == 'plan' else 'out')}")
+    if not real.parent.is_dir():
+        raise ConfigError(f"the folder {str(real.parent)!r} does not exist", source=str(path), field=field,
+                          fix="create the folder first, or write somewhere that exists")
+    if real.exists() and not os.access(real, os.W_OK):
+        raise ConfigError("the file exists and is not writable", source=str(path), field=field,
+                          fix="make it writable, or choose another name")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.", suffix=".probe")
+    except OSError as exc:
+        raise _write_error(exc, real, what, field) from None
+    os.close(fd)
+    _unlink_quietly(tmp)
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """True when ``a`` and ``b`` name one file (hard links, symlinks, ./ and ../ included)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _write_error(exc: OSError, path: Path, what: str, field: str | None = None) -> ConfigError:
+    return ConfigError(f"cannot write the {what}: {exc.strerror or exc}", source=str(path), field=field,
+                       fix="choose a folder you can write to (and that has space), or fix its permissions")
+
+
+def _unlink_quietly(name: str) -> None:
+    try:
+        os.unlink(name)
+    except OSError:
+        pass
+
+
+def _umask() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
