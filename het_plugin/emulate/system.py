@@ -2,7 +2,9 @@
 
 Every run writes ``/run/het-plugin-emulate/<run id>.json`` (its owner's pid and process start time)
 *before* creating anything, so a run killed with SIGKILL leaves a record; the next start removes the
-namespaces, links and record of every run whose owner is gone.
+namespaces, links and record of every run whose owner is gone. Records are written atomically (a private
+temporary file in the same folder, then a link to the final name), so a concurrent start never reads half a
+record; a record it cannot read is left alone with its run, never taken for an ownerless run.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,8 +171,27 @@ class RunRecord:
         return STATE_DIR / f"{self.run_id}.json"
 
     def write(self) -> None:
-        STATE_DIR.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"run_id": self.run_id, "pid": self.pid, "start_time": self.start_time}))
+        """Atomically and exclusively: the record appears whole or not at all, and a run id in use is
+        never overwritten (``os.link`` of a complete private temporary file to the final name)."""
+        folder = state_dir()
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{self.run_id}.", suffix=TMP_SUFFIX)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(json.dumps({"run_id": self.run_id, "pid": self.pid, "start_time": self.start_time}))
+                fh.flush()
+                os.fsync(fh.fileno())
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                raise EmulatorUnavailable(f"emulator run id {self.run_id} is already in use ({self.path}); start "
+                                          "again (a new id is drawn each time)") from None
+            except OSError:                  # a filesystem without hard links: still atomic, not exclusive
+                os.replace(tmp, self.path)
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -178,15 +201,49 @@ class RunRecord:
         return alive(self.pid, self.start_time)
 
 
-def records() -> dict[str, RunRecord]:
+TMP_SUFFIX = ".tmp"
+STALE_TMP_S = 60.0      # a temporary record older than this was left by a writer that died mid-write
+
+
+def state_dir() -> Path:
+    """The registry folder, created private (0700); refused when it is not a directory of ours (a symlink or
+    a folder someone else owns could redirect or forge records)."""
+    try:
+        STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(STATE_DIR)
+    except OSError as exc:
+        raise EmulatorUnavailable(f"cannot create the emulator's run registry {STATE_DIR}: {exc.strerror or exc}"
+                                  " (set HET_PLUGIN_EMULATE_STATE to a folder root can write)") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise EmulatorUnavailable(f"the emulator's run registry {STATE_DIR} is not a directory owned by this user "
+                                  "(a symlink, or another owner): remove it, or set HET_PLUGIN_EMULATE_STATE")
+    return STATE_DIR
+
+
+def records(unreadable: Optional[dict[str, str]] = None) -> dict[str, RunRecord]:
+    """The readable run records by run id. A record that cannot be read is *not* deleted (its owner may be
+    alive): its run id and the reason go to ``unreadable`` when given. Stale temporary files go."""
     out = {}
-    if STATE_DIR.is_dir():
-        for f in STATE_DIR.glob("*.json"):
+    if not STATE_DIR.is_dir():
+        return out
+    for f in STATE_DIR.iterdir():
+        if f.name.endswith(TMP_SUFFIX):
             try:
-                d = json.loads(f.read_text())
-                out[d["run_id"]] = RunRecord(d["run_id"], int(d["pid"]), d.get("start_time"))
-            except (OSError, ValueError, KeyError):
-                f.unlink(missing_ok=True)
+                if time.time() - f.stat().st_mtime > STALE_TMP_S:
+                    f.unlink()
+            except OSError:
+                pass
+            continue
+        if f.suffix != ".json" or not RUN_ID_RE.match(f.stem):
+            continue
+        try:
+            d = json.loads(f.read_text())
+            if d["run_id"] != f.stem:
+                raise ValueError(f"names run {d['run_id']!r}")
+            out[f.stem] = RunRecord(f.stem, int(d["pid"]), d.get("start_time"))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if unreadable is not None:
+                unreadable[f.stem] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -204,10 +261,16 @@ def remove_run(run_id: str) -> list[str]:
     return removed
 
 
-def clean_leftovers() -> list[str]:
-    """Remove every emulator run whose owner is gone (crashed, SIGKILLed); live runs are left alone."""
-    recs = records()
-    runs = {run_of_name(n) for n in namespaces() + root_links()} | set(recs)
+def clean_leftovers(kept: Optional[list[str]] = None) -> list[str]:
+    """Remove every emulator run whose owner is gone (crashed, SIGKILLed); live runs are left alone, and so
+    is a run whose record cannot be read (why goes to ``kept`` when given).
+
+    Namespaces and links are listed *before* the records: a run writes its record before it creates
+    anything, so every run seen here whose owner is alive has its record in the listing that follows."""
+    names = namespaces() + root_links()
+    unreadable: dict[str, str] = {}
+    recs = records(unreadable)
+    runs = {run_of_name(n) for n in names} | set(recs)
     removed = []
     for ns in namespaces(f"{NS_PREFIX}probe"):          # a precondition probe whose process died
         pid = ns[len(NS_PREFIX) + 5:]
@@ -217,6 +280,11 @@ def clean_leftovers() -> list[str]:
     for run_id in sorted(r for r in runs if r):
         rec = recs.get(run_id)
         if rec is not None and rec.owner_alive:
+            continue
+        if run_id in unreadable:
+            if kept is not None:
+                kept.append(f"run {run_id} (its record {STATE_DIR / (run_id + '.json')} cannot be read: "
+                            f"{unreadable[run_id]}; delete the record by hand if its owner is gone)")
             continue
         removed += remove_run(run_id)
     return removed
