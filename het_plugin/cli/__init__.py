@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:            # `het-plugin plan | head`: the reader left; not an error
         sys.stderr = open(os.devnull, "w")
         return 0
+    except OSError as exc:             # a file the checks before could not foresee (disk full, gone meanwhile)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"het-plugin {args.command}: error: {where}{exc.strerror or exc}\n  fix: check the path, its "
+              "permissions and the free space, then run again", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -26,7 +26,29 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_args(args) -> None:
+    import math
+
+    from ..errors import ConfigError
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ConfigError(f"{args.timeout} is not a number of seconds > 0", field="--timeout",
+                          fix="pass the seconds to wait for the other ranks, e.g. 300")
+    if args.ethernet_gbps is not None:
+        from ..cluster import GBPS_RANGE
+        lo, hi = GBPS_RANGE
+        if not (math.isfinite(args.ethernet_gbps) and lo <= args.ethernet_gbps <= hi):
+            raise ConfigError(f"{args.ethernet_gbps} is outside {lo:g} .. {hi:g} Gbit/s", field="--ethernet-gbps",
+                              fix="give the speed in Gbit/s, e.g. 25")
+    if args.output:
+        if not args.gather:
+            raise ConfigError("-o writes the cluster file of --gather; without --gather it is not used",
+                              field="-o/--output", fix="add --gather (under torchrun), or drop -o")
+        from ..yamlio import check_writable
+        check_writable(args.output, "-o/--output", "cluster file")
+
+
 def run(args) -> int:
+    check_args(args)
     if args.gather:
         return _gather(args)
     from ..discovery import discover_node
@@ -54,8 +76,8 @@ def _gather(args) -> int:
     if rank == 0:
         text = format_yaml(found.data, found.notes)
         if args.output:
-            with open(args.output, "w") as fh:
-                fh.write(text)
+            from ..yamlio import write_atomic
+            write_atomic(args.output, text, "cluster file")
             print(f"cluster file written to {args.output} ({len(found.cluster.nodes)} nodes, "
                   f"{found.cluster.world_size} ranks)", file=sys.stderr)
         else:

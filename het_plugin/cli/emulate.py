@@ -47,6 +47,20 @@ def split_command(args) -> argparse.Namespace:
     return args
 
 
+def check_numbers(args) -> None:
+    import math
+
+    from ..errors import ConfigError
+    if not (math.isfinite(args.scale) and 1e-3 <= args.scale <= 1e9):
+        raise ConfigError(f"{args.scale} is not a scale the emulator takes (0.001 .. 1e9)", field="--scale",
+                          fix="pass real bits per emulated bit, e.g. --scale 1000 (200 Gbit/s -> 200 Mbit/s)")
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"{args.port} is not a TCP port", field="--port", fix="pass a port from 1 to 65535, e.g. 29500")
+    if not (math.isfinite(args.timeout) and args.timeout >= 0):
+        raise ConfigError(f"{args.timeout} is not a number of seconds >= 0", field="--timeout",
+                          fix="pass the seconds after which the ranks are killed, or 0 for never")
+
+
 def run(args) -> int:
     from ..cluster import load_cluster
     from ..emulate import Emulation, EmulatorUnavailable, make_layout, stream_prefixed, terminate_on_signals
@@ -54,19 +68,25 @@ def run(args) -> int:
     from ..errors import ConfigError
 
     args = split_command(args)
+    check_numbers(args)
     if args.cleanup:
         try:
             check_preconditions()
         except EmulatorUnavailable as exc:
             print(f"het-plugin emulate: {exc}", file=sys.stderr)
             return 3
-        removed = clean_leftovers()
+        kept: list[str] = []
+        removed = clean_leftovers(kept)
         print("removed: " + (", ".join(removed) if removed else "nothing (no leftovers)"))
+        for note in kept:
+            print(f"kept: {note}")
         return 0
     if not args.cluster:
         raise ConfigError("no cluster file given", field="CLUSTER",
                           fix="het-plugin emulate examples/clusters/holmes-ib-roce.yaml -- python train.py")
-    cluster = load_cluster(args.cluster)
+    from .plan import named_by
+    with named_by("CLUSTER"):
+        cluster = load_cluster(args.cluster)
     if args.show:
         print(make_layout(cluster, "000000", args.scale).describe())
         return 0

@@ -22,15 +22,42 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_args(args) -> None:
+    """Before any planning: degrees in range, the config readable, -o writable and not one of the inputs."""
+    from pathlib import Path
+
+    from ..cluster import MAX_ACCELERATORS
+    from ..errors import ConfigError
+    from ..yamlio import check_writable, parse_json, read_text, same_file
+    from .plan import named_by
+
+    for name in ("pp", "tp"):
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= MAX_ACCELERATORS:
+            raise ConfigError(f"{value} is not between 1 and {MAX_ACCELERATORS:,}", field=f"--{name}",
+                              fix=f"pass a whole number from 1 to {MAX_ACCELERATORS:,}, or leave --{name} out")
+    with named_by("CONFIG"):
+        parse_json(read_text(args.config, "DeepSpeed config"), args.config)
+    if args.output:
+        for flag, given in (("CONFIG", args.config), ("--cluster", args.cluster), ("--model", args.model)):
+            if given and Path(given).exists() and same_file(given, args.output):
+                raise ConfigError(f"{args.output} is also the input ({flag}); writing it would destroy that file",
+                                  source=args.output, field="-o/--output",
+                                  fix="write the wrapped config to another file (e.g. wrapped.json)")
+        check_writable(args.output, "-o/--output", "wrapped config")
+
+
 def run(args) -> int:
-    from ..deepspeed.config import SECTION, wrap, write_config
+    from ..deepspeed.config import SECTION, wrap
+    from ..yamlio import write_atomic
     import json
 
+    check_args(args)
     wrapped = wrap(args.config, cluster=args.cluster, model=args.model, pp=args.pp, tp=args.tp,
                    layer_pattern=args.layer_pattern, embed_plan=not args.no_embed_plan)
     section = wrapped[SECTION]
     if args.output:
-        write_config(wrapped, args.output)
+        write_atomic(args.output, json.dumps(wrapped, indent=2) + "\n", "wrapped config")
         what = f"plan {section['plan_hash']}" if section["plan_hash"] else "planning at start-up"
         print(f"wrote {args.output} ({what}; degrees tp={section['tp']} pp={section['pp']} dp={section['dp']})",
               file=sys.stderr)
