@@ -20,7 +20,9 @@ Point-to-point transfers: the warm-up and cool-down send and receive *blocking* 
 * with ``overlap_p2p_comm`` (Megatron-LM's default for interleaving) each send is posted asynchronously right
   after its compute, and the rank then waits only for the *previous* send in the same direction
   (``send_next_wait_handle.wait()``): a transfer is hidden behind up to one forward-and-backward of compute,
-  and a rank whose link is slower than that waits for it.
+  and a rank whose link is slower than that waits for it. Before the (blocking) cool-down it waits for the last
+  steady backward's send;
+* with ``overlap_p2p_comm_warmup_flush`` as well, the warm-up and cool-down post their sends the same way.
 
 A directed link (one sender rank to one receiver rank) carries one transfer at a time. With ``vpp == 1`` use
 :func:`het_plugin.cost.simulate_1f1b` (Megatron's non-interleaved schedule, a different warm-up).
@@ -88,16 +90,19 @@ class InterleavedRun:
 
 
 def simulate_interleaved(fwd: Sequence[Sequence[float]], bwd: Sequence[Sequence[float]], send: Sequence[float],
-                         wrap_send: float, m: int, *, overlap_p2p_comm: bool = True,
+                         wrap_send: float, m: int, *, overlap_p2p_comm: bool = True, warmup_flush: bool = False,
                          group: Optional[int] = None) -> InterleavedRun:
     """Simulate Megatron's interleaved 1F1B.
 
     ``fwd[r][c]`` / ``bwd[r][c]``: one micro-batch's forward / backward of chunk ``c`` on rank ``r``.
     ``send[r]``: one activation or gradient between ranks ``r`` and ``r + 1`` (either direction; ``pp - 1``
     entries are read); ``wrap_send``: between the last rank and the first (chunk ``c`` of the last rank feeds
-    chunk ``c + 1`` of the first).
+    chunk ``c + 1`` of the first). ``warmup_flush`` (Megatron's ``overlap_p2p_comm_warmup_flush``, with
+    ``overlap_p2p_comm``): the warm-up and cool-down send asynchronously too, as the steady state does.
     """
     pp, vpp = len(fwd), len(fwd[0])
+    if warmup_flush and not overlap_p2p_comm:
+        raise ValueError("warmup_flush needs overlap_p2p_comm (Megatron: overlap_p2p_comm_warmup_flush)")
     if pp < 2 or vpp < 2 or any(len(row) != vpp for row in list(fwd) + list(bwd)) or len(bwd) != pp:
         raise ValueError("simulate_interleaved needs pp >= 2 ranks of vpp >= 2 chunks (fwd and bwd alike)")
     check_micro_batches(pp, m, group)
@@ -169,6 +174,11 @@ def simulate_interleaved(fwd: Sequence[Sequence[float]], bwd: Sequence[Sequence[
             if ready is None:
                 break
             g = c * pp + r
+            if (phase == "cooldown" and overlap_p2p_comm and not warmup_flush
+                    and ptr[r] > 0 and orders[r][ptr[r] - 1][3] != "cooldown"):
+                # Megatron waits for the last steady backward's send before the blocking cool-down
+                free[r] = max(free[r], last_send[r]["prev"])
+                last_send[r]["prev"] = 0.0
             start = max(free[r], ready)
             dur = fwd[r][c] if kind == "F" else bwd[r][c]
             end = start + dur
@@ -179,10 +189,7 @@ def simulate_interleaved(fwd: Sequence[Sequence[float]], bwd: Sequence[Sequence[
                 last_b_start[r][c] = start
             free[r] = end
             direction = "next" if kind == "F" else "prev"
-            if phase != "steady":                 # blocking send
-                if phase == "cooldown" and overlap_p2p_comm:      # the last steady backward's send
-                    free[r] = max(free[r], last_send[r]["prev"])
-                    last_send[r]["prev"] = 0.0
+            if phase != "steady" and not warmup_flush:      # blocking send
                 arrival = post(r, kind, i, g, free[r])
                 if arrival is not None:
                     free[r] = arrival

@@ -181,3 +181,20 @@ def test_interleaving_that_cannot_run_is_refused_by_field(holmes):
     assert e.value.field == "global_batch_size"
     with pytest.raises(ConfigError, match="vpp"):
         make_plan(holmes, model, vpp=0)
+
+
+def test_overlapping_the_warm_up_and_cool_down_too_never_costs_and_needs_overlap():
+    """Megatron's overlap_p2p_comm_warmup_flush posts the warm-up and cool-down sends asynchronously as well."""
+    for pp, vpp, s in [(2, 2, 0.3), (4, 2, 0.5), (3, 3, 0.2), (4, 3, 1.0)]:
+        f = [[1.0 / vpp] * vpp] * pp
+        b = [[2.0 / vpp] * vpp] * pp
+        plain = max(simulate_interleaved(f, b, [s] * pp, s, 2 * pp).finish)
+        flushed = max(simulate_interleaved(f, b, [s] * pp, s, 2 * pp, warmup_flush=True).finish)
+        assert flushed <= plain + 1e-9
+    # it helps where a warm-up send is slower than the next chunk (the fill's own hops stay on the critical path)
+    f, b = [[1 / 3] * 3] * 4, [[2 / 3] * 3] * 4
+    assert max(simulate_interleaved(f, b, [1.0] * 4, 1.0, 8, warmup_flush=True).finish) \
+        < max(simulate_interleaved(f, b, [1.0] * 4, 1.0, 8).finish)
+    with pytest.raises(ValueError, match="overlap_p2p_comm"):
+        simulate_interleaved([[0.5] * 2] * 2, [[1.0] * 2] * 2, [0.1] * 2, 0.1, 4, overlap_p2p_comm=False,
+                             warmup_flush=True)
