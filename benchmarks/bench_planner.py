@@ -1,5 +1,5 @@
-"""Planner benchmark: planned vs framework-default predicted throughput, the HETHUB-like mix against its
-sub-clusters, and planner wall time at 768 and 16,384 accelerators. One run, side by side.
+"""Planner benchmark: planned vs framework-default predicted throughput (dense and MoE models), the HETHUB-like
+mix against its sub-clusters, and planner wall time at 768 and 16,384 accelerators. One run, side by side.
 
     python benchmarks/bench_planner.py            (about a minute on 2 cores)
     python benchmarks/bench_planner.py --quick    (skips the 16,384-accelerator timing)
@@ -22,10 +22,43 @@ CASES = [("holmes-ib-roce", "gpt-7.5b"), ("holmes-ib-roce", "gpt-39b"),
          ("two-clusters-25gbe", "gpt-7.5b"), ("two-clusters-25gbe", "gpt-39b"),
          ("homogeneous-ib", "gpt-7.5b"), ("homogeneous-ib", "gpt-39b"),
          ("hethub-mix", "llama-140b")]
+# Mixture-of-experts models: the planner also chooses ep (and etp in {1, tp}); the baseline is the framework
+# default placement with the best ep for it.
+MOE_CASES = [("holmes-ib-roce", "mixtral-8x7b"), ("hethub-mix", "mixtral-8x7b"), ("two-clusters-25gbe", "mixtral-8x7b"),
+             ("homogeneous-ib", "mixtral-8x7b"), ("holmes-ib-roce", "deepseek-moe-16b"),
+             ("hethub-mix", "deepseek-moe-16b")]
 
 
 def degrees(p) -> str:
-    return f"tp{p.tp} pp{p.pp} dp{p.dp} mb{p.micro_batch_size}"
+    experts = f" ep{p.ep} etp{p.dims.etp}" if p.model.get("num_moe_experts") else ""
+    return f"tp{p.tp} pp{p.pp} dp{p.dp}{experts} mb{p.micro_batch_size}"
+
+
+def _baseline_degrees(plan) -> str:
+    base = plan.baseline
+    if base is None:
+        return "-"
+    text = "same as plan" if plan.homogeneous else base.description.split("default: ")[-1].split(", domain")[0]
+    return text + (" +distopt" if base.description.endswith("distributed optimizer") and not plan.homogeneous else "")
+
+
+def moe_planned_vs_baseline() -> None:
+    print("## Mixture of experts: planned vs framework-default (baseline), ep chosen by the planner\n")
+    print("| cluster | model | plan | expert-ep transport | all-to-all share | planned tok/s | baseline | "
+          "baseline all-to-all | baseline tok/s | ratio | planner s |")
+    print("|---|---|---|---|---:|---:|---|---:|---:|---:|---:|")
+    for cname, mname in MOE_CASES:
+        start = time.perf_counter()
+        plan = make_plan(load_cluster(CLUSTERS / f"{cname}.yaml"), preset_model(mname), ep=None)
+        took = time.perf_counter() - start
+        pred, base = plan.prediction, plan.baseline
+        where = "/".join(sorted({g.transport for g in plan.groups.get("expert-ep", [])})) if plan.ep > 1 else "(ep=1)"
+        ratio = f"{pred.tokens_per_s / base.tokens_per_s:.2f}x" if base else "n/a"
+        base_a2a = f"{base.alltoall_s / base.iteration_s:.1%}" if base else "-"
+        print(f"| {cname} | {mname} | {degrees(plan)}{' +distopt' if plan.distributed_optimizer else ''} | {where} | "
+              f"{pred.alltoall_s / pred.iteration_s:.1%} | {pred.tokens_per_s:,.0f} | {_baseline_degrees(plan)} | "
+              f"{base_a2a} | {base.tokens_per_s if base else float('nan'):,.0f} | {ratio} | {took:.1f} |")
+    print()
 
 
 def planned_vs_baseline() -> None:
@@ -35,10 +68,7 @@ def planned_vs_baseline() -> None:
     for cname, mname in CASES:
         plan = make_plan(load_cluster(CLUSTERS / f"{cname}.yaml"), preset_model(mname))
         base = plan.baseline
-        bdeg = "-"
-        if base is not None:
-            bdeg = "same as plan" if plan.homogeneous else base.description.split("default: ")[-1].split(", domain")[0]
-            bdeg += " +distopt" if base.description.endswith("distributed optimizer") and not plan.homogeneous else ""
+        bdeg = _baseline_degrees(plan)
         layers = plan.layers_per_stage if len(plan.layers_per_stage) <= 12 else \
             f"{plan.layers_per_stage[:6]}..."
         ratio = f"{plan.prediction.tokens_per_s / base.tokens_per_s:.2f}x" if base else "n/a"
@@ -107,13 +137,15 @@ def wall_times(quick: bool) -> None:
     print("## Planner wall time\n")
     print("| accelerators | cluster | model | wall s | CPU s | budget s | plan |")
     print("|---:|---|---|---:|---:|---:|---|")
-    cases = [(load_cluster(CLUSTERS / "hethub-mix.yaml"), preset_model("llama-140b"), 10)]
+    cases = [(load_cluster(CLUSTERS / "hethub-mix.yaml"), preset_model("llama-140b"), 10),
+             (load_cluster(CLUSTERS / "hethub-mix.yaml"), preset_model("mixtral-8x7b"), 10)]
     if not quick:
-        model = preset_model("llama-140b").model_copy(update={"global_batch_size": 8192})
-        cases.append((big_cluster(), model, 60))
+        for name in ("llama-140b", "mixtral-8x7b"):
+            model = preset_model(name).model_copy(update={"global_batch_size": 8192})
+            cases.append((big_cluster(), model, 60))
     for cl, model, budget in cases:
         start, cpu = time.perf_counter(), time.process_time()
-        plan = make_plan(cl, model)
+        plan = make_plan(cl, model, ep=None)          # MoE models: ep searched too
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         order = " > ".join(n.split("/")[0] for n in plan.prediction.description.split("domain order ")[1]
                            .split(",")[0].split(" > "))
@@ -127,6 +159,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the 16,384-accelerator timing")
     args = ap.parse_args()
     planned_vs_baseline()
+    moe_planned_vs_baseline()
     hethub_fraction()
     wall_times(args.quick)
 

@@ -97,15 +97,25 @@ class Candidate:
     @property
     def key(self) -> tuple:
         d = self.placement.dims
-        return (self.prediction.iteration_s, d.tp, d.pp, self.micro_batch_size, self.order_index)
+        return (self.prediction.iteration_s, d.tp, d.pp, self.micro_batch_size, self.order_index, d.ep, -d.etp)
 
-    def summary(self) -> dict:
+    def summary(self, experts: bool = False) -> dict:
+        """The candidate in a few keys; ``experts`` (an MoE model) adds ep and etp even when they are 1 and tp."""
         d = self.placement.dims
         p = self.prediction
-        return {"tp": d.tp, "cp": d.cp, "pp": d.pp, "dp": d.dp, "micro_batch_size": self.micro_batch_size,
-                "domain_order": [f"{c}/{a}" for c, a in self.placement.domain_order],
-                "layers_per_stage": list(self.layers), "iteration_s": round(p.iteration_s, 6),
-                "tokens_per_s": round(p.tokens_per_s, 1), "distributed_optimizer": self.distributed_optimizer}
+        out = {"tp": d.tp, "cp": d.cp, "pp": d.pp, "dp": d.dp}
+        if experts or _has_experts(d):
+            out.update(ep=d.ep, etp=d.etp)
+        out.update({"micro_batch_size": self.micro_batch_size,
+                    "domain_order": [f"{c}/{a}" for c, a in self.placement.domain_order],
+                    "layers_per_stage": list(self.layers), "iteration_s": round(p.iteration_s, 6),
+                    "tokens_per_s": round(p.tokens_per_s, 1), "distributed_optimizer": self.distributed_optimizer})
+        return out
+
+
+def _has_experts(dims: ParallelDims) -> bool:
+    """Expert groups of their own (else the expert layers use the dense groups, or there are none)."""
+    return (dims.ep, dims.etp) != (1, dims.tp)
 
 
 @dataclass
@@ -114,6 +124,7 @@ class _Search:
     keep: int
     best: list[Candidate] = field(default_factory=list)
     closest_overflow: Optional[tuple[float, str]] = None     # (GiB over, description) of the nearest miss
+    expert_spans: list[str] = field(default_factory=list)     # placements refused: an expert group spans domains
 
     def bound(self) -> float:
         return self.best[-1].prediction.iteration_s if len(self.best) >= self.keep else math.inf
@@ -133,8 +144,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _degree_options(cluster: Cluster, model: ModelSpec, tp: Optional[int], pp: Optional[int],
-                    dp: Optional[int], cp: int, fixed_mb: Optional[int], ep: int = 1, etp: Optional[int] = None,
-                    order: str = DEFAULT_ORDER) -> list[ParallelDims]:
+                    dp: Optional[int], cp: int, fixed_mb: Optional[int], ep: Optional[int] = 1,
+                    etp: Optional[int] = None, order: str = DEFAULT_ORDER) -> list[ParallelDims]:
     """Every (tp, pp, dp) the frameworks accept for this cluster and model; fixed ones are checked.
 
     The planner itself only proposes TP inside a node; a homogeneous cluster takes any fixed tp and cp
@@ -162,7 +173,8 @@ def _degree_options(cluster: Cluster, model: ModelSpec, tp: Optional[int], pp: O
     if isinstance(pp, int) and pp > model.num_layers:
         raise ConfigError(f"a pipeline of {pp} stages cannot hold {model.num_layers} layers", field="pp",
                           fix=f"use pp <= {model.num_layers} (num_layers)")
-    request = Degrees(cluster.world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, order=order, source=src)
+    request = Degrees(cluster.world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, order=order, source=src,
+                      num_experts=model.num_moe_experts or None)
     request.check_expert_rules(tps, model.num_layers)
     out = [d for d in request.candidates(tps, model.num_layers)
            if model.global_batch_size % (d.dp * (fixed_mb or 1)) == 0]
@@ -232,19 +244,34 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
     orders = list(domain_orders(cluster))
     net = cost.Network(cluster, transport)
     most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
+    dense_key = lambda d: (d.tp, d.cp, d.pp, d.dp, d.order)      # noqa: E731 -- what the placement depends on
+    analyses: dict[tuple, list] = {}       # one analysis per dense degrees and domain order, every (ep, etp) on it
     for i, dims in enumerate(options):
-        dist_opts = [d for d in (False, True) if not (d and dims.dp == 1)]
+        dist_opts = [d for d in (False, True) if not (d and dims.dp * dims.cp * dims.expert_dp == 1)]
         dist_opts = [d for d in dist_opts if cost.params_memory_gib(model, dims, d) <= most_memory]
         if not dist_opts:
             found.miss(cost.params_memory_gib(model, dims, True) - most_memory, _label(dims))
             continue
-        seen: set = set()
-        for k, order in enumerate(orders):
-            placement = place(cluster, dims, order)
-            if placement.rank_of_logical in seen:
+        key = dense_key(dims)
+        if key not in analyses:
+            analyses.clear()                # options come grouped by dense degrees: keep one group's analyses
+            seen: set = set()
+            placed = []
+            for k, order in enumerate(orders):
+                placement = place(cluster, dims, order)
+                if placement.rank_of_logical in seen:
+                    continue
+                seen.add(placement.rank_of_logical)
+                placed.append((k, cost.analyze(cluster, placement, transport, net)))
+            analyses[key] = placed
+        for k, dense in analyses[key]:
+            analysis = cost.analyze_experts(cluster, dense, dims, net)
+            if analysis.expert_span is not None:
+                # Token all-to-all across a slow boundary or between vendors: never planned (the cost of
+                # the all-to-all decides only among placements that keep every expert group in one domain).
+                found.expert_spans.append(f"{_label(dims)}, order {' > '.join(f'{c}/{a}' for c, a in dense.placement.domain_order)}: "
+                                          f"{analysis.expert_span}")
                 continue
-            seen.add(placement.rank_of_logical)
-            analysis = cost.analyze(cluster, placement, transport, net)
             for mb in _micro_batches(model, dims, fixed_mb, sched[0]):
                 for dist_opt in dist_opts:
                     _evaluate_split(model, analysis, dims, mb, None, found, k, dist_opt, overlap, profile,
@@ -256,7 +283,7 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
 
 def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
                     dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
-                    profile: Optional[Profile] = None, ep: int = 1, etp: Optional[int] = None,
+                    profile: Optional[Profile] = None, ep: Optional[int] = 1, etp: Optional[int] = None,
                     order: str = DEFAULT_ORDER) -> list[Candidate]:
     """The best few plans of the het-aware search, best first, on any cluster (homogeneous ones too:
     benchmarks use it for the best a sub-cluster could do on its own)."""
@@ -272,6 +299,7 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
     Megatron-Core requires without a layout, unless the user fixed such a pp), ``transport_fn``."""
     found = _Search(keep=NUM_ALTERNATIVES + 1)
     net = cost.Network(cluster, transport_fn)
+    dense: Optional[cost.Analysis] = None
     for i, dims in enumerate(options):
         uneven = model.num_layers % (dims.pp * sched[0]) != 0     # Megatron's own split: even virtual stages too
         if uneven and not fixed_pp:
@@ -281,7 +309,10 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
         if states > most_memory:
             found.miss(states - most_memory, _label(dims))
             continue
-        analysis = cost.analyze(cluster, default_placement(cluster, dims), transport_fn, net)
+        d0 = dense.placement.dims if dense is not None else None
+        if d0 is None or (d0.tp, d0.cp, d0.pp, d0.dp, d0.order) != (dims.tp, dims.cp, dims.pp, dims.dp, dims.order):
+            dense = cost.analyze(cluster, default_placement(cluster, dims), transport_fn, net)
+        analysis = cost.analyze_experts(cluster, dense, dims, net)
         for mb in _micro_batches(model, dims, fixed_mb, sched[0]):
             layers = None if uneven else uniform_layers(model.num_layers, dims.pp)
             _evaluate_split(model, analysis, dims, mb, layers, found, 0, dist_opt, overlap, profile, _label(dims),
@@ -292,13 +323,15 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
 
 
 def _label(dims: ParallelDims) -> str:
-    return f"tp={dims.tp} pp={dims.pp} dp={dims.dp}" + (f" cp={dims.cp}" if dims.cp > 1 else "")
+    return (f"tp={dims.tp} pp={dims.pp} dp={dims.dp}" + (f" cp={dims.cp}" if dims.cp > 1 else "")
+            + (f" ep={dims.ep} etp={dims.etp}" if _has_experts(dims) else ""))
 
 
 def _describe(cand: Candidate, what: str) -> str:
     d = cand.placement.dims
     order = " > ".join(f"{c}/{a}" for c, a in cand.placement.domain_order)
-    return (f"{what}: tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp} micro-batch {cand.micro_batch_size}, "
+    experts = f" ep={d.ep} etp={d.etp}" if _has_experts(d) else ""
+    return (f"{what}: tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp}{experts} micro-batch {cand.micro_batch_size}, "
             f"domain order {order}, layers {cand.layers}"
             + (", distributed optimizer" if cand.distributed_optimizer else ""))
 
@@ -335,13 +368,17 @@ def _interleaved_options(model: ModelSpec, options: list[ParallelDims], pp: Opti
 
 def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
               dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
-              progress: Optional[Progress] = None, profile: Optional[Profile] = None, ep: int = 1,
+              progress: Optional[Progress] = None, profile: Optional[Profile] = None, ep: Optional[int] = 1,
               etp: Optional[int] = None, order: str = DEFAULT_ORDER, vpp: int = 1,
               overlap_p2p_comm: Optional[bool] = None) -> Plan:
     """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected.
 
     ``ep``/``etp`` (expert parallel sizes) and ``order`` (Megatron's rank order) are the framework's, taken
-    as given: on a homogeneous cluster the plan is the framework's own numbering in that order.
+    as given: on a homogeneous cluster the plan is the framework's own numbering in that order. ``ep=1``
+    (the default) is no expert parallelism, what a launch without ``--expert-model-parallel-size`` runs;
+    ``ep=None`` lets the planner choose it among the divisors of the model's ``num_moe_experts``, with
+    ``etp`` in {1, tp} unless ``etp`` is given. A heterogeneous plan keeps every expert group (its token
+    all-to-all) inside one domain: one cluster fabric and one device type.
 
     ``profile`` (measured layer times and link bandwidths) overrides the analytic estimates. ``progress``
     (see :data:`Progress`) hears how far the search is; the planner itself prints nothing. Raises a
@@ -372,6 +409,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     else:
         planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched)
     if not planned.best:
+        if planned.expert_spans and (planned.closest_overflow is None or (ep or 1) > 1):
+            raise _expert_span_error(cluster, planned, ep)
         raise _memory_error(cluster, model, planned)
     base_best = planned.best[0] if cluster.is_homogeneous else None
     if not cluster.is_homogeneous:
@@ -398,8 +437,18 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     return assemble_plan(cluster, model, best.placement, best.layers, best.micro_batch_size,
                          prediction=best.prediction, baseline=baseline, overlap_grad_reduce=overlap,
                          distributed_optimizer=best.distributed_optimizer,
-                         alternatives=[c.summary() for c in planned.best[1:]], extra_warnings=warnings,
+                         alternatives=[c.summary(model.is_moe) for c in planned.best[1:]], extra_warnings=warnings,
                          vpp=sched[0], overlap_p2p_comm=bool(sched[1]))
+
+
+def _expert_span_error(cluster: Cluster, found: _Search, ep: Optional[int]) -> ConfigError:
+    return ConfigError(
+        f"every placement of these degrees puts an expert group across domains ({len(found.expert_spans)} "
+        f"refused; e.g. {found.expert_spans[0]}): the token all-to-all would cross a slow link or a vendor "
+        "boundary", source=cluster.source, field="ep (expert_model_parallel_size)",
+        fix=("use a smaller ep (an expert group of etp*ep ranks must fit inside one cluster's nodes of one "
+             "device type), or leave ep to the planner (ep=None / no --ep)") if ep is not None else
+            "fix tp/pp/dp so that a pipeline stage fits inside one domain, or leave them to the planner")
 
 
 def _memory_error(cluster: Cluster, model: ModelSpec, found: _Search) -> ConfigError:

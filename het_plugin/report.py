@@ -108,6 +108,9 @@ def _prediction_lines(p: Prediction, indent: str = "  ", memory: bool = True) ->
         parts.append(f"exposed gradient reduction {_fmt_s(p.dp_exposed_s)}")
     if p.optimizer_s:
         parts.append(f"optimizer {_fmt_s(p.optimizer_s)}")
+    alltoall = getattr(p, "alltoall_s", 0.0)
+    if alltoall:
+        parts.append(f"expert all-to-all {_fmt_s(alltoall)} ({alltoall / p.iteration_s:.1%} of the iteration)")
     if parts:
         lines.append(indent + ", ".join(parts))
     if memory and p.memory_gib_per_stage:
@@ -126,7 +129,7 @@ def _alternative_line(alt: dict[str, Any], planned_s: Optional[float]) -> str:
     """One alternative plan from the search: its degrees, split, domain order and predicted time."""
     alt = dict(alt)
     parts = []
-    degrees = [f"{k}={alt.pop(k)}" for k in ("tp", "cp", "pp", "dp") if k in alt]
+    degrees = [f"{k}={alt.pop(k)}" for k in ("tp", "cp", "pp", "dp", "ep", "etp") if k in alt]
     if degrees:
         parts.append(" ".join(degrees))
     if "micro_batch_size" in alt:
@@ -179,6 +182,62 @@ def _link_lines(plan: Plan, cluster) -> list[str]:
     return lines
 
 
+def has_experts(plan: Plan) -> bool:
+    """An MoE model, or expert sizes of their own (a dense model file with a framework's ep > 1)."""
+    return bool(plan.model.get("num_moe_experts")) or (plan.ep, plan.dims.etp) != (1, plan.tp)
+
+
+def degrees_text(plan: Plan) -> str:
+    out = f"tp={plan.tp} cp={plan.cp} pp={plan.pp} dp={plan.dp}"
+    if has_experts(plan):
+        out += f" ep={plan.ep} etp={plan.dims.etp} (expert-dp={plan.dims.expert_dp})"
+    return out
+
+
+def _transports(groups) -> str:
+    counts = Counter(g.transport for g in groups)
+    return "/".join(sorted(counts))
+
+
+def expert_lines(plan: Plan) -> list[str]:
+    """Where expert parallelism lives: what each rank holds, the expert groups' transports, and whether every
+    expert-ep group (its token all-to-all) stays inside one domain (cluster fabric + device type)."""
+    if not has_experts(plan):
+        return []
+    dims = plan.dims
+    experts = plan.model.get("num_moe_experts") or 0
+    lines = []
+    if experts:
+        topk = plan.model.get("moe_router_topk", 2)
+        held = f"{experts // dims.ep} of the {experts}" if experts % dims.ep == 0 else f"{experts}/{dims.ep} of the"
+        lines.append(f"  {experts} experts per MoE layer, top-{topk} routing; ep={dims.ep} etp={dims.etp}: each rank "
+                     f"holds {held} experts of each MoE layer" + (f", split {dims.etp} ways" if dims.etp > 1 else ""))
+    if "expert-ep" not in plan.groups:       # ep 1, etp = tp: the expert layers use the dense groups
+        lines.append("  no all-to-all (ep=1); expert gradients reduced with the dense ones "
+                     f"(dp-cp={_transports(plan.groups.get('dp-cp', []))})")
+        return lines
+    kinds = [k for k in ("expert-ep", "expert-tp", "expert-dp")
+             if plan.groups.get(k) and len(plan.groups[k][0].ranks) > 1]
+    if kinds:
+        lines.append("  transports: " + ", ".join(f"{k}={_transports(plan.groups[k])}" for k in kinds))
+    if dims.ep == 1:
+        lines.append("  no all-to-all (ep=1)")
+        return lines
+    node_of = rank_nodes(plan)
+    spans = [g for g in plan.groups["expert-tp-ep"]
+             if len({(node_of[r].cluster, node_of[r].accelerator) for r in g.ranks}) > 1]
+    ep_groups = plan.groups["expert-ep"]
+    nodes_per_group = max(len({node_of[r].name for r in g.ranks}) for g in ep_groups)
+    if spans:
+        lines.append(f"  {len(spans)} of {len(plan.groups['expert-tp-ep'])} expert-tp-ep groups span domains: their "
+                     "all-to-all crosses a cluster or vendor boundary")
+    else:
+        lines.append(f"  every expert-ep group ({len(ep_groups)} x {len(ep_groups[0].ranks)} ranks) stays inside one "
+                     "domain (cluster fabric + device type), "
+                     + ("inside one node" if nodes_per_group == 1 else f"over {nodes_per_group} nodes"))
+    return lines
+
+
 def render_text(plan: Plan, cluster=None) -> str:
     """The report; ``cluster`` (the Cluster the plan was made for) adds the links between clusters."""
     model = plan.model.get("name", "model")
@@ -186,7 +245,7 @@ def render_text(plan: Plan, cluster=None) -> str:
     kind = "homogeneous: the frameworks' default groups" if plan.homogeneous else "heterogeneous"
     lines = [f"het_plugin plan {plan.hash}: {model} on {plan.cluster_name} "
              f"({plan.world_size} ranks, {len(plan.nodes)} nodes, {len(clusters)} cluster(s), {kind})",
-             f"degrees: tp={plan.tp} cp={plan.cp} pp={plan.pp} dp={plan.dp}   micro-batch {plan.micro_batch_size}"
+             f"degrees: {degrees_text(plan)}   micro-batch {plan.micro_batch_size}"
              f" x {plan.num_micro_batches} per iteration   overlap grad reduce: "
              f"{'on' if plan.overlap_grad_reduce else 'off'}   distributed optimizer: "
              f"{'on' if plan.distributed_optimizer else 'off'}",
@@ -228,8 +287,14 @@ def render_text(plan: Plan, cluster=None) -> str:
         lines.append("links between clusters:")
         lines.extend(_link_lines(plan, cluster))
     lines.append("")
+    experts = expert_lines(plan)
+    if experts:
+        lines.append("expert parallelism (where EP lives):")
+        lines.extend(experts)
+        lines.append("")
 
     lines.append("communicators (kind: count x size, transport):")
+    kind_w = max([10] + [len(k) for k in plan.groups])
     for kind_name, groups in plan.groups.items():
         if not groups or (all(len(g.ranks) == 1 for g in groups) and kind_name != "tp"):
             continue   # a degree of 1: no communication
@@ -237,7 +302,7 @@ def render_text(plan: Plan, cluster=None) -> str:
         size = "/".join(str(s) for s in sorted(sizes))
         transports = Counter(g.transport for g in groups)
         tdesc = ", ".join(f"{t} ({n})" if len(transports) > 1 else t for t, n in sorted(transports.items()))
-        lines.append(f"  {kind_name:<10s} {len(groups):>5d} x {size:<5s} {tdesc}")
+        lines.append(f"  {kind_name:<{kind_w}s} {len(groups):>5d} x {size:<5s} {tdesc}")
     lines.append("")
 
     lines.append("prediction (this plan):")
@@ -272,14 +337,14 @@ def startup_summary(plan: Plan, framework: str, extra: Iterable[str] = ()) -> st
     """What an adapter's rank 0 prints before building groups: placement per stage, transports, prediction."""
     same = " (homogeneous: the framework's own groups)" if plan.homogeneous and plan.is_identity else ""
     lines = [f"het_plugin: plan {plan.hash} for {plan.cluster_name} ({framework}): {plan.world_size} ranks, "
-             f"tp={plan.tp} cp={plan.cp} pp={plan.pp} dp={plan.dp}, micro-batch {plan.micro_batch_size} x "
+             f"{degrees_text(plan)}, micro-batch {plan.micro_batch_size} x "
              f"{plan.num_micro_batches}{same}"]
     for st in stage_summary(plan):
         where = ", ".join(sorted(st["where"]))
         lines.append(f"  stage {st['stage']}: {st['layers']} layers on {where} "
                      f"(ranks {spans(plan.stage_ranks(st['stage']))})")
     kinds = []
-    for kind in ("tp", "cp", "dp", "pp", "embedding"):
+    for kind in ("tp", "cp", "dp", "pp", "embedding", "expert-ep", "expert-dp"):
         ts = sorted({g.transport for g in plan.groups.get(kind, [])})
         if ts:
             kinds.append(f"{kind}={'/'.join(ts)}")

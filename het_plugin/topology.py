@@ -175,7 +175,7 @@ def default_embedding_stages(pp: int) -> tuple[int, ...]:
     return (0, pp - 1) if pp > 1 else (0,)
 
 
-SEARCHED = ("tp", "pp", "dp")     # the degrees a planner may choose; cp and ep are always given
+SEARCHED = ("tp", "pp", "dp")     # the degrees a planner may choose (ep too, when left None); cp is always given
 
 
 @dataclass(frozen=True)
@@ -187,17 +187,23 @@ class Degrees:
 
     Placeability on a cluster (TP and CP inside one node, ...) is the planner's and the placement's
     concern; this object only knows the arithmetic.
+
+    Expert sizes: ``ep`` is taken as given (1: no expert parallelism, what a launch without
+    ``--expert-model-parallel-size`` runs) unless it is None, which leaves it to the planner: the divisors of
+    ``num_experts`` (1 for a dense model), each with ``etp`` in {1, tp} unless ``etp`` is given.
+    ``num_experts`` (the model's num_moe_experts) also refuses an ep that does not divide it, as Megatron does.
     """
     world_size: int
     tp: Optional[int] = None
     pp: Optional[int] = None
     dp: Optional[int] = None
     cp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None          # expert tensor parallel; None: = tp
+    ep: Optional[int] = 1              # None: the planner chooses
+    etp: Optional[int] = None          # expert tensor parallel; None: = tp (searched with ep=None)
     order: str = DEFAULT_ORDER
     source: Optional[str] = field(default=None, compare=False)
     names: dict = field(default_factory=dict, compare=False, hash=False)
+    num_experts: Optional[int] = field(default=None, compare=False)
 
     def __post_init__(self):
         if not _is_count(self.world_size):
@@ -205,12 +211,21 @@ class Degrees:
                               field="world_size", fix="launch at least one rank")
         for name in ("tp", "pp", "dp", "cp", "ep", "etp"):
             v = getattr(self, name)
-            if v is None and name in SEARCHED + ("etp",) or v == -1 and name in SEARCHED or _is_count(v):
+            if v is None and name in SEARCHED + ("ep", "etp") or v == -1 and name in SEARCHED or _is_count(v):
                 continue
             raise ConfigError(f"{self._name(name)}={v!r} is not a positive integer", source=self.source,
                               field=self._name(name), fix=f"give a positive integer{' (or leave it unset)' if name in SEARCHED else ''}")
+        if self.num_experts and self.ep is not None and self.num_experts % self.ep:
+            ok = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise ConfigError(f"{self._name('ep')}={self.ep} does not divide num_moe_experts={self.num_experts}: each "
+                              f"expert-parallel rank holds num_moe_experts/ep whole experts (Megatron: "
+                              "expert_model_parallel_size must divide --num-experts)", source=self.source,
+                              field=self._name("ep") + ("" if self.names.get("ep") else
+                                                        " (expert_model_parallel_size)"),
+                              fix=f"use {self._name('ep')} in {ok}" + (
+                                  "" if self.names.get("ep") else ", or leave it to the planner (None)"))
         try:
-            parse_order(self.order, self.ep)
+            parse_order(self.order, self.ep or 1)
         except ValueError as exc:
             raise ConfigError(str(exc), source=self.source, field=self._name("order"),
                               fix=f"use Megatron's '{DEFAULT_ORDER}' or 'tp-cp-ep-pp-dp'") from None
@@ -238,13 +253,27 @@ class Degrees:
             raise ConfigError(problem, source=self.source, field=self._list(list(fixed)), fix=fix)
         if infer:
             object.__setattr__(self, infer[0], self.world_size // product)
-        if not unset:
+        if not unset and self.ep is not None:
             self._check_experts(self.tp, self.cp, self.dp, self.pp)
 
-    def _expert_fit(self, tp: int, cp: int, dp: int, pp: int) -> bool:
-        split = (self.etp or tp) * self.ep
-        return (tp * cp * dp) % split == 0 and order_keeps_expert_dp(
-            "-".join(parse_order(self.order, self.ep)), pp, dp, tp * cp * dp // split)
+    def expert_options(self, tp: int) -> list[tuple[int, int]]:
+        """(ep, etp) pairs to try with this tp: the given ones, or (ep None) every divisor of num_experts with
+        etp in {1, tp} (etp = tp alone for a dense model)."""
+        if self.ep is not None:
+            return [(self.ep, self.etp or tp)]
+        eps = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0] if self.num_experts else [1]
+        etps = [self.etp] if self.etp is not None else sorted({1, tp}) if self.num_experts else [tp]
+        return [(e, t) for e in eps for t in etps]
+
+    def _expert_fit(self, tp: int, cp: int, dp: int, pp: int, ep: Optional[int] = None,
+                    etp: Optional[int] = None) -> bool:
+        ep = self.ep if ep is None else ep
+        split = (etp or self.etp or tp) * ep
+        try:
+            names = "-".join(parse_order(self.order, ep))
+        except ValueError:      # an order leaving ep out takes ep = 1 only
+            return False
+        return (tp * cp * dp) % split == 0 and order_keeps_expert_dp(names, pp, dp, tp * cp * dp // split)
 
     def _check_experts(self, tp: int, cp: int, dp: int, pp: int) -> None:
         """Megatron's rules for the expert layers: etp*ep divides the ranks of one pipeline stage, and with
@@ -270,7 +299,7 @@ class Degrees:
 
     def exact(self) -> ParallelDims:
         """The full degrees (every searched degree given or inferred)."""
-        missing = [n for n in SEARCHED if getattr(self, n) is None]
+        missing = [n for n in SEARCHED + ("ep",) if getattr(self, n) is None]
         if missing:
             raise ValueError(f"degrees {missing} are left to the planner")
         return ParallelDims(tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp,
@@ -279,13 +308,14 @@ class Degrees:
     def candidates(self, tps: Sequence[int], max_pp: int) -> list[ParallelDims]:
         """Every full assignment with tp in ``tps`` and pp <= ``max_pp`` that keeps the fixed degrees and
         Megatron's expert rules (:meth:`check_expert_rules` says why none does)."""
-        return [ParallelDims(tp=t, cp=self.cp, pp=p, dp=d, ep=self.ep, etp=self.etp, order=self.order)
-                for t, p, d in self._assignments(tps, max_pp) if self._expert_fit(t, self.cp, d, p)]
+        return [ParallelDims(tp=t, cp=self.cp, pp=p, dp=d, ep=e, etp=et, order=self.order)
+                for t, p, d in self._assignments(tps, max_pp) for e, et in self.expert_options(t)
+                if self._expert_fit(t, self.cp, d, p, e, et)]
 
     def check_expert_rules(self, tps: Sequence[int], max_pp: int) -> None:
         """Raise the expert rule's message when the degrees multiply out but no assignment meets it."""
         options = list(self._assignments(tps, max_pp))
-        if options and not any(self._expert_fit(t, self.cp, d, p) for t, p, d in options):
+        if options and self.ep is not None and not any(self._expert_fit(t, self.cp, d, p) for t, p, d in options):
             t, p, d = options[0]
             self._check_experts(t, self.cp, d, p)
 
