@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -17,11 +18,11 @@ def register(sub) -> None:
     p = sub.add_parser("plan", help="plan placement, layer split and transports for a cluster and a model")
     p.add_argument("cluster", nargs="?", default=str(DEFAULT_CLUSTER),
                    help="cluster file (default: the bundled Holmes-shaped example), or a saved plan to show")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model file or preset name (default: gpt-7.5b)")
+    p.add_argument("--model", help="model file or preset name (default: gpt-7.5b)")
     p.add_argument("--tp", type=int)
     p.add_argument("--pp", type=int)
     p.add_argument("--dp", type=int)
-    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--cp", type=int, help="context parallel size (default 1)")
     p.add_argument("--ep", type=int, default=None,
                    help="expert model parallel size (Megatron's --expert-model-parallel-size); default: the planner "
                         "chooses among the divisors of the model's num_moe_experts (1 for a dense model)")
@@ -29,7 +30,7 @@ def register(sub) -> None:
                    help="expert tensor parallel size (--expert-tensor-parallel-size); default: tp with --ep, else "
                         "the planner tries 1 and tp")
     p.add_argument("--micro-batch-size", type=int)
-    p.add_argument("--vpp", type=int, default=1,
+    p.add_argument("--vpp", type=int,
                    help="virtual pipeline stages per rank: Megatron's interleaved schedule "
                         "(--num-virtual-stages-per-pipeline-rank); default 1 (not interleaved)")
     p.add_argument("--profile", metavar="FILE",
@@ -42,6 +43,84 @@ def register(sub) -> None:
                    help="also draw the placement (clusters, nodes, ranks coloured by stage, slow links) "
                         "into FILE: .svg, or .png (needs matplotlib)")
     p.set_defaults(func=run)
+
+
+# Options that shape a plan; with a saved plan they must agree with it (or be left out).
+PLAN_OPTIONS = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "micro_batch_size")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_numbers(args) -> None:
+    """Degrees and the micro-batch size are whole numbers from 1 up to a limit (0 was taken and ignored)."""
+    from ..cluster import MAX_ACCELERATORS
+    from ..model import LIMITS
+    for name in PLAN_OPTIONS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        limit = {"micro_batch_size": LIMITS["micro_batch_size"], "vpp": LIMITS["num_layers"]}.get(name, MAX_ACCELERATORS)
+        if not 1 <= value <= limit:
+            raise ConfigError(f"{value} is not between 1 and {limit:,}", field=_flag(name),
+                              fix=f"pass a whole number from 1 to {limit:,}, or leave {_flag(name)} out and the "
+                                  "planner chooses it")
+
+
+@contextmanager
+def named_by(option: str):
+    """A file-level error (missing, a directory, not UTF-8, ...) names the option that passed the file."""
+    try:
+        yield
+    except ConfigError as exc:
+        if exc.field:
+            raise
+        raise ConfigError(exc.problem, source=exc.source, field=option, fix=exc.fix) from None
+
+
+def check_files(args) -> None:
+    """No output may overwrite an input, and every output must be writable: both checked before planning."""
+    from ..yamlio import check_writable, same_file
+    inputs = [("CLUSTER", args.cluster), ("--model", args.model), ("--profile", args.profile)]
+    for out_flag, out in (("-o/--output", args.output), ("--svg", args.svg)):
+        if not out:
+            continue
+        for in_flag, given in inputs:
+            if given and Path(given).exists() and same_file(given, out):
+                raise ConfigError(f"{out} is also the input ({in_flag}); writing it would destroy that file",
+                                  source=out, field=out_flag, fix=f"write {out_flag.split('/')[0]} to another file")
+        check_writable(out, out_flag, "plan" if out_flag.startswith("-o") else "picture")
+
+
+def check_saved_plan(args, plan) -> None:
+    """A saved plan is shown as it is: options that would change it are refused, not ignored."""
+    for name in PLAN_OPTIONS:
+        given = getattr(args, name, None)
+        planned = getattr(plan, name, None)
+        if name == "etp" and planned == 0:       # a hand-written plan's 0 means "= tp"
+            planned = plan.tp
+        if given is not None and given != planned:
+            raise ConfigError(f"{_flag(name)} {given} was passed, but the saved plan has {name}={planned}; a saved "
+                              "plan is shown as it is", source=args.cluster, field=_flag(name),
+                              fix=f"drop {_flag(name)}, or re-plan from the cluster file: het-plugin plan CLUSTER "
+                                  f"{_flag(name)} {given} -o PLAN")
+    if args.profile:
+        raise ConfigError("--profile was passed, but a saved plan is shown as it is (nothing is planned)",
+                          source=args.cluster, field="--profile",
+                          fix="drop --profile, or re-plan from the cluster file: het-plugin plan CLUSTER --profile FILE")
+    if args.model is not None:
+        from ..resolve import model_from_arg
+        with named_by("--model"):
+            spec = model_from_arg(args.model).model_dump()
+        saved = plan.model or {}
+        differ = [k for k in sorted(set(spec) | set(saved)) if spec.get(k) != saved.get(k)]
+        if differ:
+            k = differ[0]
+            raise ConfigError(f"--model {args.model} has {k}={spec.get(k)!r}, the saved plan was made for "
+                              f"{k}={saved.get(k)!r}", source=args.cluster, field="--model",
+                              fix="drop --model to show the plan as saved, or re-plan for this model: het-plugin plan "
+                                  "CLUSTER --model MODEL -o PLAN")
 
 
 def check_output_names(args) -> None:
@@ -84,7 +163,10 @@ def run(args) -> int:
     from ..report import render_text
 
     check_output_names(args)
-    loaded = load_source(args.cluster)
+    check_numbers(args)
+    check_files(args)
+    with named_by("CLUSTER"):
+        loaded = load_source(args.cluster)
     if loaded is None:
         raise ConfigError(f"{args.cluster!r} means discovery, which runs inside a launch", field="cluster",
                           fix="pass a cluster file; `het-plugin discover --gather` under torchrun writes one")
@@ -92,13 +174,18 @@ def run(args) -> int:
     if isinstance(loaded, Plan):
         # A saved plan: show (or convert, or draw) it without planning again.
         plan = loaded
+        check_saved_plan(args, plan)
     else:
         cluster = loaded
-        model = model_from_arg(args.model)
+        args.cp = 1 if args.cp is None else args.cp
+        args.vpp = 1 if args.vpp is None else args.vpp
+        with named_by("--model"):
+            model = model_from_arg(DEFAULT_MODEL if args.model is None else args.model)
         profile = None
         if args.profile:
             from ..profile import load_profile
-            profile = load_profile(args.profile)
+            with named_by("--profile"):
+                profile = load_profile(args.profile)
         show = ProgressLine() if sys.stderr.isatty() else None
         try:
             plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
@@ -111,7 +198,11 @@ def run(args) -> int:
         plan.save(args.output)
     if args.svg:
         from ..svg import draw_plan
-        draw_plan(plan, args.svg, cluster)
+        try:
+            draw_plan(plan, args.svg, cluster)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the picture: {exc.strerror or exc}", source=args.svg, field="--svg",
+                              fix="choose a folder you can write to (and that has space)") from None
     if args.format == "json":
         json.dump(plan.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
