@@ -1,7 +1,7 @@
 """Ships ``het_plugin_megatron.pth`` into site-packages (everything else is in pyproject.toml).
 
-The .pth registers het_plugin's Megatron-LM import hook (het_plugin/megatron/hook.py), which does
-nothing unless ``--heterogeneous-nic`` is on the command line. setuptools has no declarative way to
+The .pth registers het_plugin's Megatron-LM import hook (het_plugin/megatron/hook.py) only when
+``--heterogeneous-nic`` is on the command line; otherwise it imports nothing. setuptools has no declarative way to
 put a file at the top of site-packages, so build_py copies it next to the packages (wheels, sdists)
 and editable installs add it to the editable wheel.
 """
@@ -11,8 +11,13 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 PTH = "het_plugin_megatron.pth"
-# One line, run by Python's site module at start-up; harmless if het_plugin was removed.
-PTH_TEXT = ('import importlib.util as _het_u; _het_u.find_spec("het_plugin") and '
+# One line, run by Python's site module at every interpreter start-up, so it does the least possible: unless
+# --heterogeneous-nic is on the command line (and HET_PLUGIN_NO_HOOK is unset or 0) it imports nothing (os and
+# sys are loaded already); with the flag it loads the hook, which the same test guards (hook._flag_on).
+# Harmless if het_plugin was removed.
+PTH_TEXT = ('import os, sys; os.environ.get("HET_PLUGIN_NO_HOOK", "") in ("", "0") and '
+            'any(a == "--heterogeneous-nic" or a.startswith("--heterogeneous-nic=") for a in getattr(sys, "argv", ())[1:]) '
+            'and __import__("importlib.util").util.find_spec("het_plugin") is not None and '
             '__import__("het_plugin.megatron.hook", fromlist=["install"]).install()\n')
 
 

@@ -341,7 +341,8 @@ def child_probe(args) -> subprocess.CompletedProcess:
          "except Exception as e: out.append(f'megatron.training NOT importable: {type(e).__name__}: {e}')\n"
          "hook = any(type(f).__name__ == 'MegatronArgsFinder' for f in sys.meta_path)\n"
          "out.append('import hook (het_plugin_megatron.pth) ' + ('active' if hook else 'not installed'))\n"
-         "print(' | '.join(out))\n"],
+         "print(' | '.join(out))\n",
+         "--heterogeneous-nic"],          # the .pth installs the hook only for a command line with the flag
         capture_output=True, text=True, timeout=120, env=child_env(args), cwd=str(REPO))
 
 

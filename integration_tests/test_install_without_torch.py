@@ -85,6 +85,7 @@ def test_import_hook_loads_at_start_up_without_torch(venv):
             "print(any(type(f).__name__ == 'MegatronArgsFinder' for f in sys.meta_path))\n"
             "import het_plugin.planner, het_plugin.report, het_plugin.svg, het_plugin.deepspeed.config\n"
             "print('torch' in sys.modules)\n")
-    out = _run([venv / "bin" / "python", "-c", code], env=_env(), cwd=venv, timeout=60)
+    # The .pth installs the hook when the flag is on the command line (and imports nothing otherwise).
+    out = _run([venv / "bin" / "python", "-c", code, "--heterogeneous-nic"], env=_env(), cwd=venv, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "False"], "the .pth hook is installed and nothing imported torch"

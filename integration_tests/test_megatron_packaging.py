@@ -61,7 +61,14 @@ def test_the_pth_line_installs_the_finder_and_nothing_heavy(tmp_path):
     exec(setup_text[start:setup_text.index("\n\n", start)], ns)
     pth = tmp_path / "het_plugin_megatron.pth"
     pth.write_text(ns["PTH_TEXT"])
-    out = subprocess.run([sys.executable, "-S", "-c", code, str(pth)], capture_output=True, text=True,
-                         env={"PYTHONPATH": str(REPO)}, timeout=60)
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(pth), "--heterogeneous-nic", "c.yaml"],
+                         capture_output=True, text=True, env={"PYTHONPATH": str(REPO)}, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "False", "False", "False"]
+    # Without the flag (or with HET_PLUGIN_NO_HOOK=1) the line imports nothing of het_plugin at all.
+    code += "print(sorted(m for m in sys.modules if m.startswith('het_plugin')))\n"
+    for argv, env in (([], {}), (["--heterogeneous-nic=c.yaml"], {"HET_PLUGIN_NO_HOOK": "1"})):
+        out = subprocess.run([sys.executable, "-S", "-c", code, str(pth), *argv], capture_output=True, text=True,
+                             env={"PYTHONPATH": str(REPO), **env}, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["False", "False", "False", "False", "[]"], (argv, env, out.stdout)
