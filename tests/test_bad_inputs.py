@@ -92,6 +92,14 @@ def alias_bomb() -> str:
     return "\n".join(lines) + "\nclusters: *l9\n"
 
 
+def edited_plan(path: Path) -> None:
+    """The saved plan with a group edited by hand (and its hash dropped, as the hash error suggests)."""
+    data = json.loads(path.read_text())
+    data.pop("hash")
+    data["groups"]["tp"] = [{"x": 1}]
+    path.write_text(json.dumps(data))
+
+
 @dataclass
 class Case:
     id: str
@@ -252,6 +260,9 @@ CASES = [
          "whole number from 1", {}),
     Case("cp-0", ["plan", "--cp", "0"], ["--cp"], "0 is not between 1", "whole number from 1", {}),
     Case("vpp-0", ["plan", "--vpp", "0"], ["--vpp"], "0 is not between 1 and 4,096", "whole number from 1", {}),
+    Case("plan-edited-by-hand", ["plan", "{plan}"], ["plan.json", "CLUSTER"],
+         "not a valid plan file: TypeError: GroupPlan.__init__() got an unexpected keyword argument 'x'",
+         "instead of editing it", {"plan.json": edited_plan}),
     Case("saved-plan-vpp", ["plan", "{plan}", "--vpp", "2"], ["plan.json", "--vpp"],
          "--vpp 2 was passed, but the saved plan has vpp=1", "drop --vpp", {}),
     Case("saved-plan-tp", ["plan", "{plan}", "--tp", "8"], ["plan.json", "--tp"],
@@ -325,6 +336,9 @@ def warm():
 
 def materialise(case: Case, tmp_path: Path, saved_plan: Path) -> list[str]:
     paths = {"missing": str(tmp_path / "no-such-folder")}
+    if "{plan}" in " ".join(case.argv):
+        paths["plan"] = str(tmp_path / "plan.json")
+        Path(paths["plan"]).write_bytes(saved_plan.read_bytes())
     for name, content in case.files.items():
         path = tmp_path / name
         if callable(content):
@@ -335,9 +349,6 @@ def materialise(case: Case, tmp_path: Path, saved_plan: Path) -> list[str]:
             path.write_text(content)
         paths[name] = str(path)
         paths[name.split(".")[0]] = str(path)
-    if "{plan}" in " ".join(case.argv):
-        paths["plan"] = str(tmp_path / "plan.json")
-        Path(paths["plan"]).write_bytes(saved_plan.read_bytes())
     out = []
     for arg in case.argv:
         for key, value in paths.items():

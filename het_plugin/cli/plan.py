@@ -166,7 +166,17 @@ def run(args) -> int:
     check_numbers(args)
     check_files(args)
     with named_by("CLUSTER"):
-        loaded = load_source(args.cluster)
+        try:
+            loaded = load_source(args.cluster)
+        except (TypeError, KeyError, AttributeError) as exc:
+            # A plan file edited by hand (a group with a key the plan format does not have, a missing one):
+            # Plan.from_dict builds dataclasses from it. A cluster file never gets here (its schema says).
+            from ..plan import looks_like_plan
+            if not looks_like_plan(args.cluster):
+                raise
+            raise ConfigError(f"not a valid plan file: {type(exc).__name__}: {exc}", source=args.cluster,
+                              field="CLUSTER", fix="re-create the plan with `het-plugin plan CLUSTER -o PLAN` "
+                                                   "instead of editing it") from None
     if loaded is None:
         raise ConfigError(f"{args.cluster!r} means discovery, which runs inside a launch", field="cluster",
                           fix="pass a cluster file; `het-plugin discover --gather` under torchrun writes one")
