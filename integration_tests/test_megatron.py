@@ -56,8 +56,9 @@ def _expected_members(plan: Plan, name: str, rank: int) -> list[int]:
         return [rank]
     if kind == "position":
         return [plan.group_of("pp", rank).ranks[0]]
-    if kind == "dist-opt-instance":       # one instance: every model-parallel group, concatenated in order
-        return [r for g in plan.groups["tp-pp"] for r in g.ranks]
+    if kind == "dist-opt-instance":       # one instance: every model-parallel group, concatenated; as torch
+        members = [r for g in plan.groups["tp-pp"] for r in g.ranks]  # sorts them without het_plugin, by logical rank
+        return sorted(members, key=lambda r: plan.logical_of_physical[r])
     return plan.group_of(kind, rank).ranks
 
 

@@ -118,4 +118,32 @@ def test_a_torch_without_sort_ranks_is_refused_for_a_permuted_group(plan8, monke
     with pytest.raises(ConfigError, match="sort_ranks") as info:
         spec_for(plan8, pp, Policy("gloo"))
     assert info.value.field == "torch"
-    assert spec_for(plan8, sorted(pp), Policy("gloo")).sort_ranks     # ascending lists need no flag
+    tp = plan8.groups["tp"][0].ranks
+    assert tp == sorted(tp) and [plan8.logical_of_physical[r] for r in tp] == sorted(plan8.logical_of_physical[r] for r in tp)
+    assert spec_for(plan8, tp, Policy("gloo")).sort_ranks       # ascending in logical and physical ranks: no flag
+
+
+def test_members_are_ordered_as_torch_would_order_them_without_het_plugin(plan8):
+    """Torch sorts a group's members by rank; under a plan that is the *logical* rank. An identity plan keeps
+    torch's own sorting whatever order the framework lists the members in (Megatron concatenates some lists)."""
+    from het_plugin.megatron.core import resolve_megatron_plan
+    from megatron_common import DATA, MODEL
+    homogeneous = resolve_megatron_plan(DATA / "megatron-homogeneous-4.yaml", model=MODEL, world_size=4, tp=1, pp=2)
+    assert homogeneous.is_identity
+    spec = spec_for(homogeneous, [2, 0, 3, 1], Policy("gloo"))
+    assert spec.sort_ranks and spec.ranks == (2, 0, 3, 1)
+    logical = plan8.logical_of_physical
+    mp = next(g.ranks for g in plan8.groups["tp-pp"] if g.ranks != sorted(g.ranks))   # logical order, permuted
+    shuffled = mp[1:] + mp[:1]                                  # a framework's concatenation, say
+    assert shuffled != sorted(shuffled)
+    spec = spec_for(plan8, shuffled, Policy("gloo"))
+    assert not spec.sort_ranks and list(spec.torch_ranks) == mp and spec.ranks == tuple(shuffled)
+    assert [logical[r] for r in spec.torch_ranks] == sorted(logical[r] for r in mp)
+    # Megatron's lists all come from its rank generator: even an ascending one is ordered by logical rank
+    spec = spec_for(plan8, sorted(mp), Policy("gloo"))
+    assert list(spec.torch_ranks) == mp and not spec.sort_ranks
+    # DeepSpeed lists launch ranks itself (its range(world) group): an ascending list keeps torch's sorting
+    for ranks in (None, list(range(plan8.world_size)), sorted(mp)):
+        spec = spec_for(plan8, ranks, Policy("gloo"), ascending_is_launch_order=True)
+        assert spec.sort_ranks and list(spec.torch_ranks) == sorted(spec.ranks)
+    assert not spec_for(plan8, shuffled, Policy("gloo"), ascending_is_launch_order=True).sort_ranks

@@ -19,7 +19,8 @@ from ..runtime.applied import AppliedPlan
 def new_group(applied: AppliedPlan, ranks: Sequence[int]):
     """What ``deepspeed.comm.new_group(ranks)`` does under the plan."""
     import torch.distributed as tdist
-    return applied.create(lambda spec: tdist.new_group(ranks=list(spec.ranks), **spec.new_group_kwargs()), ranks)
+    return applied.create(lambda spec: tdist.new_group(ranks=list(spec.torch_ranks), **spec.new_group_kwargs()), ranks,
+                          ascending_is_launch_order=True)      # PipelineModule's world group: range(world)
 
 
 @contextlib.contextmanager

@@ -57,7 +57,9 @@ def planned_groups(applied: AppliedPlan, *, parallel_state=None) -> Iterator[App
             orig_new_group = dist.new_group
             extra = {"sort_ranks": False} if not spec.sort_ranks else {}
 
-            def new_group(*args, **kwargs):
+            def new_group(*args, **kwargs):       # Megatron's create_group passes everything by keyword
+                if not spec.sort_ranks:
+                    kwargs["ranks"] = list(spec.torch_ranks)
                 return orig_new_group(*args, **kwargs, **extra)
 
             dist.new_group = new_group

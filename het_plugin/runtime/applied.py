@@ -32,15 +32,18 @@ class AppliedPlan:
             default_backend = str(tdist.get_backend())
         return cls(plan, rank, Policy(default_backend, native_network=plan.homogeneous and plan.is_identity))
 
-    def spec(self, ranks: Optional[Sequence[int]], *, backend: Optional[str] = None, pg_options: Any = None
-             ) -> GroupSpec:
-        return spec_for(self.plan, ranks, self.policy, backend=backend, pg_options=pg_options)
+    def spec(self, ranks: Optional[Sequence[int]], *, backend: Optional[str] = None, pg_options: Any = None,
+             ascending_is_launch_order: bool = False) -> GroupSpec:
+        return spec_for(self.plan, ranks, self.policy, backend=backend, pg_options=pg_options,
+                        ascending_is_launch_order=ascending_is_launch_order)
 
     def create(self, make: Callable[[GroupSpec], Any], ranks: Optional[Sequence[int]], *,
-               backend: Optional[str] = None, pg_options: Any = None, desc: Optional[str] = None) -> Any:
+               backend: Optional[str] = None, pg_options: Any = None, desc: Optional[str] = None,
+               ascending_is_launch_order: bool = False) -> Any:
         """Create one group: ``make(spec)`` calls the framework's or torch's creation with the spec; the
         spec's environment is set around it and the group recorded."""
-        spec = self.spec(ranks, backend=backend, pg_options=pg_options)
+        spec = self.spec(ranks, backend=backend, pg_options=pg_options,
+                         ascending_is_launch_order=ascending_is_launch_order)
         for warning in self.policy.warnings:
             log.warning("het_plugin: %s", warning)
         self.policy.warnings.clear()

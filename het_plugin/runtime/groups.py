@@ -10,8 +10,13 @@ A patch site (Megatron-Core's ``create_group``, DeepSpeed's ``deepspeed.comm.new
   ones) with ``config.net_name`` = 'IB' or 'Socket' from the group's transport -- NCCL reads
   ``NCCL_IB_HCA`` once per process, so a per-communicator ``net_name`` is the only per-group switch;
 * **gloo interface**: ``GLOO_SOCKET_IFNAME`` for the creation, from ``HET_PLUGIN_GLOO_IFNAMES``;
-* **member order**: ``sort_ranks=False`` when the plan's order is not ascending (a member's group
-  rank is then its parallel coordinate, as the framework assumes).
+* **member order**: a member's group rank is what it would be without het_plugin. Torch sorts a group's
+  members by rank, and a framework's lists are derived from its coordinates (logical ranks), so members are
+  ordered by *logical* rank (:attr:`GroupSpec.torch_ranks`), with ``sort_ranks=False`` where that is not
+  ascending in launch ranks (a pipeline group's member then has its stage as group rank, as the framework
+  assumes). On an identity plan this is torch's own sorting whatever order a list comes in (Megatron
+  concatenates some). DeepSpeed also lists launch ranks itself (``range(world)``): there an ascending list
+  keeps torch's sorting (``ascending_is_launch_order``).
 
 On a homogeneous cluster whose plan is the identity the framework's own choices stand (no net_name:
 NCCL picks its network as it always does).
@@ -35,8 +40,9 @@ class GroupSpec:
     backend: Optional[str]          # None: the default backend
     net_name: Optional[str]         # NCCL per-communicator network, or None (no choice / not NCCL)
     gloo_ifname: Optional[str]      # GLOO_SOCKET_IFNAME while the group is created, or None
-    sort_ranks: bool                # False: keep the plan's member order
+    sort_ranks: bool                # False: hand torch ``torch_ranks`` in that order
     pg_options: Any = None          # what to pass as new_group's pg_options (see the module docstring)
+    torch_ranks: tuple[int, ...] = ()   # the members ordered by logical rank (what torch gets as ranks)
 
     def new_group_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.distributed.new_group`` beyond ``ranks``."""
@@ -78,9 +84,11 @@ class Policy:
 
 
 def spec_for(plan, ranks: Optional[Sequence[int]], policy: Policy, *, backend: Optional[str] = None,
-             pg_options: Any = None) -> GroupSpec:
+             pg_options: Any = None, ascending_is_launch_order: bool = False) -> GroupSpec:
     """How a group over ``ranks`` (None: every rank) is created under ``plan``; ``backend`` and
-    ``pg_options`` are what the framework asked for."""
+    ``pg_options`` are what the framework asked for. ``ascending_is_launch_order``: the framework may list
+    launch ranks itself (DeepSpeed's ``range(world)`` group), so an ascending list keeps torch's sorting;
+    otherwise (Megatron: every list comes from its rank generator) members are ordered by logical rank."""
     members = tuple(range(plan.world_size)) if ranks is None else tuple(int(r) for r in ranks)
     transport = plan.transport_of(members)
     chosen, options = backend, pg_options
@@ -98,10 +106,14 @@ def spec_for(plan, ranks: Optional[Sequence[int]], policy: Policy, *, backend: O
     ifname = None
     if "gloo" in effective or chosen == SHIM_BACKEND:     # e.g. 'gloo', 'cpu:gloo,cuda:nccl', the shim's host hops
         ifname = gloo_ifnames().get(transport)
-    sort = list(members) == sorted(members)
+    logical = plan.logical_of_physical
+    keep = ranks is None or (ascending_is_launch_order and list(members) == sorted(members))
+    by_logical = members if keep else tuple(sorted(members, key=lambda r: logical[r]))
+    sort = list(by_logical) == sorted(members)
     if not sort:
         check_torch_keeps_order()
-    return GroupSpec(members, transport, chosen, net_name if options is not None else None, ifname, sort, options)
+    return GroupSpec(members, transport, chosen, net_name if options is not None else None, ifname, sort, options,
+                     by_logical)
 
 
 def with_net_name(options: Any, net_name: str) -> Any:
