@@ -8,18 +8,20 @@ leaving the others in a collective forever. Keys carry the elastic restart count
 torchrun's long-lived agent store, and a per-(label, rank) call count, so the n-th exchange of a label
 on every rank uses the same keys.
 
-One timeout rule: an explicit ``timeout_s``, else ``HET_PLUGIN_TIMEOUT`` (seconds), else
-:data:`DEFAULT_TIMEOUT_S`.
+One timeout rule: an explicit ``timeout_s``, else the one an adapter was given for the duration of its
+call (:func:`configured_timeout`: ``initialize_model_parallel(..., timeout_s=)``, the DeepSpeed section's
+``timeout_s``), else ``HET_PLUGIN_TIMEOUT`` (seconds), else :data:`DEFAULT_TIMEOUT_S`.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from ..errors import ConfigError, HetPluginError
 from ..topology import format_ranks
@@ -40,10 +42,46 @@ class RemoteError(HetPluginError, RuntimeError):
     """Another rank published an error that is not a ConfigError (those are re-raised as ConfigError)."""
 
 
+_configured: list[float] = []      # the adapters' timeout_s=, innermost last (configured_timeout)
+
+
+def check_timeout(value: Any, field: str = "timeout_s", source: Optional[str] = None) -> float:
+    """A timeout given as a parameter: a positive number of seconds (ConfigError otherwise)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if isinstance(value, bool) or not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise ConfigError(f"{field}={value!r} is not a positive number of seconds", source=source, field=field,
+                          fix=f"give {field} in seconds, e.g. 300, or leave it out ({ENV_TIMEOUT} or "
+                              f"{DEFAULT_TIMEOUT_S:g} s then apply)")
+    return seconds
+
+
+@contextlib.contextmanager
+def configured_timeout(seconds: Optional[float], field: str = "timeout_s",
+                       source: Optional[str] = None) -> Iterator[Optional[float]]:
+    """Every wait inside (plan check, group creation, the shim's vendor check, discovery) uses ``seconds``
+    unless a call passes its own; None changes nothing (``HET_PLUGIN_TIMEOUT`` or the default apply)."""
+    if seconds is None:
+        yield None
+        return
+    value = check_timeout(seconds, field, source)
+    with _calls_lock:
+        _configured.append(value)
+    try:
+        yield value
+    finally:
+        with _calls_lock:
+            _configured.remove(value)
+
+
 def timeout_s(explicit: Optional[float] = None, env: Optional[Mapping[str, str]] = None) -> float:
     """The bound on every wait het_plugin owns (see the module docstring)."""
     if explicit is not None:
         return float(explicit)
+    if _configured:
+        return _configured[-1]
     text = (os.environ if env is None else env).get(ENV_TIMEOUT, "").strip()
     if not text:
         return DEFAULT_TIMEOUT_S
@@ -151,11 +189,17 @@ class Exchange:
         keys = [f"{self.prefix}/{kind}/{i}" for i in indices]
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
-        except Exception:       # the store's own timeout error; say who is missing instead
-            missing = [r for r, k in zip(who, keys) if not self.store.check([k])]
+        except Exception as exc:    # the store's own timeout error; say who is missing instead
+            try:
+                missing = [r for r, k in zip(who, keys) if not self.store.check([k])]
+            except Exception:       # noqa: BLE001 - the store itself is gone
+                raise ExchangeTimeout(f"the store stopped answering while waiting for {self.what} "
+                                      f"({type(exc).__name__}: {exc}): the process hosting it (rank 0 under "
+                                      "init_process_group's MASTER_ADDR, or torchrun's agent) is gone?", []) from None
             raise ExchangeTimeout(
                 f"rank(s) {format_ranks(missing)} never reached {self.what} within {self.timeout_s:g}s "
-                f"(crashed, hung, or not started?); every rank waits at most {ENV_TIMEOUT} seconds", missing) from None
+                f"(crashed, hung, or not started?); every rank waits at most {ENV_TIMEOUT} seconds or the adapter's "
+                "timeout_s", missing) from None
         out = []
         for i, r, k in zip(indices, who, keys):
             payload = json.loads(self.store.get(k))

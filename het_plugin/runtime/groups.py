@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import ConfigError
@@ -43,6 +44,7 @@ class GroupSpec:
     sort_ranks: bool                # False: hand torch ``torch_ranks`` in that order
     pg_options: Any = None          # what to pass as new_group's pg_options (see the module docstring)
     torch_ranks: tuple[int, ...] = ()   # the members ordered by logical rank (what torch gets as ranks)
+    timeout: Optional[timedelta] = None  # new_group's timeout (AppliedPlan.create: bounded for gloo, see runtime.guard)
 
     def new_group_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``torch.distributed.new_group`` beyond ``ranks``."""
@@ -53,6 +55,8 @@ class GroupSpec:
             kwargs["pg_options"] = self.pg_options
         if not self.sort_ranks:
             kwargs["sort_ranks"] = False
+        if self.timeout is not None:
+            kwargs["timeout"] = self.timeout
         return kwargs
 
     @contextlib.contextmanager
