@@ -41,6 +41,7 @@ class HetSection:
     layer_pattern: Optional[str] = None  # regex on layer class names: which layers the plan counts
     plan_hash: Optional[str] = None
     plan: Optional[dict[str, Any]] = None    # the plan itself (wrap's default), so ranks need no cluster file
+    timeout_s: Optional[float] = None   # bound on every wait of het_plugin at start-up (None: HET_PLUGIN_TIMEOUT / 300)
     version: int = SECTION_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -59,6 +60,9 @@ class HetSection:
         if data.get("version") != SECTION_VERSION:
             raise ConfigError(f"section version {data.get('version')!r}, this het_plugin reads {SECTION_VERSION}",
                               source=source, field=f"{SECTION}.version", fix="re-wrap the config with this version")
+        if data.get("timeout_s") is not None:
+            from ..runtime.exchange import check_timeout
+            check_timeout(data["timeout_s"], f"{SECTION}.timeout_s", source)
         return cls(**data)
 
 
@@ -178,7 +182,7 @@ def check_plan(plan: Plan, *, world_size: Optional[int] = None, pp: Optional[int
 
 def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO, model: ModelArg = None, *,
          pp: Optional[int] = None, tp: Optional[int] = None, layer_pattern: Optional[str] = None,
-         embed_plan: bool = True) -> dict:
+         embed_plan: bool = True, timeout_s: Optional[float] = None) -> dict:
     """Return ``config`` with a ``"heterogeneous"`` section (the input is not modified).
 
     ``cluster``: a cluster file, a plan file, a :class:`Plan`, or ``"auto"`` (every rank discovers the
@@ -187,9 +191,14 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
     the model you will build; ``dp`` follows from the config's batch settings. ``layer_pattern``: a
     regex on layer class names selecting the layers the plan counts (default: every layer).
     ``embed_plan``: store the plan in the config (default) or only its hash (ranks then recompute it
-    from the cluster file and must get the same hash).
+    from the cluster file and must get the same hash). ``timeout_s``: the bound on every wait of het_plugin
+    at start-up (plan check, group creation; stored in the section; None: ``HET_PLUGIN_TIMEOUT`` or 300 s
+    on each rank).
     """
     cfg, source = load_ds_config(config)
+    if timeout_s is not None:
+        from ..runtime.exchange import check_timeout
+        timeout_s = check_timeout(timeout_s, "timeout_s")
     batch = BatchSettings.of(cfg, source)
     batch.check_divisible(source)
     spec = model_from_arg(model)
@@ -200,7 +209,7 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
 
     plan: Optional[Plan] = None
     section = HetSection(cluster=None, model=spec.model_dump() if spec else None, tp=tp, pp=pp, dp=batch.dp,
-                         layer_pattern=layer_pattern)
+                         layer_pattern=layer_pattern, timeout_s=timeout_s)
     if isinstance(cluster, Plan):
         plan = cluster
     elif str(cluster) == AUTO:

@@ -20,6 +20,7 @@ from ..agreement import agree_on_plan
 from ..errors import ConfigError
 from .config import SECTION, BatchSettings, check_plan, load_ds_config, section_of, strip_section
 from ..runtime.applied import AppliedPlan
+from ..runtime.exchange import configured_timeout
 from .groups import planned_groups
 from .resolve import RunShape, resolve_section_plan
 
@@ -102,9 +103,11 @@ def _data_parallel_setup(arguments, section, batch, source) -> AppliedPlan:
         check_plan(plan, dp=batch.dp, source=source)
         return plan
 
-    plan = agree_on_plan(make, rank=rank, world_size=world_size)
-    applied = AppliedPlan.start(plan, rank)
-    if not plan.is_identity:
-        with planned_groups(applied):
-            arguments["mpu"] = PipelineParallelGrid(topology=PlanTopology(plan))
+    with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
+        plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
+        applied = AppliedPlan.start(plan, rank)
+        if not plan.is_identity:
+            with planned_groups(applied, "het_plugin.deepspeed.initialize (the data-parallel grid)",
+                                section.timeout_s):
+                arguments["mpu"] = PipelineParallelGrid(topology=PlanTopology(plan))
     return applied

@@ -6,12 +6,13 @@
 through the :class:`~het_plugin.runtime.applied.AppliedPlan`) how to create each group -- backend
 (``het_shim`` across vendors), NCCL ``net_name`` or the shim's options as ``pg_options``, the gloo
 interface, ``sort_ranks=False`` for the plan's member order -- and creates it with
-``torch.distributed.new_group``. Every group is recorded in ``applied.records``.
+``torch.distributed.new_group``. Every group is recorded in ``applied.records``. Group building is
+guarded (:mod:`het_plugin.runtime.guard`): a rank that fails or disappears stops every rank within the bound.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 from ..runtime.applied import AppliedPlan
 
@@ -24,12 +25,16 @@ def new_group(applied: AppliedPlan, ranks: Sequence[int]):
 
 
 @contextlib.contextmanager
-def planned_groups(applied: AppliedPlan) -> Iterator[AppliedPlan]:
-    """Route ``deepspeed.comm.new_group`` through the policy for the duration."""
+def planned_groups(applied: AppliedPlan, what: str = "DeepSpeed's PipelineModule",
+                   timeout_s: Optional[float] = None) -> Iterator[AppliedPlan]:
+    """Route ``deepspeed.comm.new_group`` through the policy for the duration; the phase is guarded
+    (runtime.guard): a rank that fails or disappears stops every rank within ``timeout_s`` (None: the
+    section's, HET_PLUGIN_TIMEOUT or the default)."""
     import deepspeed.comm as ds_comm
     original = ds_comm.new_group
     ds_comm.new_group = lambda ranks: new_group(applied, ranks)
     try:
-        yield applied
+        with applied.guarding(what, timeout_s=timeout_s):
+            yield applied
     finally:
         ds_comm.new_group = original

@@ -10,7 +10,9 @@ also pass to :func:`het_plugin.deepspeed.initialize`) and ``layer_pattern=``. Wi
 * ``topology`` becomes :class:`PlanTopology` and the partition is the plan's layers per stage
   (``partition_method`` is ignored);
 * groups are created with the plan's transports (:mod:`het_plugin.deepspeed.groups`); what was
-  applied (plan and every group created) is ``module.het_applied``, the plan also ``module.het_plan``.
+  applied (plan and every group created) is ``module.het_applied``, the plan also ``module.het_plan``;
+* the section's ``timeout_s`` (else ``HET_PLUGIN_TIMEOUT``, else 300 s) bounds the plan check and group
+  creation: a rank that fails or disappears stops every rank within it.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from ..model import ModelSpec
 from ..plan import Plan
 from ..report import startup_summary
 from ..runtime.applied import AppliedPlan
-from .config import BatchSettings, load_ds_config, section_of
+from ..runtime.exchange import configured_timeout
+from .config import SECTION, BatchSettings, load_ds_config, section_of
 from .groups import planned_groups
 from .partition import counted_layers, plan_parts
 from .resolve import RunShape, resolve_section_plan
@@ -75,7 +78,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
             plan_parts(len(specs), counted, plan.layers_per_stage, source)
             return plan
 
-        plan = agree_on_plan(make, rank=rank, world_size=world_size)
+        with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
+            plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
         object.__setattr__(self, "_het_parts", plan_parts(len(specs), counted, plan.layers_per_stage, source))
         applied = AppliedPlan.start(plan, rank)
         if rank == 0:
@@ -83,7 +87,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
                                   [f"layers per stage {plan.layers_per_stage}: layer list boundaries "
                                    f"{self._het_parts} (PipelineModule.parts)"]), flush=True)
         kwargs.pop("partition_method", None)
-        with planned_groups(applied):
+        with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source), \
+                planned_groups(applied, "DeepSpeed's PipelineModule", section.timeout_s):
             super().__init__(specs, None, PlanTopology(plan), *args, **kwargs)
         self.het_plan = plan
         self.het_applied = applied

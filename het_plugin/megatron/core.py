@@ -23,6 +23,7 @@ from ..report import startup_summary
 from ..resolve import Launch
 from ..resolve import resolve_plan as resolve_any
 from ..runtime.applied import AppliedPlan
+from ..runtime.exchange import configured_timeout
 from ..topology import DEFAULT_ORDER, Degrees, parse_order
 
 log = logging.getLogger("het_plugin.megatron")
@@ -109,8 +110,11 @@ def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
                               fix=f"use {key}=1 on a heterogeneous cluster")
 
 
-def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLike] = None) -> AppliedPlan:
-    """Create every Megatron-Core group on the (agreed) plan's placement; rank 0 logs the summary once."""
+def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLike] = None,
+                 timeout_s: Optional[float] = None) -> AppliedPlan:
+    """Create every Megatron-Core group on the (agreed) plan's placement; rank 0 logs the summary once.
+    A rank that fails or disappears meanwhile stops every rank within ``timeout_s`` (None:
+    ``HET_PLUGIN_TIMEOUT`` or 300 s) with a GroupCreationTimeout naming it (runtime.guard)."""
     global _current
     import torch.distributed as dist
     from .groups import planned_groups
@@ -132,7 +136,7 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
         if plan_out:
             plan.save(plan_out)
             print(f"het_plugin: plan written to {plan_out}", flush=True)
-    with planned_groups(applied):
+    with planned_groups(applied, timeout_s=timeout_s):
         original_initialize_model_parallel()(**kwargs)
     note = embedding_note(plan, applied.records)
     if note and applied.rank == 0:
@@ -186,6 +190,7 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
                               model: Union[ModelSpec, PathLike, None] = None,
                               micro_batch_size: Optional[int] = None,
                               plan_out: Optional[PathLike] = None,
+                              timeout_s: Optional[float] = None,
                               **megatron_kwargs: Any) -> Plan:
     """Drop-in for ``megatron.core.parallel_state.initialize_model_parallel`` on a heterogeneous cluster.
 
@@ -195,6 +200,9 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     Other keyword arguments go to Megatron-Core unchanged. Returns the plan: build the model with
     ``plan.tp``/``plan.pp`` and :func:`apply_plan_to_config` (layer split), and DDP with
     :func:`ddp_config_for_plan`; :func:`current_plan` holds what was applied (groups created).
+    ``timeout_s`` bounds every wait of het_plugin in this call (the plan check, group creation; default
+    ``HET_PLUGIN_TIMEOUT`` or 300 s): a rank that fails or disappears stops every rank within it, naming
+    the rank and the phase (PlanMismatchError before the groups, GroupCreationTimeout while they are built).
     """
     import torch.distributed as dist
     from .version import check_megatron_version
@@ -214,6 +222,7 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
                             pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size,
                             **plan_degrees(megatron_kwargs))
 
-    agreed = agree_on_plan(make, rank=rank, world_size=world)
-    build_groups(agreed, megatron_kwargs, plan_out=plan_out)
+    with configured_timeout(timeout_s):
+        agreed = agree_on_plan(make, rank=rank, world_size=world, timeout_s=timeout_s)
+        build_groups(agreed, megatron_kwargs, plan_out=plan_out, timeout_s=timeout_s)
     return agreed

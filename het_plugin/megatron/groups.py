@@ -14,13 +14,17 @@ through ``parallel_state.create_group``. While :func:`planned_groups` is active:
   ``create_group`` calls ``torch.distributed.new_group`` itself, so the order flag is added there for the
   duration of that one call.
 
+Group building is guarded (:mod:`het_plugin.runtime.guard`): every gloo group is created with at most the
+bound as its creation timeout (Megatron's ``distributed_timeout_minutes`` is restored on the group), and a
+rank that fails or disappears stops every rank within the bound.
+
 The global rank itself is never relabelled: logs, checkpoints and LOCAL_RANK -> device stay the launcher's.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 from ..runtime.applied import AppliedPlan
 
@@ -28,9 +32,11 @@ _lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def planned_groups(applied: AppliedPlan, *, parallel_state=None) -> Iterator[AppliedPlan]:
+def planned_groups(applied: AppliedPlan, *, parallel_state=None, timeout_s: Optional[float] = None
+                   ) -> Iterator[AppliedPlan]:
     """Patch Megatron-Core's rank generator and group creation for the duration of group building;
-    every group created is recorded in ``applied.records``."""
+    every group created is recorded in ``applied.records``. The phase is guarded (runtime.guard): a rank
+    that fails or disappears stops every rank within ``timeout_s`` (None: HET_PLUGIN_TIMEOUT or the default)."""
     import torch.distributed as dist
 
     if parallel_state is None:
@@ -64,18 +70,20 @@ def planned_groups(applied: AppliedPlan, *, parallel_state=None) -> Iterator[App
 
             dist.new_group = new_group
             try:
-                return orig_create_group(ranks, timeout=timeout, backend=spec.backend, pg_options=spec.pg_options,
+                return orig_create_group(ranks, timeout=spec.timeout, backend=spec.backend,
+                                         pg_options=spec.pg_options,
                                          use_local_synchronization=use_local_synchronization, group_desc=group_desc)
             finally:
                 dist.new_group = orig_new_group
 
-        return applied.create(make, ranks, backend=backend, pg_options=pg_options, desc=group_desc)
+        return applied.create(make, ranks, backend=backend, pg_options=pg_options, desc=group_desc, timeout=timeout)
 
     with _lock:
         RankGenerator.get_ranks = get_ranks
         parallel_state.create_group = create_group
         try:
-            yield applied
+            with applied.guarding("Megatron-Core's initialize_model_parallel", timeout_s=timeout_s):
+                yield applied
         finally:
             RankGenerator.get_ranks = orig_get_ranks
             parallel_state.create_group = orig_create_group
