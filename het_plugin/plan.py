@@ -68,7 +68,7 @@ class Prediction:
     dp_exposed_s: float = 0.0          # gradient reduction not hidden behind backward
     optimizer_s: float = 0.0
     bubble_fraction: float = 0.0
-    alltoall_s: float = 0.0            # MoE token dispatch + combine on the busiest stage (blocking, not overlapped)
+    alltoall_s: float = 0.0            # MoE token dispatch + combine of the stage spending most in it (blocking)
     stage_compute_s: list[float] = field(default_factory=list)   # fwd+bwd of one micro-batch per stage
     memory_gib_per_stage: list[float] = field(default_factory=list)
     capacity_gib_per_stage: list[float] = field(default_factory=list)
