@@ -186,3 +186,22 @@ def scan_ethernet(root: Path, rdma_netdevs: frozenset[str] = frozenset()) -> tup
             notes.append(f"{name}: speed unknown (the driver reports none, as virtio NICs do)")
         nics.append(EthernetNic(name, gbps, operstate))
     return nics, ignored, notes
+
+
+def roce_v2_gid_index(root: Path, device: str, port: int) -> Optional[int]:
+    """The lowest GID index of a RoCE port whose type is "RoCE v2" and whose GID is an IPv4-mapped address
+    (``::ffff:a.b.c.d``, what NCCL picks by default); None when there is none or sysfs does not say.
+
+    Reads ``<root>/class/infiniband/<dev>/ports/<n>/gid_attrs/types/<i>`` and ``.../gids/<i>``.
+    """
+    port_dir = Path(root) / "class" / "infiniband" / device / "ports" / str(port)
+    types = port_dir / "gid_attrs" / "types"
+    if not types.is_dir():
+        return None
+    for entry in sorted(types.iterdir(), key=lambda p: natural_key(p.name)):
+        if not entry.name.isdigit() or (read_attr(entry) or "").lower() != "roce v2":
+            continue
+        gid = (read_attr(port_dir / "gids" / entry.name) or "").lower()
+        if gid.startswith("0000:0000:0000:0000:0000:ffff:"):
+            return int(entry.name)
+    return None
