@@ -362,3 +362,34 @@ def test_a_container_that_already_agrees_with_the_plan_is_left_alone():
     assert built_from_planned_args.model.transformer is before
     with pytest.raises(ConfigError, match="num_layers"):       # a model the plan was not made for: no guessing
         lm.apply_plan_to_container(_container(num_layers=6), _plan([3, 1]))
+
+
+def test_the_timeout_flag_is_checked_before_planning(argv, monkeypatch):
+    argv(*MODEL, "--heterogeneous-timeout", "-5", "--heterogeneous-nic", str(CLUSTER_8))
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    with pytest.raises(ConfigError) as e:
+        mod.parse_args(None)
+    assert "--heterogeneous-timeout=-5.0 is not a positive number of seconds" in str(e.value)
+    parser = hargs.add_arguments(megatron_parser())
+    assert parser.parse_args(MODEL + ["--heterogeneous-timeout", "30"]).heterogeneous_timeout == 30.0
+
+
+def test_the_timeout_flag_bounds_the_plan_check_and_group_creation(argv, monkeypatch):
+    import torch.distributed as dist
+    from het_plugin import agreement
+    from het_plugin.megatron import core
+    argv(*MODEL, "--pipeline-model-parallel-size", "2", "--heterogeneous-timeout", "12",
+         "--heterogeneous-nic", str(CLUSTER_8))
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    mod.parse_args(None)
+    seen = {}
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(agreement, "agree_on_plan", lambda make, **kw: seen.update(agree=kw["timeout_s"]) or make())
+    monkeypatch.setattr(core, "build_groups", lambda plan, kwargs, **kw: seen.update(build=kw["timeout_s"]))
+    monkeypatch.setattr(core, "original_initialize_model_parallel",
+                        lambda: (lambda tensor_model_parallel_size=1, pipeline_model_parallel_size=1: None))
+    lm.planned_initialize_model_parallel(1, 2)
+    assert seen == {"agree": 12.0, "build": 12.0}

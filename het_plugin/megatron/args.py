@@ -14,6 +14,7 @@ from ..plan import Plan
 
 FLAG = "--heterogeneous-nic"
 PLAN_OUT_FLAG = "--heterogeneous-plan-out"
+TIMEOUT_FLAG = "--heterogeneous-timeout"
 DISCOVER = "discover"          # the value of a bare --heterogeneous-nic
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -30,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "no value: discover the cluster (NICs and accelerators of every node)")
     group.add_argument(PLAN_OUT_FLAG, default=None, metavar="FILE",
                        help="save the plan used (rank 0) to FILE (.json or .yaml)")
+    group.add_argument(TIMEOUT_FLAG, type=float, default=None, metavar="SECONDS",
+                       help="bound on every wait of het_plugin at start-up (plan check, discovery, group creation): "
+                            "a rank that fails or disappears stops every rank within it (default: "
+                            "HET_PLUGIN_TIMEOUT, else 300)")
     return parser
 
 
@@ -71,6 +76,9 @@ def check_compatible(args: Any) -> None:
         if getattr(args, attr, None) is not None:
             raise ConfigError(f"{flag} is set, but {FLAG} sets the pipeline split from the plan",
                               source="command line", field=flag, fix=f"drop {flag}")
+    if getattr(args, "heterogeneous_timeout", None) is not None:
+        from ..runtime.exchange import check_timeout
+        check_timeout(args.heterogeneous_timeout, TIMEOUT_FLAG, "command line")
 
 
 def order_of(args: Any) -> str:

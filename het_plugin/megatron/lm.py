@@ -191,10 +191,14 @@ def planned_initialize_model_parallel(*args, **kwargs):
                  "overlap_p2p_comm": None if getattr(margs, "overlap_p2p_comm", True) else False}
         return _plan_for(margs, fixed, DISCOVER, rank=rank, world_size=world)
 
-    plan = agree_on_plan(make, rank=rank, world_size=world)
-    if state.plan is None:        # discovered: the model is built after this, so args still take the split
-        state.plan = plan
-        state.changes = apply_plan_to_args(margs, plan)
-    if rank == 0 and state.changes:
-        print("het_plugin: Megatron arguments set from the plan: " + ", ".join(state.changes), flush=True)
-    return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None)
+    from ..runtime.exchange import configured_timeout
+    from .args import TIMEOUT_FLAG
+    timeout_s = getattr(margs, "heterogeneous_timeout", None)
+    with configured_timeout(timeout_s, TIMEOUT_FLAG, "command line"):
+        plan = agree_on_plan(make, rank=rank, world_size=world, timeout_s=timeout_s)
+        if state.plan is None:        # discovered: the model is built after this, so args still take the split
+            state.plan = plan
+            state.changes = apply_plan_to_args(margs, plan)
+        if rank == 0 and state.changes:
+            print("het_plugin: Megatron arguments set from the plan: " + ", ".join(state.changes), flush=True)
+        return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None, timeout_s=timeout_s)
