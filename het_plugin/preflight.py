@@ -427,9 +427,10 @@ def _check_counts(groups, nics, selected, socket_ifs, envs, refuse, warnings) ->
         accepts = [v for v in values if v != "0"]
         fewest = min(counts.values())
         if accepts:
-            setting = "unset (NCCL's default 1 accepts)" if "" in accepts else f"={accepts[0]}"
+            setting = ("unset (NCCL's default, 1, accepts mismatched NIC counts)" if "" in accepts
+                       else f"{accepts[0]} (accepts mismatched NIC counts)")
             refuse(Refusal("NCCL_IGNORE_NET_MISMATCH",
-                           f"NCCL_IGNORE_NET_MISMATCH is {setting} mismatched NIC counts, and {g.label} "
+                           f"NCCL_IGNORE_NET_MISMATCH is {setting}, and {g.label} "
                            f"({g.transport}) spans nodes with different numbers of {what} ({spread}): NCCL would "
                            "build channels on NICs that have no peer and hang",
                            f"give every node of the group the same number ({fewest}) of {what} "

@@ -150,7 +150,7 @@ def test_groups_spanning_different_nic_counts(tmp_path, setting, field):
     assert fields(result) == [field]
     assert "different numbers of HCAs (a: 4, b: 3)" in result.refusals[0].problem
     if setting is None:
-        assert "unset (NCCL's default 1 accepts)" in result.refusals[0].problem
+        assert "unset (NCCL's default, 1, accepts mismatched NIC counts)" in result.refusals[0].problem
         assert "NCCL_IGNORE_NET_MISMATCH=0" in result.refusals[0].fix
     # the fix: the same count on every node, and mismatches fatal
     assert check(views, {"NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2", "NCCL_IGNORE_NET_MISMATCH": "0"}).ok
