@@ -27,11 +27,13 @@ from .transport import Member, transport_rule
 # 3: 'embedding_stages' (untied embeddings and MTP change which stages share the word embedding); 'order'
 #    (Megatron's rank order: rank_of_logical is in its numbering) and 'etp' with expert groups 'expert-*';
 #    'vpp', 'layers_per_virtual_stage' and 'overlap_p2p_comm' (interleaved pipelines), which the hash leaves out
-#    at their defaults (a plan written before them keeps its hash).
+#    at their defaults (a plan written before them keeps its hash); 'replica_micro_batches' (heterogeneous data
+#    parallelism), hashed likewise only when set.
 FORMAT_VERSION = 3
 
 # Keys added to format 3 after plans were written with it: hashed only when they differ from the default.
-_HASHED_UNLESS_DEFAULT = {"vpp": 1, "layers_per_virtual_stage": [], "overlap_p2p_comm": False}
+_HASHED_UNLESS_DEFAULT = {"vpp": 1, "layers_per_virtual_stage": [], "overlap_p2p_comm": False,
+                          "replica_micro_batches": []}
 
 
 @dataclass
@@ -108,6 +110,11 @@ class Plan:
     vpp: int = 1
     layers_per_virtual_stage: list[list[int]] = field(default_factory=list)
     overlap_p2p_comm: bool = False    # pipeline send/receive overlapped with compute (interleaved schedule only)
+    # Heterogeneous data parallelism: micro-batches (of micro_batch_size) that data-parallel replica d runs per
+    # iteration, for d in 0..dp-1 ([]: every replica runs num_micro_batches, the frameworks' even split). They
+    # add up to dp * num_micro_batches, so the global batch and the training math are unchanged; every rank of
+    # a replica (all its pipeline stages, TP and CP ranks) shares the count.
+    replica_micro_batches: list[int] = field(default_factory=list)
     overlap_grad_reduce: bool = True
     distributed_optimizer: bool = False
     homogeneous: bool = False
@@ -149,6 +156,36 @@ class Plan:
             return True
         even = len({n for row in self.virtual_layers for n in row}) == 1
         return self.is_identity and even
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches * self.dp
+
+    @property
+    def replica_counts(self) -> list[int]:
+        """Micro-batches per iteration of each data-parallel replica (the even split when not set)."""
+        return list(self.replica_micro_batches) or [self.num_micro_batches] * self.dp
+
+    @property
+    def uneven_replicas(self) -> bool:
+        return len(set(self.replica_counts)) > 1
+
+    def replica_of(self, physical_rank: int) -> int:
+        """The data-parallel replica (dp coordinate) of a physical rank."""
+        return self.coord(physical_rank)["dp"]
+
+    def replica_samples(self, replica: int) -> tuple[int, int]:
+        """[start, stop) of the replica's samples within the global batch: replicas in dp order, each a
+        contiguous range, so the samples of one iteration are those of the even split, in the same order."""
+        counts = self.replica_counts
+        start = sum(counts[:replica]) * self.micro_batch_size
+        return start, start + counts[replica] * self.micro_batch_size
+
+    def replica_weight(self, replica: int) -> float:
+        """The replica's share of the global batch: its gradient (a mean over its own samples) times this,
+        summed over replicas, is the gradient of the global batch's mean. 1/dp on the even split."""
+        counts = self.replica_counts
+        return counts[replica] / sum(counts)
 
     def coord(self, physical_rank: int) -> dict[str, int]:
         return self.dims.coord(self.logical_of_physical[physical_rank])
@@ -229,6 +266,7 @@ class Plan:
                               f"below pp={self.pp}", source=source, field="embedding_stages",
                               fix="re-create the plan with `het-plugin plan -o`")
         check_virtual_split(self.layers_per_stage, self.vpp, self.layers_per_virtual_stage, source)
+        check_replica_split(self.replica_micro_batches, self.dp, self.num_micro_batches, source)
         if self.overlap_p2p_comm and self.vpp == 1:
             raise ConfigError("overlap_p2p_comm is set, but Megatron overlaps pipeline send/receive only in the "
                               "interleaved schedule (vpp > 1)", source=source, field="overlap_p2p_comm",
@@ -329,6 +367,27 @@ def check_virtual_split(layers_per_stage: Sequence[int], vpp: int, layers_per_vi
         raise ConfigError(f"layers_per_virtual_stage {rows} must hold, for each of the {len(layers_per_stage)} "
                           f"pipeline stages, vpp={vpp} counts of at least 1 adding up to its layers "
                           f"{list(layers_per_stage)}", source=source, field="layers_per_virtual_stage", fix=fix)
+
+
+def check_replica_split(replica_micro_batches: Sequence[int], dp: int, num_micro_batches: int,
+                        source: str = "<plan>") -> None:
+    """Per-replica micro-batch counts: none (the even split), or dp counts of at least 1 adding up to
+    dp * num_micro_batches (the global batch every replica agreed on)."""
+    counts = list(replica_micro_batches)
+    if not counts:
+        return
+    fix = "re-create the plan with `het-plugin plan -o` (or remove replica_micro_batches for the even split)"
+    if len(counts) != dp:
+        raise ConfigError(f"replica_micro_batches has {len(counts)} entries for dp={dp} replicas", source=source,
+                          field="replica_micro_batches", fix=fix)
+    for d, n in enumerate(counts):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"replica {d} has {n!r} micro-batches; each replica needs at least 1", source=source,
+                              field="replica_micro_batches", fix=fix)
+    if sum(counts) != dp * num_micro_batches:
+        raise ConfigError(f"replica_micro_batches {counts} add up to {sum(counts)} micro-batches, the global batch "
+                          f"holds dp x num_micro_batches = {dp} x {num_micro_batches} = {dp * num_micro_batches}",
+                          source=source, field="replica_micro_batches", fix=fix)
 
 
 def _drop_zero_alltoall(data: dict) -> None:

@@ -231,3 +231,38 @@ def test_planner_output_on_random_clusters(data):
         assert len({cluster.rank_node[r] for r in g.ranks}) == 1
     assert sum(plan.layers_per_stage) == model.num_layers and len(plan.layers_per_stage) == plan.pp
     assert make_plan(cluster, model).hash == plan.hash
+
+
+def test_replica_split_ranges_weights_and_hash(examples_dir):
+    """Per-replica micro-batch counts: sample ranges tile the global batch in dp order, weights are the
+    shares, the even split keeps the hash of a plan written before the field, and bad counts are refused."""
+    cluster = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
+    from het_plugin.placement import place
+    from het_plugin.topology import ParallelDims
+    p = place(cluster, ParallelDims(tp=8, pp=2, dp=4))
+    model = preset_model("gpt-7.5b")
+    even = assemble_plan(cluster, model, p, [18, 18], 1)
+    assert even.replica_counts == [even.num_micro_batches] * 4 and not even.uneven_replicas
+    assert [even.replica_weight(d) for d in range(4)] == [0.25] * 4
+    legacy = even.to_dict()
+    del legacy["replica_micro_batches"], legacy["hash"]
+    assert Plan.from_dict(legacy).hash == even.hash            # a plan without the key: same content, same hash
+
+    n = even.num_micro_batches
+    counts = [n + 2, n + 2, n - 2, n - 2] if n > 2 else [n] * 4
+    data = dict(even.to_dict(), replica_micro_batches=counts)
+    del data["hash"]
+    uneven = Plan.from_dict(data)
+    assert uneven.hash != even.hash and uneven.uneven_replicas == (n > 2)
+    ranges = [uneven.replica_samples(d) for d in range(4)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == uneven.global_batch_size == even.global_batch_size
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert sum(uneven.replica_weight(d) for d in range(4)) == pytest.approx(1.0)
+    for phys in range(uneven.world_size):      # every rank of a replica shares its count
+        assert uneven.replica_of(phys) == uneven.coord(phys)["dp"]
+
+    for bad, words in (([n] * 3, "3 entries for dp=4"), ([0, 2 * n, n, n], "replica 0 has 0"),
+                       ([n + 1, n, n, n], "add up to"), ([True, n, n, n], "replica 0 has True")):
+        with pytest.raises(ConfigError) as info:
+            Plan.from_dict(dict(data, replica_micro_batches=bad))
+        assert info.value.field == "replica_micro_batches" and words in str(info.value), bad
