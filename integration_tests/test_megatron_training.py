@@ -140,6 +140,7 @@ def test_on_a_homogeneous_cluster_the_flag_changes_no_loss():
         assert r["plan_hash"] is None
     planned = train(["--heterogeneous-nic", str(HOMOGENEOUS_4)], layers=4, ranks_per_node=2)
     assert all(o.result["plan_hash"] for o in planned), "het_plugin planned this run"
+    assert not any(o.result["args"]["overlap_grad_reduce"] for o in planned), "the user's overlap setting is kept"
     assert [o.result["groups"] for o in planned] == [o.result["groups"] for o in baseline]
     assert [o.result["layer_numbers"] for o in planned] == [o.result["layer_numbers"] for o in baseline]
     base, het = losses(baseline), losses(planned)

@@ -393,3 +393,24 @@ def test_the_timeout_flag_bounds_the_plan_check_and_group_creation(argv, monkeyp
                         lambda: (lambda tensor_model_parallel_size=1, pipeline_model_parallel_size=1: None))
     lm.planned_initialize_model_parallel(1, 2)
     assert seen == {"agree": 12.0, "build": 12.0}
+
+
+def test_a_homogeneous_plan_keeps_the_users_overlap_setting():
+    """het_plugin is a no-op on a homogeneous cluster: the plan's overlap assumption does not turn Megatron's
+    --overlap-grad-reduce on, neither in args nor in a config container."""
+    from het_plugin.cluster import load_cluster
+    from het_plugin.model import ModelSpec
+    from het_plugin.placement import place
+    from het_plugin.planner import assemble_plan
+    from het_plugin.topology import ParallelDims
+    cluster = load_cluster(DATA / "megatron-homogeneous-4.yaml")
+    model = ModelSpec(name="t", num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128,
+                      seq_length=16, global_batch_size=8, micro_batch_size=2)
+    plan = assemble_plan(cluster, model, place(cluster, ParallelDims(tp=1, pp=2, dp=2)), [2, 2], 2,
+                         overlap_grad_reduce=True)
+    assert plan.homogeneous and plan.overlap_grad_reduce
+    args = types.SimpleNamespace(overlap_grad_reduce=False)
+    changes = hargs.apply_plan_to_args(args, plan)
+    assert args.overlap_grad_reduce is False and not any("overlap" in c for c in changes)
+    container = _container()
+    assert lm.apply_plan_to_container(container, plan) == [] and not container.ddp.overlap_grad_reduce

@@ -159,7 +159,8 @@ def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
         put("num_virtual_stages_per_pipeline_rank", plan.vpp)
     if plan.vpp > 1:
         put("overlap_p2p_comm", plan.overlap_p2p_comm)
-    if plan.overlap_grad_reduce:
+    if plan.overlap_grad_reduce and not plan.homogeneous:
+        # a homogeneous cluster keeps the user's choice (het_plugin is a no-op there)
         put("overlap_grad_reduce", True)
     if plan.distributed_optimizer:        # the plan's memory estimate assumed sharded optimizer state
         put("use_distributed_optimizer", True)

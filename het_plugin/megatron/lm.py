@@ -148,7 +148,8 @@ def apply_plan_to_container(container: Any, plan: Any) -> list[str]:
     if transformer is not None and layout is not None and transformer.pipeline_model_parallel_layout is None:
         model.transformer = apply_plan_to_config(transformer, plan)
         changes.append(f"model.transformer.pipeline_model_parallel_layout={layout}")
-    wanted = {"overlap_grad_reduce": True} if plan.overlap_grad_reduce else {}
+    # a homogeneous cluster keeps the user's overlap setting (het_plugin is a no-op there)
+    wanted = {"overlap_grad_reduce": True} if plan.overlap_grad_reduce and not plan.homogeneous else {}
     if plan.distributed_optimizer:
         wanted["use_distributed_optimizer"] = True
     for name in ("ddp", "optimizer"):
