@@ -76,3 +76,38 @@ def test_plans_written_before_the_interleaving_keys_keep_their_hash(plan8):
     for key in ("vpp", "layers_per_virtual_stage", "overlap_p2p_comm"):
         data.pop(key)
     assert Plan.from_dict(data).hash == plan8.hash == data["hash"]
+
+
+def test_an_accepted_virtual_size_is_not_overridden_by_the_plans(tmp_path):
+    """An identity plan with Megatron's even split accepts any vpp (plan.accepts_vpp); the config and the
+    command line then keep the user's interleaving instead of being refused or set to the plan's vpp."""
+    import argparse
+
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from het_plugin.megatron.args import apply_plan_to_args
+    from het_plugin.megatron.pipeline_layout import apply_plan_to_config
+    homogeneous = make_plan(load_cluster(DATA / "megatron-homogeneous-4.yaml"),
+                            MODEL_16.model_copy(update={"num_layers": 8}), tp=1, pp=2)
+    interleaved = make_plan(load_cluster(DATA / "megatron-homogeneous-4.yaml"),
+                            MODEL_16.model_copy(update={"num_layers": 8}), tp=1, pp=2, vpp=2)
+    assert homogeneous.vpp == 1 and interleaved.vpp == 2 and homogeneous.accepts_vpp(2) and interleaved.accepts_vpp(4)
+    for plan, vpp in ((homogeneous, 2), (interleaved, 4)):
+        config = TransformerConfig(num_layers=8, hidden_size=32, num_attention_heads=4, pipeline_model_parallel_size=2,
+                                   virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32)
+        assert apply_plan_to_config(config, plan) is config
+        args = argparse.Namespace(num_layers=8, num_virtual_stages_per_pipeline_rank=vpp,
+                                  num_layers_per_virtual_pipeline_stage=None, overlap_p2p_comm=True)
+        changes = apply_plan_to_args(args, plan)
+        assert args.num_virtual_stages_per_pipeline_rank == vpp and not any("virtual" in c for c in changes)
+
+
+def test_an_uneven_plan_still_refuses_another_virtual_size(plan_vpp):
+    from het_plugin.megatron.pipeline_layout import apply_plan_to_config
+    kwargs = {"num_layers": sum(plan_vpp.layers_per_stage), "tensor_model_parallel_size": 1,
+              "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 4}
+    assert not plan_vpp.accepts_vpp(4)
+    with pytest.raises(ConfigError) as e:
+        apply_plan_to_config(kwargs, plan_vpp)
+    assert e.value.field == "virtual_pipeline_model_parallel_size" and "--vpp 4" in e.value.fix

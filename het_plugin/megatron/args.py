@@ -148,17 +148,22 @@ def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
     put("context_parallel_size", plan.cp)
     put("micro_batch_size", plan.micro_batch_size)
     put("global_batch_size", plan.micro_batch_size * plan.dp * plan.num_micro_batches)
-    layout = layout_for_plan(plan)
-    if layout is not None:
-        # the layout carries the virtual stages (pp * vpp segments); Megatron takes no VPP flag beside it
-        for attr in VIRTUAL_OPTIONS:
-            put(attr, None)
-        put("pipeline_model_parallel_layout", layout)
-    elif plan.vpp > 1:                    # an even interleaved split: Megatron's own, from the count alone
-        put("num_layers_per_virtual_pipeline_stage", None)
-        put("num_virtual_stages_per_pipeline_rank", plan.vpp)
-    if plan.vpp > 1:
-        put("overlap_p2p_comm", plan.overlap_p2p_comm)
+    if (getattr(args, "expert_tensor_parallel_size", None) or plan.tp) != (plan.etp or plan.tp):
+        put("expert_tensor_parallel_size", plan.etp or plan.tp)
+    user_vpp = virtual_stages(args, plan.pp)
+    if user_vpp in (None, plan.vpp) or not plan.accepts_vpp(user_vpp):
+        # (otherwise an identity plan with Megatron's own even split: the command line's interleaving stands)
+        layout = layout_for_plan(plan)
+        if layout is not None:
+            # the layout carries the virtual stages (pp * vpp segments); Megatron takes no VPP flag beside it
+            for attr in VIRTUAL_OPTIONS:
+                put(attr, None)
+            put("pipeline_model_parallel_layout", layout)
+        elif plan.vpp > 1:                # an even interleaved split: Megatron's own, from the count alone
+            put("num_layers_per_virtual_pipeline_stage", None)
+            put("num_virtual_stages_per_pipeline_rank", plan.vpp)
+        if plan.vpp > 1:
+            put("overlap_p2p_comm", plan.overlap_p2p_comm)
     if plan.overlap_grad_reduce and not plan.homogeneous:
         # a homogeneous cluster keeps the user's choice (het_plugin is a no-op there)
         put("overlap_grad_reduce", True)

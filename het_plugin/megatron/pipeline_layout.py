@@ -79,6 +79,9 @@ def apply_plan_to_config(config: Any, plan: Plan) -> Any:
         raise ConfigError(f"the model config has num_layers={get('num_layers')}, the plan splits "
                           f"{sum(plan.layers_per_stage)}", field="num_layers", fix="plan for this model")
     have_vpp = get("virtual_pipeline_model_parallel_size")          # None: the plan's
+    if have_vpp is not None and have_vpp != plan.vpp and plan.accepts_vpp(have_vpp):
+        # an identity plan with Megatron's own even split: the config interleaves it as without het_plugin
+        return config
     if have_vpp is not None and have_vpp != plan.vpp:
         raise ConfigError(f"the model config has virtual_pipeline_model_parallel_size={have_vpp}, the plan "
                           f"{plan.vpp} virtual stages per pipeline rank", field="virtual_pipeline_model_parallel_size",
