@@ -317,13 +317,19 @@ class Plan:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown plan keys {unknown}", source=source, fix="re-create the plan")
-        data["groups"] = {k: [GroupPlan(**g) for g in v] for k, v in data["groups"].items()}
-        data["nodes"] = [NodePlan(**n) for n in data["nodes"]]
-        data["links"] = [LinkPlan(**link) for link in data.get("links", [])]
-        for key in ("prediction", "baseline"):
-            if data.get(key) is not None:
-                data[key] = Prediction(**data[key])
-        plan = cls(**data)
+        try:
+            data["groups"] = {k: [GroupPlan(**g) for g in v] for k, v in data["groups"].items()}
+            data["nodes"] = [NodePlan(**n) for n in data["nodes"]]
+            data["links"] = [LinkPlan(**link) for link in data.get("links", [])]
+            for key in ("prediction", "baseline"):
+                if data.get(key) is not None:
+                    data[key] = Prediction(**data[key])
+            plan = cls(**data)
+        except (TypeError, KeyError, AttributeError) as exc:
+            # a plan edited by hand: a group or node with a key the format does not have, or one missing
+            raise ConfigError(f"not a valid plan file: {type(exc).__name__}: {exc}", source=source,
+                              fix="re-create the plan with `het-plugin plan CLUSTER -o PLAN` instead of editing it") \
+                from None
         if stored_hash is not None and stored_hash != plan.hash:
             raise ConfigError("the plan's content does not match its hash (edited by hand?)", source=source,
                               field="hash", fix="re-create the plan with `het-plugin plan -o`, or delete the hash key")

@@ -117,6 +117,24 @@ def test_fixed_degrees_and_model_file(capsys, tmp_path, examples_dir):
     assert "identity (logical rank = launch rank)" in out and "homogeneous" in out
 
 
+
+def test_order_and_p2p_overlap_reach_the_plan(capsys, examples_dir):
+    """--order (Megatron-LM's --use-tp-pp-dp-mapping) and --no-overlap-p2p-comm: what the adapters' refusals
+    tell a user to re-plan with."""
+    model = examples_dir / "models" / "gpt-3.6b.yaml"
+    cluster = examples_dir / "clusters" / "homogeneous-ib.yaml"
+    rc, out, err = run(capsys, cluster, "--model", model, "--tp", 8, "--pp", 2, "--vpp", 2, "--format", "json")
+    assert rc == 0, err
+    default = Plan.from_dict(json.loads(out))
+    assert default.order == "tp-cp-ep-dp-pp" and default.overlap_p2p_comm
+    rc, out, err = run(capsys, cluster, "--model", model, "--tp", 8, "--pp", 4, "--vpp", 2, "--order",
+                       "tp-cp-ep-pp-dp", "--no-overlap-p2p-comm", "--format", "json")
+    assert rc == 0, err
+    plan = Plan.from_dict(json.loads(out))
+    assert plan.order == "tp-cp-ep-pp-dp" and not plan.overlap_p2p_comm and plan.vpp == 2
+    assert plan.groups["dp"][0].ranks == [0, 32], "pp before dp: data-parallel replicas 32 ranks apart"
+
+
 @pytest.mark.parametrize("args,words", [
     (["--tp", "3"], ["tp", "[1, 2, 4, 8]", "holmes-ib-roce.yaml"]),
     (["--pp", "64"], ["pp", "36"]),

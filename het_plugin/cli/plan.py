@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..topology import DEFAULT_ORDER, parse_order
 
 DEFAULT_CLUSTER = Path(__file__).resolve().parent.parent / "data" / "clusters" / "holmes-ib-roce.yaml"
 DEFAULT_MODEL = "gpt-7.5b"
@@ -33,6 +34,12 @@ def register(sub) -> None:
     p.add_argument("--vpp", type=int,
                    help="virtual pipeline stages per rank: Megatron's interleaved schedule "
                         "(--num-virtual-stages-per-pipeline-rank); default 1 (not interleaved)")
+    p.add_argument("--order", default=None,
+                   help="Megatron's rank order: tp-cp-ep-dp-pp (default) or tp-cp-ep-pp-dp (Megatron-LM's "
+                        "--use-tp-pp-dp-mapping)")
+    p.add_argument("--no-overlap-p2p-comm", dest="overlap_p2p_comm", action="store_false", default=None,
+                   help="with --vpp: plan for Megatron's interleaved schedule without p2p overlap "
+                        "(Megatron-LM's --no-overlap-p2p-communication)")
     p.add_argument("--profile", metavar="FILE",
                    help="measured profile (layer times, link bandwidths) overriding the analytic estimates; "
                         "format in docs/planner.md")
@@ -66,6 +73,18 @@ def check_numbers(args) -> None:
             raise ConfigError(f"{value} is not between 1 and {limit:,}", field=_flag(name),
                               fix=f"pass a whole number from 1 to {limit:,}, or leave {_flag(name)} out and the "
                                   "planner chooses it")
+
+
+def check_order(args) -> None:
+    """--order names Megatron's five parallel dimensions, each at most once (checked before planning)."""
+    if args.order is None:
+        return
+    try:
+        parse_order(args.order, args.ep or 1)
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="--order",
+                          fix="pass tp-cp-ep-dp-pp (Megatron's default) or tp-cp-ep-pp-dp (--use-tp-pp-dp-mapping)") \
+            from None
 
 
 @contextmanager
@@ -105,6 +124,15 @@ def check_saved_plan(args, plan) -> None:
                               "plan is shown as it is", source=args.cluster, field=_flag(name),
                               fix=f"drop {_flag(name)}, or re-plan from the cluster file: het-plugin plan CLUSTER "
                                   f"{_flag(name)} {given} -o PLAN")
+    if args.order is not None and "-".join(parse_order(args.order, plan.ep)) != plan.order:
+        raise ConfigError(f"--order {args.order} was passed, but the saved plan has order={plan.order}; a saved plan "
+                          "is shown as it is", source=args.cluster, field="--order",
+                          fix=f"drop --order, or re-plan from the cluster file: het-plugin plan CLUSTER --order "
+                              f"{args.order} -o PLAN")
+    if args.overlap_p2p_comm is False and plan.overlap_p2p_comm:
+        raise ConfigError("--no-overlap-p2p-comm was passed, but the saved plan assumed p2p overlap; a saved plan is "
+                          "shown as it is", source=args.cluster, field="--no-overlap-p2p-comm",
+                          fix="drop it, or re-plan from the cluster file with --no-overlap-p2p-comm -o PLAN")
     if args.profile:
         raise ConfigError("--profile was passed, but a saved plan is shown as it is (nothing is planned)",
                           source=args.cluster, field="--profile",
@@ -164,19 +192,10 @@ def run(args) -> int:
 
     check_output_names(args)
     check_numbers(args)
+    check_order(args)
     check_files(args)
     with named_by("CLUSTER"):
-        try:
-            loaded = load_source(args.cluster)
-        except (TypeError, KeyError, AttributeError) as exc:
-            # A plan file edited by hand (a group with a key the plan format does not have, a missing one):
-            # Plan.from_dict builds dataclasses from it. A cluster file never gets here (its schema says).
-            from ..plan import looks_like_plan
-            if not looks_like_plan(args.cluster):
-                raise
-            raise ConfigError(f"not a valid plan file: {type(exc).__name__}: {exc}", source=args.cluster,
-                              field="CLUSTER", fix="re-create the plan with `het-plugin plan CLUSTER -o PLAN` "
-                                                   "instead of editing it") from None
+        loaded = load_source(args.cluster)
     if loaded is None:
         raise ConfigError(f"{args.cluster!r} means discovery, which runs inside a launch", field="cluster",
                           fix="pass a cluster file; `het-plugin discover --gather` under torchrun writes one")
@@ -200,7 +219,7 @@ def run(args) -> int:
         try:
             plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                              etp=args.etp, micro_batch_size=args.micro_batch_size, progress=show, profile=profile,
-                             vpp=args.vpp)
+                             vpp=args.vpp, order=args.order or DEFAULT_ORDER, overlap_p2p_comm=args.overlap_p2p_comm)
         finally:
             if show is not None:
                 show.close()
