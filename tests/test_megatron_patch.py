@@ -29,7 +29,7 @@ from het_plugin.cli.patch import PACKAGE_INFO, REQUIRED, patches, status, tree_v
 
 # The patch for each Megatron-LM line, and tags measured to take it (docs/megatron.md, "The patch").
 LINES = {
-    "core_v0.16.x-heterogeneous-nic.patch": ["core_v0.15.3", "core_v0.16.0", "core_v0.16.1"],
+    "core_v0.16.x-heterogeneous-nic.patch": ["core_v0.16.0", "core_v0.16.1"],
     "core_v0.17-0.18-heterogeneous-nic.patch": ["core_v0.17.0", "core_v0.17.1", "core_v0.18.0", "core_v0.18.2"],
     "core_v0.19-main-heterogeneous-nic.patch": ["core_v0.19.0", "main"],
 }
@@ -204,6 +204,23 @@ def test_a_tree_no_patch_fits_is_refused_untouched_naming_its_version(version, s
             assert "core_v0." in patch_cli._supported_versions(p)
     assert all((tree / f).read_text() == "def parse_args():\n    pass\n" for f in REQUIRED)
     assert all(status(tree, p).state == "conflict" for p in patches())
+
+
+def test_a_tree_the_adapter_would_refuse_is_not_patched_even_where_the_patch_fits(tmp_path, capsys, monkeypatch):
+    """The 0.16 patch fits core_v0.15.x, but the adapter refuses megatron-core 0.15 at launch: refuse it here."""
+    name = "core_v0.16.x-heterogeneous-nic.patch"
+    tree = preimage_tree(by_name(name), tmp_path / "Megatron-LM")
+    write_package_info(tree, 0, 15, 3)
+    before = {f: (tree / f).read_text() for f in REQUIRED}
+    monkeypatch.delenv("HET_PLUGIN_ANY_MEGATRON", raising=False)
+    for argv in (["--check"], []):
+        assert main(["patch", "megatron", str(tree), *argv]) == 2
+        err = capsys.readouterr().err
+        assert "Megatron-LM 0.15.3" in err and "outside the range" in err and "nothing was changed" in err
+        assert "core_v0.16.0 or later" in err and "Traceback" not in err
+    assert {f: (tree / f).read_text() for f in REQUIRED} == before
+    monkeypatch.setenv("HET_PLUGIN_ANY_MEGATRON", "1")          # the gate's own switch lets it through
+    assert main(["patch", "megatron", str(tree), "--check"]) == 0
 
 
 def test_a_half_patched_tree_is_refused_untouched(tmp_path, capsys):

@@ -266,3 +266,18 @@ def test_replica_split_ranges_weights_and_hash(examples_dir):
         with pytest.raises(ConfigError) as info:
             Plan.from_dict(dict(data, replica_micro_batches=bad))
         assert info.value.field == "replica_micro_batches" and words in str(info.value), bad
+
+
+def test_a_plan_file_with_unknown_group_keys_is_one_message_for_every_reader(saved):
+    """The adapters load plan files through resolve.load_source: a hand-edited group is a ConfigError there
+    too (it was a TypeError outside the CLI)."""
+    from het_plugin.resolve import load_source
+    plan, path = saved
+    data = json.loads(path.read_text())
+    del data["hash"]
+    data["groups"]["tp"][0]["color"] = "red"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as info:
+        load_source(path)
+    assert "not a valid plan file" in str(info.value) and "color" in str(info.value)
+    assert "het-plugin plan" in info.value.fix

@@ -1,10 +1,11 @@
 """``het-plugin patch megatron PATH [--check]``: apply (or check) het_plugin's patches to a Megatron-LM tree.
 
-The patches (``patches/megatron-lm/*.patch``, one per Megatron-LM line: core_v0.15.3-0.16.x,
+The patches (``patches/megatron-lm/*.patch``, one per Megatron-LM line: core_v0.16.x,
 core_v0.17-0.18, core_v0.19-main) add ``--heterogeneous-nic`` to ``megatron/training/arguments.py`` and
 call het_plugin in ``megatron/training/initialize.py``. Each is tried on the tree: the one that applies
 cleanly is used (an already-applied one is reported as such); when none fits, nothing is changed and
-the message names the tree's version (``megatron/core/package_info.py``) and the supported lines.
+the message names the tree's version (``megatron/core/package_info.py``) and the supported lines. A tree
+whose version the adapter would refuse at launch (het_plugin.megatron.version) is refused here too.
 Without a patch the pip-installed import hook does the same; the patch makes it explicit in the tree.
 """
 from __future__ import annotations
@@ -112,6 +113,20 @@ def tree_version(tree: Path) -> str | None:
     return ".".join(map(str, parts)) + (pre if isinstance(pre, str) else "")
 
 
+def check_tree_supported(tree: Path, version: str | None) -> None:
+    """A patch may apply to a release the adapter refuses at launch (the 0.16 patch fits core_v0.15.x):
+    patching it would only move the refusal to the first training launch."""
+    from ..megatron.version import check_megatron_version
+    if version is None:
+        return                    # unknown (no package_info): the patch that fits decides
+    try:
+        check_megatron_version(version)
+    except ConfigError as exc:
+        raise ConfigError(f"this tree is Megatron-LM {version}; {exc.problem}; nothing was changed",
+                          source=str(tree), field="megatron/core/package_info.py",
+                          fix="check out a supported Megatron-LM release (core_v0.16.0 or later)") from None
+
+
 def _supported_versions(patch: Path) -> str:
     try:
         lines = patch.read_text().splitlines()
@@ -153,6 +168,7 @@ def run(args) -> int:
                           source=str(tree),
                           fix="check out a supported Megatron-LM version, or use no patch at all: with het_plugin "
                               "pip-installed, its import hook handles --heterogeneous-nic on an unmodified tree")
+    check_tree_supported(tree, version)
     chosen = fitting[0]           # the lines' patches are disjoint (measured); the first in name order wins
     if args.check:
         print(f"{chosen.patch.name}: applies cleanly to {tree} ({about})")
