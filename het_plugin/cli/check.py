@@ -27,7 +27,8 @@ def register(sub) -> None:
                    help="--format env: one block per node (default), or per cluster (shared lines, then each "
                         "node's own as comments)")
     p.add_argument("--node", help="--format env: only this node's export lines (e.g. eval in a launcher)")
-    p.add_argument("--timeout", type=float, default=300.0, help="--gather: seconds to wait for the other ranks")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="--gather: seconds to wait for the other ranks (default: HET_PLUGIN_TIMEOUT, else 300)")
     p.set_defaults(func=run)
 
 
@@ -35,6 +36,8 @@ def run(args) -> int:
     from ..errors import ConfigError
     from ..preflight import check_launch, render_env, render_text
 
+    from .discover import check_timeout_arg
+    check_timeout_arg(args)
     if not args.source and not args.gather:
         raise ConfigError("nothing to check", field="source",
                           fix="pass a plan or cluster file, or run under torchrun with --gather")
@@ -91,13 +94,8 @@ def _load(path: str):
 
 
 def _gather(args):
-    from ..discovery import env_store, gather_discovery
-    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    store, rank = None, int(os.environ.get("RANK", "0") or 0)
-    if world_size > 1:
-        store, rank, world_size = env_store(args.timeout)
-    found = gather_discovery(store, rank, world_size, sysfs_root=args.sysfs_root, node_name=args.node_name,
-                             timeout_s=args.timeout)
+    from ..discovery import gather_launch
+    rank, found = gather_launch(sysfs_root=args.sysfs_root, node_name=args.node_name, timeout_s=args.timeout)
     return rank, found.cluster, found.view.node
 
 

@@ -22,17 +22,23 @@ def register(sub) -> None:
     p.add_argument("--format", choices=["text", "yaml", "json"], default=None,
                    help="node view: text (default), yaml or json; --gather always writes a YAML cluster file")
     p.add_argument("-o", "--output", help="--gather: write the cluster file here (rank 0) instead of stdout")
-    p.add_argument("--timeout", type=float, default=300.0, help="--gather: seconds to wait for the other ranks")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="--gather: seconds to wait for the other ranks (default: HET_PLUGIN_TIMEOUT, else 300)")
     p.set_defaults(func=run)
+
+
+def check_timeout_arg(args) -> None:
+    """--timeout, when given, is a positive number of seconds (it was passed through to the store as is)."""
+    from ..runtime.exchange import check_timeout
+    if args.timeout is not None:
+        check_timeout(args.timeout, "--timeout")
 
 
 def check_args(args) -> None:
     import math
 
     from ..errors import ConfigError
-    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise ConfigError(f"{args.timeout} is not a number of seconds > 0", field="--timeout",
-                          fix="pass the seconds to wait for the other ranks, e.g. 300")
+    check_timeout_arg(args)
     if args.ethernet_gbps is not None:
         from ..cluster import GBPS_RANGE
         lo, hi = GBPS_RANGE
@@ -65,14 +71,10 @@ def run(args) -> int:
 
 
 def _gather(args) -> int:
-    from ..discovery import env_store, format_yaml, gather_discovery
+    from ..discovery import format_yaml, gather_launch
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    store, rank = None, int(os.environ.get("RANK", "0") or 0)
-    if world_size > 1:
-        store, rank, world_size = env_store(args.timeout)
-    found = gather_discovery(store, rank, world_size, sysfs_root=args.sysfs_root, node_name=args.node_name,
-                             links=args.links, unknown_ethernet_gbps=args.ethernet_gbps, timeout_s=args.timeout)
+    rank, found = gather_launch(sysfs_root=args.sysfs_root, node_name=args.node_name, links=args.links,
+                                unknown_ethernet_gbps=args.ethernet_gbps, timeout_s=args.timeout)
     if rank == 0:
         text = format_yaml(found.data, found.notes)
         if args.output:

@@ -153,3 +153,16 @@ def _assemble(entries: list[Entry]) -> tuple[Optional[dict[str, Any]], Optional[
     except Exception as exc:
         return None, exc
     return {"data": data, "notes": notes}, None
+
+
+def gather_launch(*, sysfs_root=None, node_name: Optional[str] = None, links: LinksArg = None,
+                  unknown_ethernet_gbps: Optional[float] = None, timeout_s: Optional[float] = None) -> tuple[int, "Discovery"]:
+    """The CLI's gather before any process group: under torchrun the bootstrap store (WORLD_SIZE > 1), alone
+    without one. Returns (this rank, the gathered discovery); every wait is bounded by ``timeout_s``."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    store, rank = None, int(os.environ.get("RANK", "0") or 0)
+    if world_size > 1:
+        store, rank, world_size = env_store(timeout_s)
+    found = gather_discovery(store, rank, world_size, sysfs_root=sysfs_root, node_name=node_name, links=links,
+                             unknown_ethernet_gbps=unknown_ethernet_gbps, timeout_s=timeout_s)
+    return rank, found
