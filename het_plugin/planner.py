@@ -434,6 +434,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     warnings = []
     if baseline is None:
         warnings.append("no framework-default plan fits in memory (uniform layers); no baseline to compare")
+    warnings += cost.profile_notes(profile, model, {n.accelerator.name for n in cluster.nodes},
+                                   best.micro_batch_size, best.placement.dims.tp)
     return assemble_plan(cluster, model, best.placement, best.layers, best.micro_batch_size,
                          prediction=best.prediction, baseline=baseline, overlap_grad_reduce=overlap,
                          distributed_optimizer=best.distributed_optimizer,
