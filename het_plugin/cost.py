@@ -5,7 +5,9 @@ The model, in short (details and constants in docs/planner.md):
 * Compute: a transformer layer's forward FLOPs / TP / (peak x efficiency) of the slowest device in the
   stage; backward = 2 x forward. With TP > 1 (sequence parallel) each layer pays 2 all-reduce-equivalents
   of its activations forward and 2 backward over the node's intra-node link. A measured profile
-  (:mod:`het_plugin.profile`) replaces these per (device, layer kind, micro-batch, TP).
+  (:mod:`het_plugin.profile`) replaces these per (device, layer kind, TP) as a curve over the micro-batch size,
+  per layer index where it has overrides, and the optimizer step, a per-iteration overhead and link rates
+  (per cluster, direction and concurrent senders) too.
 * Communication: latency-bandwidth per link tier. A collective over ``n`` members is ``2(n-1)`` ring steps
   of ``bytes/n``; a group spanning tiers reduces hierarchically (inside the node, then over the cluster
   fabric, then across clusters), each step paying its tier's latency and its bandwidth shared by all
