@@ -1212,6 +1212,33 @@ class SplitCosts:
         return _stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.dp,
                             self.overlap_grad_reduce, self.distributed_optimizer, self.profile)
 
+    @property
+    def layers_differ(self) -> bool:
+        """The profile measures some decoder layers on their own (per-layer overrides)."""
+        return any(st.layer_deltas for st in self.stages)
+
+    def refine(self, layers_per_stage: Sequence[int], max_layers: Sequence[int], min_layers: int = 1) -> list[int]:
+        """With per-layer overrides the partition's tables hold each stage's mean layer; move one layer at a time
+        across a stage boundary while the predicted iteration gets shorter (memory caps and ``min_layers``
+        kept). Without overrides: the split unchanged."""
+        best = list(layers_per_stage)
+        if not self.layers_differ:
+            return best
+        best_s = self.predict(best).iteration_s
+        for _ in range(self.model.num_layers * len(best)):         # each pass improves, or stops
+            moves = []
+            for b in range(len(best) - 1):
+                for step in (1, -1):
+                    cand = list(best)
+                    cand[b] -= step
+                    cand[b + 1] += step
+                    if min(cand) >= min_layers and all(n <= c for n, c in zip(cand, max_layers)):
+                        moves.append((self.predict(cand).iteration_s, cand))
+            if not moves or min(moves)[0] >= best_s:
+                break
+            best_s, best = min(moves)
+        return best
+
     def overflow_gib(self, layers_per_stage: Sequence[int]) -> float:
         """GiB per device by which the fullest stage of this split exceeds its devices' memory (<= 0: fits)."""
         return max(_memory_bytes(st, n, self.dp, self.distributed_optimizer) / GIB - st.capacity_gib

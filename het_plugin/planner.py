@@ -222,8 +222,9 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
             search.miss(split.overflow_gib(uniform_layers(model.num_layers, dims.pp)), f"{label} mb={mb}")
             return
         lower = bottleneck(tables, layers)
-        if lower >= search.bound():
+        if lower >= search.bound() and not split.layers_differ:    # (per-layer overrides: not a lower bound)
             return
+        layers = split.refine(layers, caps, min_layers=sched[0])
     elif any(n > c for n, c in zip(layers, caps)):
         search.miss(split.overflow_gib(layers), f"{label} mb={mb}")
         return

@@ -127,6 +127,24 @@ def test_per_layer_overrides_cost_the_stage_that_holds_the_layer(holmes, gpt7):
     assert [f + b for f, b in zip(fwd[1], bwd[1])] == pytest.approx([9 * 4.5, 9 * 4.5 + 0.9])
 
 
+def test_the_planner_moves_layers_off_the_stage_that_holds_a_slow_layer(holmes, gpt7):
+    placement = place(holmes, ParallelDims(tp=4, pp=2, dp=8))
+    prof = curves()
+    prof.add_compute(A100, "layer", 2, 4, 15.0, 30.0, layer=0)      # layer 0 costs 10 average layers
+    split = cost.SplitCosts(gpt7, cost.analyze(holmes, placement), 2, profile=prof)
+    caps = split.max_layers()
+    refined = split.refine([18, 18], caps)
+    time = lambda layers: split.predict(layers).iteration_s
+    assert refined[0] < 18 and time(refined) < time([18, 18])
+    for step in (1, -1):                                             # no single move is better
+        assert time([refined[0] - step, refined[1] + step]) >= time(refined)
+    same = cost.SplitCosts(gpt7, cost.analyze(holmes, placement), 2, profile=curves())
+    assert same.refine([18, 18], caps) == [18, 18] and not same.layers_differ
+    plain = make_plan(holmes, gpt7, tp=4, pp=2, micro_batch_size=2, profile=curves())
+    planned = make_plan(holmes, gpt7, tp=4, pp=2, micro_batch_size=2, profile=prof)
+    assert planned.layers_per_stage[0] <= plain.layers_per_stage[0] - 4         # 40.5 s more: ~4.5 layers
+
+
 # ---- optimizer and overhead -----------------------------------------------------------------------------
 
 
