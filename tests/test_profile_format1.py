@@ -1,4 +1,5 @@
-"""Format-1 profiles (the documented example and the benchmark's bundled files) predict exactly as before.
+"""Format-1 profiles (the documented example and the benchmark's bundled files, copied to tests/data/format1)
+predict exactly as before.
 
 ``tests/data/profile_format1_golden.json`` was written by :func:`write_golden` with the predictor as it was
 before profile format 2 (commit 1230344): every prediction field and every plan hash must still match, bit for
@@ -20,9 +21,9 @@ from het_plugin.yamlio import read_data
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "data" / "profile_format1_golden.json"
-# The format-1 example docs/planner.md showed, and the benchmark's measured profiles.
-FILES = [ROOT / "tests" / "data" / "profile-format1-documented.yaml"] + sorted(
-    (ROOT / "benchmarks" / "results").glob("profile-*.yaml"))
+# The format-1 example docs/planner.md showed (documented.yaml) and copies of the benchmark's measured profiles
+# as benchmarks/results held them (a new benchmark run rewrites those in format 2).
+FILES = sorted((ROOT / "tests" / "data" / "format1").glob("*.yaml"))
 CASES = [  # (dims, micro-batch, distributed optimizer, vpp)
     (dict(tp=1, pp=4, dp=16), 1, False, 1), (dict(tp=1, pp=4, dp=16), 4, True, 1),
     (dict(tp=4, pp=2, dp=8), 1, False, 1), (dict(tp=4, pp=2, dp=8), 2, True, 1),

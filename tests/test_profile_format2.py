@@ -291,7 +291,7 @@ def test_format2_round_trip(tmp_path, suffix):
 
 
 def test_a_format1_profile_saves_as_format1_and_refuses_format2_fields(tmp_path):
-    old = load_profile(Path(__file__).parent / "data" / "profile-format1-documented.yaml")
+    old = load_profile(Path(__file__).parent / "data" / "format1" / "documented.yaml")
     assert old.legacy
     old.save(tmp_path / "again.yaml")
     assert "het_plugin-profile/1" in (tmp_path / "again.yaml").read_text()
