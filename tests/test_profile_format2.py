@@ -342,6 +342,22 @@ def test_bad_format2_files_are_config_errors_naming_file_field_and_fix(tmp_path,
     assert "fix" in text
 
 
+def test_the_documented_example_and_snippet_work(tmp_path, monkeypatch):
+    import re
+    text = (Path(__file__).resolve().parent.parent / "docs" / "planner.md").read_text()
+    section = text[text.index("## Measured profiles"):]
+    example = next(b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "het_plugin-profile/2" in b)
+    (tmp_path / "example.yaml").write_text(example)
+    prof = load_profile(tmp_path / "example.yaml")
+    assert prof.compute_time(A100, "layer", 2, 4).forward_s == pytest.approx(0.0104 + (0.0290 - 0.0104) / 3)
+    assert prof.layer_overrides(A100, 4, 4)[0].forward_s == 0.0410
+    assert prof.step_s(["ib->roce", "ib/roce"], 1 << 20) != prof.step_s(["roce->ib", "roce/ib"], 1 << 20)
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "Profile(" in b)
+    monkeypatch.chdir(tmp_path)
+    exec(snippet, {})
+    assert load_profile(tmp_path / "profile.yaml").compute_time(A100, "layer", 2, 1) is not None
+
+
 def test_an_unknown_format_is_refused_naming_the_field(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("format: het_plugin-profile/3\ncompute: []\n")
