@@ -231,7 +231,8 @@ class Network:
 
 
 def _slowest(tiers: Sequence[Tier]) -> Tier:
-    return min(tiers, key=lambda t: (t.gbps, -t.latency_us, t.kind, t.names))
+    # ties broken by the undirected link names, as before directed names existed
+    return min(tiers, key=lambda t: (t.gbps, -t.latency_us, t.kind, tuple(n for n in t.names if "->" not in n)))
 
 
 def _level(tiers: Sequence[Tier], members: int, share: int) -> Level:
