@@ -5,7 +5,9 @@ The model, in short (details and constants in docs/planner.md):
 * Compute: a transformer layer's forward FLOPs / TP / (peak x efficiency) of the slowest device in the
   stage; backward = 2 x forward. With TP > 1 (sequence parallel) each layer pays 2 all-reduce-equivalents
   of its activations forward and 2 backward over the node's intra-node link. A measured profile
-  (:mod:`het_plugin.profile`) replaces these per (device, layer kind, micro-batch, TP).
+  (:mod:`het_plugin.profile`) replaces these per (device, layer kind, TP) as a curve over the micro-batch size,
+  per layer index where it has overrides, and the optimizer step, a per-iteration overhead and link rates
+  (per cluster, direction and concurrent senders) too.
 * Communication: latency-bandwidth per link tier. A collective over ``n`` members is ``2(n-1)`` ring steps
   of ``bytes/n``; a group spanning tiers reduces hierarchically (inside the node, then over the cluster
   fabric, then across clusters), each step paying its tier's latency and its bandwidth shared by all
@@ -79,11 +81,15 @@ FALLBACK_TIERS = {"host-staged": ["socket", "ethernet"], "socket": ["ethernet"]}
 
 @dataclass(frozen=True)
 class Tier:
-    """One kind of hop: ``kind`` is a profile tier name, ``names`` profile keys tried before it."""
+    """One kind of hop: ``kind`` is a profile tier name, ``names`` profile keys tried before it (a named link
+    between clusters, this direction first), ``back_names`` the same for the opposite direction, ``cluster`` the
+    cluster the hop runs inside (None: between clusters) for per-cluster profile entries."""
     kind: str
     gbps: float
     latency_us: float
     names: tuple[str, ...] = ()
+    cluster: Optional[str] = None
+    back_names: tuple[str, ...] = ()
 
     def step_s(self, nbytes: float, share: int = 1, profile: Optional[Profile] = None) -> float:
         """One transfer of ``nbytes`` while ``share`` streams use the same node NIC."""
@@ -91,18 +97,36 @@ class Tier:
             return 0.0
         if profile is not None:
             keys = list(self.names) + [self.kind] + FALLBACK_TIERS.get(self.kind, [])
-            measured = profile.transfer_s(keys, nbytes * share)
+            measured = profile.step_s(keys, nbytes, share, self.cluster)
             if measured is not None:
                 return measured
         return self.latency_us * 1e-6 + nbytes * share * 8 / (self.gbps * 1e9)
 
+    def flipped(self) -> "Tier":
+        """The same hop the other way."""
+        return replace(self, names=self.back_names, back_names=self.names)
+
+    def both_ways_s(self, nbytes: float, share: int = 1, profile: Optional[Profile] = None) -> float:
+        """A ring step over this hop, which carries data both ways at once: the slower direction."""
+        t = self.step_s(nbytes, share, profile)
+        if profile is not None and profile.directional and self.back_names:
+            t = max(t, self.flipped().step_s(nbytes, share, profile))
+        return t
+
 
 @dataclass(frozen=True)
 class Level:
-    """One level of a hierarchical collective: ``members`` ring participants over ``tier``."""
+    """One level of a hierarchical collective: ``members`` ring participants over ``tier`` (the slowest by the
+    cluster file); ``alternatives``: the level's other hop tiers, which a format-2 profile may measure slower."""
     tier: Tier
     members: int
     share: int
+    alternatives: tuple[Tier, ...] = ()
+
+    def step_s(self, nbytes: float, profile: Optional[Profile]) -> float:
+        if profile is None or profile.legacy:
+            return self.tier.step_s(nbytes, self.share, profile)
+        return max(t.both_ways_s(nbytes, self.share, profile) for t in (self.tier,) + self.alternatives)
 
 
 @dataclass(frozen=True)
@@ -115,7 +139,7 @@ class CollectivePath:
         total, chunk = 0.0, float(nbytes)
         for lv in self.levels:
             if lv.members > 1:
-                total += 2 * (lv.members - 1) * fraction * lv.tier.step_s(chunk / lv.members, lv.share, profile)
+                total += 2 * (lv.members - 1) * fraction * lv.step_s(chunk / lv.members, profile)
                 chunk /= lv.members
         if self.host_staged and nbytes > 0:
             total += 2 * nbytes * fraction * 8 / (HOST_COPY_GBPS * 1e9)
@@ -136,17 +160,21 @@ def socket_tier(cluster: Cluster, node: Node) -> Tier:
 def hop_tier(cluster: Cluster, a: Node, b: Node, transport: str, link: Optional[Link] = None) -> Tier:
     """The tier one message between nodes ``a`` and ``b`` crosses for a group of ``transport``."""
     if a.index == b.index:
-        return Tier("local", min(a.accelerator.intra_node_gbps, b.accelerator.intra_node_gbps), LOCAL_LATENCY_US)
+        return Tier("local", min(a.accelerator.intra_node_gbps, b.accelerator.intra_node_gbps), LOCAL_LATENCY_US,
+                    cluster=a.cluster)
     sockets = transport in ("socket", "host-staged")
     link = link or cluster.link(a, b)
     names: tuple[str, ...] = ()
+    back: tuple[str, ...] = ()
+    inside = a.cluster if a.cluster == b.cluster else None
     if a.cluster != b.cluster:
-        names = (f"{a.cluster}/{b.cluster}", f"{b.cluster}/{a.cluster}")
+        names = (f"{a.cluster}->{b.cluster}", f"{a.cluster}/{b.cluster}", f"{b.cluster}/{a.cluster}")
+        back = (f"{b.cluster}->{a.cluster}", f"{b.cluster}/{a.cluster}", f"{a.cluster}/{b.cluster}")
     kind = transport if sockets else link.kind
     if sockets and link.kind in RDMA:
         sa, sb = socket_tier(cluster, a), socket_tier(cluster, b)
-        return Tier(kind, min(sa.gbps, sb.gbps), max(sa.latency_us, sb.latency_us), names)
-    return Tier(kind, link.gbps, link.latency_us, names)
+        return Tier(kind, min(sa.gbps, sb.gbps), max(sa.latency_us, sb.latency_us), names, inside, back)
+    return Tier(kind, link.gbps, link.latency_us, names, inside, back)
 
 
 class Network:
@@ -203,7 +231,14 @@ class Network:
 
 
 def _slowest(tiers: Sequence[Tier]) -> Tier:
-    return min(tiers, key=lambda t: (t.gbps, -t.latency_us, t.kind, t.names))
+    # ties broken by the undirected link names, as before directed names existed
+    return min(tiers, key=lambda t: (t.gbps, -t.latency_us, t.kind, tuple(n for n in t.names if "->" not in n)))
+
+
+def _level(tiers: Sequence[Tier], members: int, share: int) -> Level:
+    """A collective level over ``tiers`` (one per pair of nodes it spans): the slowest, and the others."""
+    slow = _slowest(tiers)
+    return Level(slow, members, share, tuple(dict.fromkeys(t for t in tiers if t != slow)))
 
 
 # ---- placement analysis ---------------------------------------------------------------------------
@@ -272,15 +307,15 @@ def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[Collec
     levels = []
     k = max(per_node.values())
     if k > 1:
-        levels.append(Level(_slowest([net.hop(n, n, t) for n in per_node]), k, 1))
+        levels.append(_level([net.hop(n, n, t) for n in per_node], k, 1))
     n_nodes = max(len(v) for v in by_cluster.values())
     if n_nodes > 1:
         tiers = [net.hop(v[0], v[1], t) for v in by_cluster.values() if len(v) > 1]
-        levels.append(Level(_slowest(tiers), n_nodes, share))
+        levels.append(_level(tiers, n_nodes, share))
     if len(by_cluster) > 1:
         reps = [v[0] for v in by_cluster.values()]
         tiers = [net.hop(a, b, t) for i, a in enumerate(reps) for b in reps[i + 1:]]
-        levels.append(Level(_slowest(tiers), len(by_cluster), share))
+        levels.append(_level(tiers, len(by_cluster), share))
     return CollectivePath(tuple(levels), t == "host-staged"), t
 
 
@@ -371,7 +406,9 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
         stage_nodes = sorted(set(node_of_logical[base:base + S]))
         accs = tuple(sorted({nodes[n].accelerator for n in stage_nodes}, key=lambda a: a.name))
         capacity = min(nodes[n].accelerator.memory_gib for n in stage_nodes)
-        tp_tier = Tier("local", min(nodes[n].accelerator.intra_node_gbps for n in stage_nodes), LOCAL_LATENCY_US)
+        one_cluster = {nodes[n].cluster for n in stage_nodes}
+        tp_tier = Tier("local", min(nodes[n].accelerator.intra_node_gbps for n in stage_nodes), LOCAL_LATENCY_US,
+                       cluster=one_cluster.pop() if len(one_cluster) == 1 else None)
         paths: list[CollectivePath] = []
         for j in range(dims.tp):        # dp-cp groups: the gradients' reduction (the dp groups when cp == 1)
             path, t = dp_path(node_of_logical[base + j:base + S:dims.tp])
@@ -585,12 +622,30 @@ class StageModel:
     cp: int = 1                     # the dense gradients are reduced (and sharded) over dp x cp
     alltoall_per_layer_s: float = 0.0   # token dispatch + combine, forward + backward, of an average layer
     cp_ring_per_layer_s: float = 0.0    # ring attention's exposed exchanges, forward + backward, per layer
+    # Format-2 profiles: each decoder layer's (fwd, bwd) minus the mean layer above (per-layer overrides; empty:
+    # all layers alike), the optimizer's measured seconds per parameter (None: analytic), and the gradient send
+    # back from stage s+1 (None: the same as send_s; differs when a link is measured per direction).
+    layer_deltas: tuple[tuple[float, float], ...] = ()
+    optimizer_s_per_param: Optional[float] = None
+    send_back_s: Optional[float] = None
+
+    @property
+    def back_s(self) -> float:
+        return self.send_s if self.send_back_s is None else self.send_back_s
+
+    def own_layers(self, first: int, n: int) -> tuple[float, float]:
+        """(forward, backward) of the ``n`` decoder layers from index ``first`` for one micro-batch."""
+        f, b = n * self.layer_fwd_s, n * self.layer_bwd_s
+        if self.layer_deltas and n:
+            f += sum(d[0] for d in self.layer_deltas[first:first + n])
+            b += sum(d[1] for d in self.layer_deltas[first:first + n])
+        return f, b
 
 
 def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, cp: int, tp_tier: Tier,
                profile: Optional[Profile]) -> tuple[float, float]:
     if profile is not None:
-        measured = profile.compute_s(acc.name, kind, mb, tp)
+        measured = profile.compute_s(acc.name, kind, mb, tp, model.moe_fraction)
         if measured is not None:
             return measured
     if kind == "layer":
@@ -611,6 +666,31 @@ def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, 
         fwd += per_layer * ar
         bwd += per_layer * ar
     return fwd, bwd
+
+
+def _layer_deltas(model: ModelSpec, info: StageInfo, mb: int, tp: int, cp: int, mean: tuple[float, float],
+                  profile: Optional[Profile]) -> tuple[tuple[float, float], tuple[tuple[float, float], ...]]:
+    """With per-layer-index overrides in the profile: the stage's mean decoder layer (for the partition, whose
+    costs cannot depend on which layers a stage holds) and each layer's difference from it (for the prediction
+    of a split). The stage's slowest device type by its total decides. Without overrides: ``mean``, ()."""
+    if profile is None or profile.legacy:
+        return mean, ()
+    L = model.num_layers
+    worst = None
+    for acc in info.accelerators:
+        over = {i: t for i, t in profile.layer_overrides(acc.name, mb, tp).items() if i < L}
+        if not over:
+            continue
+        own = _compute_s(acc, "layer", model, mb, tp, cp, info.tp_tier, profile)
+        times = [(over[i].forward_s, over[i].backward_s) if i in over else own for i in range(L)]
+        total = sum(f + b for f, b in times)
+        if worst is None or total > worst[0]:
+            worst = (total, times)
+    if worst is None or worst[0] < L * (mean[0] + mean[1]):      # another device type is slower without them
+        return mean, ()
+    times = worst[1]
+    mf, mb_ = sum(f for f, _ in times) / L, sum(b for _, b in times) / L
+    return (mf, mb_), tuple((f - mf, b - mb_) for f, b in times)
 
 
 def _moe_comm_s(model: ModelSpec, mb: int, dims: ParallelDims, info: StageInfo,
@@ -688,6 +768,7 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
     for s, info in enumerate(analysis.stages):
         layer = max((_compute_s(a, "layer", model, mb, tp, cp, info.tp_tier, profile) for a in info.accelerators),
                     key=lambda fb: fb[0] + fb[1])
+        layer, deltas = _layer_deltas(model, info, mb, tp, cp, layer, profile)
         a2a = etp_comm = 0.0
         if f_moe:
             a2a, etp_comm = _moe_comm_s(model, mb, dims, info, profile)
@@ -725,12 +806,16 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
             if staged:
                 t += 2 * act_msg * 8 / (HOST_COPY_GBPS * 1e9)
             send = max(send, t)
+        back = None
+        if profile is not None and profile.directional and info.hop_next:      # gradients go the other way
+            back = _hops_s([(tier.flipped(), share, staged) for tier, share, staged in info.hop_next], act_msg, profile)
         expert = info.expert
         out.append(StageModel(layer[0], layer[1], ff, fb_, send, dense_params_per_layer, fixed_params,
                               _activation_bytes_per_layer(model, mb, tp, cp), fixed_mem, in_flight,
                               info.capacity_gib, info.dp_paths, expert_params_per_layer,
                               expert.dp_paths if expert is not None else None, dims.expert_dp, cp,
-                              f_moe * a2a, ring[0] + ring[1]))
+                              f_moe * a2a, ring[0] + ring[1], layer_deltas=deltas,
+                              optimizer_s_per_param=_optimizer_per_param(info, tp, profile), send_back_s=back))
     return out
 
 
@@ -747,13 +832,27 @@ def _memory_bytes(st: StageModel, n_layers: int, dp: int, distributed_optimizer:
     return states + acts + FRAMEWORK_OVERHEAD_GIB * GIB
 
 
+def _optimizer_per_param(info: StageInfo, tp: int, profile: Optional[Profile]) -> Optional[float]:
+    """The stage's measured optimizer seconds per parameter (its slowest device type; one not measured counts
+    as the analytic step), or None when no device type of the stage is measured."""
+    if profile is None:
+        return None
+    measured = [profile.optimizer_s_per_param(a.name, tp) for a in info.accelerators]
+    if all(m is None for m in measured):
+        return None
+    return max(OPTIMIZER_BYTES_MOVED / HBM_BYTES_PER_S if m is None else m for m in measured)
+
+
 def _optimizer_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: bool) -> float:
-    """The Adam step of one rank: memory-bound over the parameters it updates."""
+    """The Adam step of one rank: memory-bound over the parameters it updates (or the profile's time per
+    parameter)."""
     params = st.fixed_params + n_layers * st.params_per_layer
     experts = n_layers * st.expert_params_per_layer
     if distributed_optimizer:
         params /= dp * st.cp
         experts /= st.expert_dp
+    if st.optimizer_s_per_param is not None:
+        return (params + experts) * st.optimizer_s_per_param
     return (params + experts) * OPTIMIZER_BYTES_MOVED / HBM_BYTES_PER_S
 
 
@@ -801,7 +900,7 @@ def _stage_costs(sts: list[StageModel], num_layers: int, num_micro_batches: int,
     m = num_micro_batches
     tables = []
     for s, st in enumerate(sts):
-        recv_side = sts[s - 1].send_s if s > 0 else 0.0      # this stage sends gradients back over it
+        recv_side = sts[s - 1].back_s if s > 0 else 0.0      # this stage sends gradients back over it
         row = []
         if profile is None:     # the analytic reduction is affine in the layer count: two points suffice
             red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
@@ -832,13 +931,16 @@ def one_f_one_b_order(pp: int, stage: int, m: int) -> list[tuple[str, int]]:
     return ops
 
 
-def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float], m: int) -> list[float]:
+def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float], m: int,
+                  send_back: Optional[Sequence[float]] = None) -> list[float]:
     """Finish time of every stage's last backward.
 
     ``send[s]`` is the time to move one activation (forward) or gradient (backward) between stages s and
     s+1; the sender is busy for it (Megatron's p2p calls block) and the receiver may start when it ends.
+    ``send_back[s]``: the gradient's time from s+1 to s where it differs (a link measured per direction).
     """
     pp = len(fwd)
+    back = send if send_back is None else send_back
     orders = [one_f_one_b_order(pp, s, m) for s in range(pp)]
     end_f = [[-1.0] * m for _ in range(pp)]
     end_b = [[-1.0] * m for _ in range(pp)]
@@ -870,7 +972,7 @@ def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[flo
                 end_b[s][i] = end
                 free[s] = end
                 if s > 0:
-                    free[s] += send[s - 1]
+                    free[s] += back[s - 1]
                     arrive_b[s - 1][i] = free[s]
                     pending.append(s - 1)
             ptr[s] += 1
@@ -902,9 +1004,18 @@ def _virtual_times(sts: list[StageModel], virtual_layers: Sequence[Sequence[int]
     fixed part (embedding) on its first chunk and the last stage's (output layer, loss, MTP) on its last."""
     pp = len(sts)
     fwd, bwd = [], []
+    first, at = {}, 0                      # chunk c of rank r is virtual stage c * pp + r (Megatron's order)
+    for c in range(len(virtual_layers[0])):
+        for r in range(pp):
+            first[r, c] = at
+            at += virtual_layers[r][c]
     for r, (st, row) in enumerate(zip(sts, virtual_layers)):
-        f = [n * st.layer_fwd_s for n in row]
-        b = [n * st.layer_bwd_s for n in row]
+        if st.layer_deltas:
+            own = [st.own_layers(first[r, c], n) for c, n in enumerate(row)]
+            f, b = [x for x, _ in own], [y for _, y in own]
+        else:
+            f = [n * st.layer_fwd_s for n in row]
+            b = [n * st.layer_bwd_s for n in row]
         c = 0 if r == 0 else len(row) - 1 if r == pp - 1 else None
         if c is not None:
             f[c] += st.fixed_fwd_s
@@ -921,7 +1032,8 @@ def _interleaved_pipeline(sts: list[StageModel], virtual_layers: Sequence[Sequen
     chunk's share (by parameters) starts at its last backward's start and the shares run one after another."""
     from .schedule import simulate_interleaved
     fwd, bwd = _virtual_times(sts, virtual_layers)
-    run = simulate_interleaved(fwd, bwd, [st.send_s for st in sts], wrap_send, m, overlap_p2p_comm=overlap_p2p_comm)
+    run = simulate_interleaved(fwd, bwd, [max(st.send_s, st.back_s) for st in sts], wrap_send, m,
+                               overlap_p2p_comm=overlap_p2p_comm)
     ends = []
     pp = len(sts)
     for r, (st, row) in enumerate(zip(sts, virtual_layers)):
@@ -950,7 +1062,7 @@ def _interleaved_stage_costs(sts: list[StageModel], num_layers: int, m: int, vpp
     tables = []
     for r, st in enumerate(sts):
         nxt = st.send_s if r < pp - 1 else wrap_send          # activations out, vpp per micro-batch (one less on
-        prv = sts[r - 1].send_s if r > 0 else wrap_send       # the last rank); gradients back, likewise (first)
+        prv = sts[r - 1].back_s if r > 0 else wrap_send       # the last rank); gradients back, likewise (first)
         n_next, n_prev = vpp - (r == pp - 1), vpp - (r == 0)
         if pp == 2:                                            # one link each way carries both
             links = [n_next * nxt + n_prev * prv]
@@ -991,13 +1103,18 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
     dims = analysis.placement.dims
     fwd = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers_per_stage)]
     bwd = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers_per_stage)]
+    if any(st.layer_deltas for st in sts):                 # per-layer overrides: each stage's own layers
+        firsts = [sum(layers_per_stage[:s]) for s in range(len(sts))]
+        own = [st.own_layers(i, n) for st, i, n in zip(sts, firsts, layers_per_stage)]
+        fwd = [st.fixed_fwd_s + o[0] for st, o in zip(sts, own)]
+        bwd = [st.fixed_bwd_s + o[1] for st, o in zip(sts, own)]
     send = [st.send_s for st in sts]
     interleaved_ends = None
     if virtual_layers is not None and len(virtual_layers[0]) > 1:
         finish, interleaved_ends = _interleaved_pipeline(sts, virtual_layers, m, overlap_p2p_comm, wrap_send, dims.dp,
                                                          overlap_grad_reduce, distributed_optimizer, profile)
     else:
-        finish = simulate_1f1b(fwd, bwd, send, m)
+        finish = simulate_1f1b(fwd, bwd, send, m, [st.back_s for st in sts])
     pipeline = max(finish)
     ends = []
     opt = 0.0
@@ -1011,6 +1128,9 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
         emb_bytes = model.embedding_params / dims.tp * GRAD_BYTES
         emb = max(p.allreduce_s(emb_bytes, profile) for p in analysis.embedding_paths)
     iteration = max(ends) + emb + opt
+    if profile is not None and profile.overhead:          # the slowest device type's fixed cost per iteration
+        iteration += max((profile.iteration_overhead_s(a.name) or 0.0 for st in analysis.stages
+                          for a in st.accelerators), default=0.0)
     tokens = model.global_batch_size * model.seq_length
     flops = 3.0 * model.global_batch_size * (model.decoder_flops_fwd(1) + model.logits_flops_fwd(1)
                                              + model.mtp_flops_fwd(1))
@@ -1029,6 +1149,15 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
     if problem:
         pred.description = (pred.description + "; " if pred.description else "") + problem
     return pred
+
+
+def profile_notes(profile: Optional[Profile], model: ModelSpec, devices, micro_batch_size: int, tp: int) -> list[str]:
+    """Lines saying which measured compute curves of ``devices`` (names) a prediction at this micro-batch size
+    and TP extrapolates (format-2 profiles; the description and the plan's warnings carry them)."""
+    if profile is None:
+        return []
+    kinds = ("layer", "embedding", "output") + (("moe_layer",) if model.is_moe else ())
+    return profile.extrapolation_notes(devices, micro_batch_size, tp, kinds)
 
 
 class SplitCosts:
@@ -1052,6 +1181,8 @@ class SplitCosts:
         #: per stage: its times per micro-batch and bytes per rank, linear in its layer count
         self.stages: list[StageModel] = _stage_models(model, analysis, micro_batch_size, self.num_micro_batches,
                                                       profile)
+        self.notes = profile_notes(profile, model, {a.name for st in analysis.stages for a in st.accelerators},
+                                   micro_batch_size, dims.tp)
         self.vpp = vpp
         self.overlap_p2p_comm = (vpp > 1) if overlap_p2p_comm is None else bool(overlap_p2p_comm) and vpp > 1
         self.wrap_send_s = 0.0
@@ -1082,6 +1213,33 @@ class SplitCosts:
         return _stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.dp,
                             self.overlap_grad_reduce, self.distributed_optimizer, self.profile)
 
+    @property
+    def layers_differ(self) -> bool:
+        """The profile measures some decoder layers on their own (per-layer overrides)."""
+        return any(st.layer_deltas for st in self.stages)
+
+    def refine(self, layers_per_stage: Sequence[int], max_layers: Sequence[int], min_layers: int = 1) -> list[int]:
+        """With per-layer overrides the partition's tables hold each stage's mean layer; move one layer at a time
+        across a stage boundary while the predicted iteration gets shorter (memory caps and ``min_layers``
+        kept). Without overrides: the split unchanged."""
+        best = list(layers_per_stage)
+        if not self.layers_differ:
+            return best
+        best_s = self.predict(best).iteration_s
+        for _ in range(self.model.num_layers * len(best)):         # each pass improves, or stops
+            moves = []
+            for b in range(len(best) - 1):
+                for step in (1, -1):
+                    cand = list(best)
+                    cand[b] -= step
+                    cand[b + 1] += step
+                    if min(cand) >= min_layers and all(n <= c for n, c in zip(cand, max_layers)):
+                        moves.append((self.predict(cand).iteration_s, cand))
+            if not moves or min(moves)[0] >= best_s:
+                break
+            best_s, best = min(moves)
+        return best
+
     def overflow_gib(self, layers_per_stage: Sequence[int]) -> float:
         """GiB per device by which the fullest stage of this split exceeds its devices' memory (<= 0: fits)."""
         return max(_memory_bytes(st, n, self.dp, self.distributed_optimizer) / GIB - st.capacity_gib
@@ -1093,6 +1251,8 @@ class SplitCosts:
         if self.vpp > 1:
             from .layer_split import virtual_split
             virtual = virtual_split(layers_per_stage, self.vpp)
+        if self.notes:
+            description = "; ".join(([description] if description else []) + self.notes)
         return _evaluate(self.model, self.analysis, self.stages, self.num_micro_batches, layers_per_stage,
                          self.overlap_grad_reduce, self.distributed_optimizer, self.profile, description,
                          virtual, self.overlap_p2p_comm, self.wrap_send_s)

@@ -222,8 +222,9 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
             search.miss(split.overflow_gib(uniform_layers(model.num_layers, dims.pp)), f"{label} mb={mb}")
             return
         lower = bottleneck(tables, layers)
-        if lower >= search.bound():
+        if lower >= search.bound() and not split.layers_differ:    # (per-layer overrides: not a lower bound)
             return
+        layers = split.refine(layers, caps, min_layers=sched[0])
     elif any(n > c for n, c in zip(layers, caps)):
         search.miss(split.overflow_gib(layers), f"{label} mb={mb}")
         return
@@ -434,6 +435,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     warnings = []
     if baseline is None:
         warnings.append("no framework-default plan fits in memory (uniform layers); no baseline to compare")
+    warnings += cost.profile_notes(profile, model, {n.accelerator.name for n in cluster.nodes},
+                                   best.micro_batch_size, best.placement.dims.tp)
     return assemble_plan(cluster, model, best.placement, best.layers, best.micro_batch_size,
                          prediction=best.prediction, baseline=baseline, overlap_grad_reduce=overlap,
                          distributed_optimizer=best.distributed_optimizer,
