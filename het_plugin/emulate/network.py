@@ -236,6 +236,15 @@ class Emulation:
                             stderr=subprocess.PIPE, text=True, errors="replace")
         return collect(procs, self, timeout, fail_fast=fail_fast)
 
+    def compute_rates(self, seconds: float = 0.5) -> list[float]:
+        """The same Python busy loop in every node at once for ``seconds``: iterations per second per node
+        (in node order). What a benchmark prints to show the compute speed the nodes really got."""
+        loop = ("import sys,time\nend=time.perf_counter()+float(sys.argv[1]);n=0;t=time.perf_counter()\n"
+                "while time.perf_counter()<end:\n for _ in range(1000): n+=1\nprint(n/(time.perf_counter()-t))")
+        procs = [self.popen_in(n.index, [sys.executable, "-c", loop, str(seconds)], stdout=subprocess.PIPE,
+                               text=True) for n in self.layout.nodes]
+        return [float(p.communicate(timeout=60 + 10 * seconds)[0]) for p in procs]
+
     def wait(self, procs: Sequence[subprocess.Popen], timeout: float, *,
              fail_fast: float = FAIL_FAST_S) -> list[Optional[int]]:
         """Wait for all; past ``timeout``, or ``fail_fast`` s after one failed, kill the rest (None: killed).
