@@ -207,6 +207,21 @@ def run(args) -> dict:
     return out
 
 
+SPEED_TOLERANCE = 0.25      # measured slow:fast compute rate within 25% of the configured one: the emulation held
+
+
+def speed_check(out: dict) -> str:
+    """Did the nodes compute at the configured ratio? (a busy machine can break it: docs/emulator.md)"""
+    want = min(c["speed"] for c in out["cpu"])
+    slow = [i for i, c in enumerate(out["cpu"]) if c["speed"] == want]
+    got = {k: statistics.mean(r[i] / max(r) for i in slow) for k, r in out["compute_rates"].items()}
+    held = all(abs(g - want) <= SPEED_TOLERANCE * want for g in got.values())
+    return (f"compute speed check: slow:fast configured {want:.2f}, measured {got['before']:.2f} before and "
+            f"{got['after']:.2f} after training: " + ("held" if held else
+            "NOT HELD (the machine was too busy to give the nodes their quotas): these step times do not show "
+            "the effect of a 2:1 speed difference; rerun on an idle machine"))
+
+
 def table(out: dict) -> str:
     lines = [f"hetdp: 2 clusters x 2 ranks, compute 2:1 (cpu cgroups), scale 1/{out['scale']:g}, {out['rounds']} "
              f"round(s) x {out['steps']} steps after {out['warmup']} warm-up, started {out['started_utc']}, "
@@ -215,7 +230,7 @@ def table(out: dict) -> str:
              + ", ".join(f"{r / max(out['compute_rates']['before']):.2f}" for r in out["compute_rates"]["before"])
              + "; after "
              + ", ".join(f"{r / max(out['compute_rates']['after']):.2f}" for r in out["compute_rates"]["after"]),
-             "", f"| configuration | median step (ms) | per round (ms) |", "|---|---:|---|"]
+             speed_check(out), "", f"| configuration | median step (ms) | per round (ms) |", "|---|---:|---|"]
     for name, row in out["configs"].items():
         lines.append(f"| {CONFIGS[name]} | {row['median_s'] * 1e3:.0f} | "
                      + ", ".join(f"{t * 1e3:.0f}" for t in row["rounds_s"]) + " |")
