@@ -103,7 +103,7 @@ def node_speeds(cluster: Cluster, speeds: SpeedInput) -> Optional[tuple[float, .
 def default_cpu_per_rank(speeds: Sequence[float], ranks: Sequence[int], cores: Optional[int] = None) -> float:
     """The fastest rank's share of a core such that all quotas together are ``CPU_BUDGET`` of the
     machine's cores (capped at one core: a rank is one thread that computes)."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or len(os.sched_getaffinity(0)) or 1     # the cores this process may use (cpuset, taskset)
     demand = sum(s * r for s, r in zip(speeds, ranks))
     return min(1.0, CPU_BUDGET * cores / demand)
 
