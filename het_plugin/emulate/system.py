@@ -3,9 +3,10 @@ to find leftovers.
 
 Every run writes ``/run/het-plugin-emulate/<run id>.json`` (its owner's pid and process start time, and
 the cpu cgroups it will create) *before* creating anything, so a run killed with SIGKILL leaves a record;
-the next start removes the namespaces, links, cgroups and record of every run whose owner is gone. Records are written atomically (a private
-temporary file in the same folder, then a link to the final name), so a concurrent start never reads half a
-record; a record it cannot read is left alone with its run, never taken for an ownerless run.
+the next start removes the namespaces, links, cgroups and record of every run whose owner is gone.
+Records are written atomically (a private temporary file in the same folder, then a link to the final
+name), so a concurrent start never reads half a record; a record it cannot read is left alone with its
+run, never taken for an ownerless run.
 """
 from __future__ import annotations
 
