@@ -52,8 +52,8 @@ def test_cgroups_exist_with_their_quotas_and_go_at_teardown(cgroups_ok):
         quotas = {}
         for node in emu.layout.nodes:
             cg = emu.cgroup_path(node.index)
-            quotas[node.name] = (int((cg / "cpu.cfs_quota_us").read_text()), int((cg / "cpu.cfs_period_us").read_text()),
-                                 int((cg / "cpu.shares").read_text()))
+            quotas[node.name] = tuple(int((cg / f).read_text())
+                                      for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.shares"))
         assert quotas == {"ib-0": (10000, 20000, 1024), "ib-1": (10000, 20000, 1024),
                           "roce-0": (5000, 20000, 512), "roce-1": (5000, 20000, 512)}
         sleeper = emu.popen_in(2, ["sleep", "60"])

@@ -57,7 +57,8 @@ def _check_value(name: str, v) -> float:
         raise ConfigError(f"{v!r} is not a number", field=field, fix="give a positive relative speed, e.g. 1 or 0.5")
     if not math.isfinite(v) or v <= 0:
         raise ConfigError(f"speed must be a finite number > 0, got {v}", field=field,
-                          fix="give a positive relative speed, e.g. 1 for the fastest node and 0.5 for one at half speed")
+                          fix="give a positive relative speed, e.g. 1 for the fastest node and 0.5 for one "
+                              "at half speed")
     if v > 1e9:
         raise ConfigError(f"speed {v:g} is absurdly large", field=field,
                           fix="speeds are relative (only ratios count): e.g. 1 and 0.5, or TFLOPS such as 989 and 312")
