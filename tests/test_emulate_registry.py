@@ -21,6 +21,7 @@ def registry(tmp_path, monkeypatch):
     monkeypatch.setattr(system, "STATE_DIR", state)
     removed: list[str] = []
     monkeypatch.setattr(system, "root_links", lambda prefix=system.LINK_PREFIX: [])
+    monkeypatch.setattr(system, "cgroups", lambda prefix=system.NS_PREFIX: [])
     monkeypatch.setattr(system, "remove_run", lambda run_id: removed.append(run_id) or [f"run {run_id}"])
     return state, removed
 

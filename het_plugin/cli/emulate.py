@@ -2,7 +2,8 @@
 
 Each node is a network namespace; its ranks get RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT like
 torchrun, GLOO_SOCKET_IFNAME=eth0 for the default group and HET_PLUGIN_GLOO_IFNAMES so het_plugin's
-adapters put each group on the interface its plan transport names. Needs root.
+adapters put each group on the interface its plan transport names. With ``--speed``, each node's processes
+run in a cpu cgroup whose quota follows its accelerator's relative speed. Needs root.
 """
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ def register(sub) -> None:
                    help="real bits per emulated bit (default 1000: 200 Gbit/s becomes 200 Mbit/s)")
     p.add_argument("--port", type=int, default=29500, help="MASTER_PORT (rank 0's namespace; default 29500)")
     p.add_argument("--timeout", type=float, default=0, help="kill the ranks after this many seconds (0: never)")
+    p.add_argument("--speed", action="append", metavar="catalog|NAME=X",
+                   help="emulate compute speed per node with a cpu cgroup quota: 'catalog' (from the accelerators' "
+                        "sustained TFLOPS) or NAME=X per node or cluster name, repeated (e.g. --speed ib=2 "
+                        "--speed roce=1; only ratios count). Needs the cgroup-v1 cpu controller")
+    p.add_argument("--cpu-per-rank", type=float, default=None,
+                   help="with --speed: the fastest node's share of a core per rank (default: all quotas together "
+                        "use 75%% of the machine's cores, at most 1 core per rank)")
     p.add_argument("--show", action="store_true", help="print the emulated network and exit without building it")
     p.add_argument("--cleanup", action="store_true",
                    help="only remove leftovers of crashed runs (namespaces, veths, bridges) and exit")
@@ -56,9 +64,42 @@ def check_numbers(args) -> None:
                           fix="pass real bits per emulated bit, e.g. --scale 1000 (200 Gbit/s -> 200 Mbit/s)")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"{args.port} is not a TCP port", field="--port", fix="pass a port from 1 to 65535, e.g. 29500")
+    if args.cpu_per_rank is not None:
+        from ..emulate.speed import MAX_CPU_PER_RANK
+        if not (math.isfinite(args.cpu_per_rank) and 0 < args.cpu_per_rank <= MAX_CPU_PER_RANK):
+            raise ConfigError(f"{args.cpu_per_rank} is not a share of a core the emulator takes (0 < x <= "
+                              f"{MAX_CPU_PER_RANK:g})", field="--cpu-per-rank",
+                              fix="give the fastest rank's share of one core, e.g. 0.5")
+        if not args.speed:
+            raise ConfigError("--cpu-per-rank without --speed", field="--cpu-per-rank",
+                              fix="add --speed catalog (or NAME=X per node or cluster), or drop --cpu-per-rank")
     if not (math.isfinite(args.timeout) and args.timeout >= 0):
         raise ConfigError(f"{args.timeout} is not a number of seconds >= 0", field="--timeout",
                           fix="pass the seconds after which the ranks are killed, or 0 for never")
+
+
+def parse_speeds(words):
+    """``--speed`` values: None (unshaped), "catalog", or {name: speed}; a malformed one names the flag."""
+    from ..errors import ConfigError
+    if not words:
+        return None
+    if "catalog" in words:
+        if len(words) > 1:
+            raise ConfigError(f"'catalog' cannot be combined with other speeds ({words})", field="--speed",
+                              fix="pass either --speed catalog, or NAME=X for every node or cluster")
+        return "catalog"
+    speeds = {}
+    for w in words:
+        name, eq, value = w.partition("=")
+        try:
+            speeds[name.strip()] = float(value)
+        except ValueError:
+            speeds[name.strip()] = None
+        if not eq or not name.strip() or speeds[name.strip()] is None:
+            raise ConfigError(f"{w!r} is not NAME=X", field="--speed",
+                              fix="pass --speed catalog, or --speed NAME=X per node or cluster (e.g. --speed ib=2 "
+                                  "--speed roce=1)")
+    return speeds
 
 
 def run(args) -> int:
@@ -69,6 +110,7 @@ def run(args) -> int:
 
     args = split_command(args)
     check_numbers(args)
+    speeds = parse_speeds(args.speed)
     if args.cleanup:
         try:
             check_preconditions()
@@ -88,14 +130,14 @@ def run(args) -> int:
     with named_by("CLUSTER"):
         cluster = load_cluster(args.cluster)
     if args.show:
-        print(make_layout(cluster, "000000", args.scale).describe())
+        print(make_layout(cluster, "000000", args.scale, (), speeds, args.cpu_per_rank).describe())
         return 0
     if not args.argv:
         raise ConfigError("no command to run", field="COMMAND",
                           fix=f"het-plugin emulate {args.cluster} -- python train.py")
     terminate_on_signals()
     try:
-        with Emulation(cluster, scale=args.scale) as emu:
+        with Emulation(cluster, scale=args.scale, speeds=speeds, cpu_per_rank=args.cpu_per_rank) as emu:
             print(emu.layout.describe(), file=sys.stderr, flush=True)
             procs = emu.launch(args.argv, master_port=args.port, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1)

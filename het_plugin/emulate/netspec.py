@@ -17,6 +17,7 @@ from typing import Optional
 
 from ..cluster import RDMA, Cluster, Node
 from ..errors import ConfigError
+from .speed import CpuShare, SpeedInput, cpu_shares
 
 ETH_IF = "eth0"
 FAB_IF = "fab0"
@@ -58,6 +59,12 @@ class EmuNode:
     eth: Interface
     fab: Optional[Interface]
     extra: tuple[Interface, ...] = ()     # extra networks joining every node (benchmark references)
+    cpu: Optional[CpuShare] = None        # compute speed (a cpu cgroup named like the namespace); None: unshaped
+
+    @property
+    def cgroup(self) -> str:
+        """The node's cpu cgroup name (under the controller's mount), when its compute is shaped."""
+        return self.namespace
 
     @property
     def interfaces(self) -> tuple[Interface, ...]:
@@ -108,6 +115,9 @@ class Layout:
             if n.fab is not None:
                 parts.append(f"{FAB_IF} {n.fab.address} {n.fabric} {n.fab.kbit / 1000:g} Mbit/s (own cluster only)")
             parts += [f"{x.name} {x.address} {x.kbit / 1000:g} Mbit/s (every node)" for x in n.extra]
+            if n.cpu is not None:
+                parts.append(f"compute speed {n.cpu.speed:.3g} ({n.cpu.cores_per_rank:.3g} core per rank: cpu quota "
+                             f"{n.cpu.quota_us}/{n.cpu.period_us} us)")
             lines.append(f"  {n.name} [{n.cluster}] ranks {n.first_rank}..{n.first_rank + n.num_ranks - 1}: "
                          + "; ".join(parts))
         lines += [f"  note: {t}" for t in self.notes]
@@ -137,10 +147,12 @@ class ExtraNetwork:
     gbps: float
 
 
-def make_layout(cluster: Cluster, run_id: str, scale: float, extra: tuple[ExtraNetwork, ...] = ()) -> Layout:
+def make_layout(cluster: Cluster, run_id: str, scale: float, extra: tuple[ExtraNetwork, ...] = (),
+                speeds: SpeedInput = None, cpu_per_rank: Optional[float] = None) -> Layout:
     """The emulated network for ``cluster``; ``scale`` = real bits per emulated bit (1000: Gbit/s -> Mbit/s).
 
-    ``extra`` networks get their own bridge and the addresses 198.19.<250+i>.<node+1>/24."""
+    ``extra`` networks get their own bridge and the addresses 198.19.<250+i>.<node+1>/24. ``speeds``
+    (``"catalog"`` or names to relative speeds) shapes each node's compute (see ``speed.cpu_shares``)."""
     if not RUN_ID_RE.match(run_id):
         raise ValueError(f"run id {run_id!r} must be 6 hex digits")
     if not scale > 0:
@@ -163,10 +175,14 @@ def make_layout(cluster: Cluster, run_id: str, scale: float, extra: tuple[ExtraN
                           f"{ETH_IF}, {FAB_IF}, lo and each other", field="extra", fix="rename or drop some")
     for i, x in enumerate(extra):
         bridges.append(f"{LINK_PREFIX}{run_id}X{i}")
+    cpu = cpu_shares(cluster, speeds, cpu_per_rank)
     seen = {c: 0 for c in clusters}
     nodes = []
     notes = ["latency is not emulated (this kernel has no netem): only bandwidth is shaped; "
              "real links' latency_us is ignored"]
+    if cpu:
+        notes.append("compute speed is a CPU quota per node, a ceiling: the speed ratios hold while the machine "
+                     "has the cores to give every node its quota (keep it otherwise idle)")
     for node in cluster.nodes:
         k = clusters.index(node.cluster)
         j = seen[node.cluster]
@@ -195,5 +211,6 @@ def make_layout(cluster: Cluster, run_id: str, scale: float, extra: tuple[ExtraN
             more.append(Interface(x.ifname, f"{LINK_PREFIX}{run_id}x{i}n{node.index}", f"{LINK_PREFIX}{run_id}X{i}",
                                   f"198.19.{250 + i}.{node.index + 1}", 24, xk, (ShapedClass(None, xk, x.ifname),)))
         nodes.append(EmuNode(node.index, node.name, node.cluster, node.fabric.type, f"{NS_PREFIX}{run_id}-n{node.index}",
-                             node.num_accelerators, cluster.node_first_rank[node.index], eth, fab, tuple(more)))
+                             node.num_accelerators, cluster.node_first_rank[node.index], eth, fab, tuple(more),
+                             cpu[node.index] if cpu else None))
     return Layout(run_id, float(scale), tuple(nodes), tuple(bridges), tuple(dict.fromkeys(notes)))

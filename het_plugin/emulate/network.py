@@ -1,5 +1,6 @@
 """The emulator itself: build the namespaces, bridges, veths and htb shaping of a Layout, run ranks inside
-them like torchrun, and tear everything down on exit, error, Ctrl-C or SIGTERM.
+them like torchrun (each node's processes in its cpu cgroup when compute speeds are emulated), and tear
+everything down on exit, error, Ctrl-C or SIGTERM.
 """
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import IO, Callable, Optional, Sequence
 
 from ..cluster import Cluster
 from .netspec import ExtraNetwork, Interface, Layout, make_layout
 from .procs import RankOutput, kill_group, wait_all
 from .procs import collect as collect_procs
-from .system import (CommandFailed, EmulatorUnavailable, RunRecord, check_preconditions, clean_leftovers, kill_pids, namespace_pids,
-                     process_start_time, remove_run, sh)
+from .speed import SpeedInput
+from .system import (CommandFailed, EmulatorUnavailable, RunRecord, check_cpu_controller, check_preconditions,
+                     clean_leftovers, create_cgroup, join_cgroup_argv, kill_pids, namespace_pids, process_start_time,
+                     remove_run, sh)
 
 QUANTUM = "65536"          # htb quantum in bytes: >= one GSO frame, quiets the "quantum is big" warning
 DEFAULT_PORT = 29500       # free in every fresh namespace: each run has its own
@@ -33,14 +37,31 @@ class Emulation:
     """
 
     def __init__(self, cluster: Cluster, *, scale: float = 1000.0, run_id: Optional[str] = None,
-                 extra_networks: Sequence[ExtraNetwork] = (),
+                 extra_networks: Sequence[ExtraNetwork] = (), speeds: SpeedInput = None,
+                 cpu_per_rank: Optional[float] = None,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)):
+        """``speeds``: emulate each node's compute speed with a cpu cgroup quota -- ``"catalog"`` (the
+        accelerators' sustained FLOP/s) or node/cluster names to relative speeds; None: compute unshaped.
+        ``cpu_per_rank``: the fastest rank's share of a core (default: see ``speed.default_cpu_per_rank``)."""
         self.cluster = cluster
-        self.layout: Layout = make_layout(cluster, run_id or secrets.token_hex(3), scale, tuple(extra_networks))
+        self.layout: Layout = make_layout(cluster, run_id or secrets.token_hex(3), scale, tuple(extra_networks),
+                                          speeds, cpu_per_rank)
         self.log = log
         self.procs: list[subprocess.Popen] = []
         self._record = RunRecord(self.layout.run_id, os.getpid(), process_start_time(os.getpid()))
+        self._cgroup_root: Optional[Path] = None
         self._up = False
+
+    @property
+    def shapes_compute(self) -> bool:
+        return any(n.cpu is not None for n in self.layout.nodes)
+
+    def cgroup_path(self, node_index: int) -> Optional[Path]:
+        """The node's cpu cgroup (None: its compute is not shaped, or the network is not up)."""
+        node = self.layout.nodes[node_index]
+        if node.cpu is None or self._cgroup_root is None:
+            return None
+        return self._cgroup_root / node.cgroup
 
     # ---- life cycle ------------------------------------------------------------------------------
     def __enter__(self) -> "Emulation":
@@ -52,6 +73,9 @@ class Emulation:
 
     def start(self) -> None:
         check_preconditions()
+        if self.shapes_compute:         # refuse rather than run unshaped: a benchmark would measure the wrong thing
+            self._cgroup_root = check_cpu_controller()
+            self._record.cgroups = tuple(str(self._cgroup_root / n.cgroup) for n in self.layout.nodes if n.cpu)
         removed = clean_leftovers()
         if removed:
             self.log(f"emulate: removed leftovers of crashed runs: {', '.join(removed)}")
@@ -106,6 +130,10 @@ class Emulation:
                     "Fix: `iptables -I FORWARD -i hp+ -o hp+ -j ACCEPT` or `sysctl -w net.bridge.bridge-nf-call-iptables=0`")
 
     def _build(self) -> None:
+        for node in self.layout.nodes:
+            if node.cpu is not None and self._cgroup_root is not None:
+                create_cgroup(self._cgroup_root, node.cgroup, node.cpu.quota_us, node.cpu.period_us,
+                              node.cpu.shares)
         for br in self.layout.bridges:
             sh(["ip", "link", "add", br, "type", "bridge"])
             sh(["ip", "link", "set", br, "up"])
@@ -173,13 +201,18 @@ class Emulation:
 
     def popen_in(self, node_index: int, argv: Sequence[str], env: Optional[dict] = None,
                  **kwargs) -> subprocess.Popen:
-        """Start ``argv`` inside node ``node_index``'s namespace (its own session, so it can be killed whole)."""
+        """Start ``argv`` inside node ``node_index``'s namespace (its own session, so it can be killed whole)
+        and, when the node's compute is shaped, inside its cpu cgroup from its first instruction on."""
         if not self._up:
             raise RuntimeError("the emulated network is not running")
         ns = self.layout.nodes[node_index].namespace
         full_env = dict(os.environ)
         full_env.update(env or {})
-        p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=full_env, start_new_session=True, **kwargs)
+        cmd = ["ip", "netns", "exec", ns, *argv]
+        cg = self.cgroup_path(node_index)
+        if cg is not None:
+            cmd = join_cgroup_argv(cg, cmd)
+        p = subprocess.Popen(cmd, env=full_env, start_new_session=True, **kwargs)
         self.procs.append(p)
         return p
 
@@ -202,6 +235,15 @@ class Emulation:
         procs = self.launch(argv, env=env, master_port=master_port, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, errors="replace")
         return collect(procs, self, timeout, fail_fast=fail_fast)
+
+    def compute_rates(self, seconds: float = 0.5) -> list[float]:
+        """The same Python busy loop in every node at once for ``seconds``: iterations per second per node
+        (in node order). What a benchmark prints to show the compute speed the nodes really got."""
+        loop = ("import sys,time\nend=time.perf_counter()+float(sys.argv[1]);n=0;t=time.perf_counter()\n"
+                "while time.perf_counter()<end:\n for _ in range(1000): n+=1\nprint(n/(time.perf_counter()-t))")
+        procs = [self.popen_in(n.index, [sys.executable, "-c", loop, str(seconds)], stdout=subprocess.PIPE,
+                               text=True) for n in self.layout.nodes]
+        return [float(p.communicate(timeout=60 + 10 * seconds)[0]) for p in procs]
 
     def wait(self, procs: Sequence[subprocess.Popen], timeout: float, *,
              fail_fast: float = FAIL_FAST_S) -> list[Optional[int]]:

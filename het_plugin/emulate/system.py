@@ -1,10 +1,12 @@
-"""Thin wrappers over ``ip``/``tc``, the preconditions check, and the run registry used to find leftovers.
+"""Thin wrappers over ``ip``/``tc`` and the cpu cgroups, the preconditions check, and the run registry used
+to find leftovers.
 
-Every run writes ``/run/het-plugin-emulate/<run id>.json`` (its owner's pid and process start time)
-*before* creating anything, so a run killed with SIGKILL leaves a record; the next start removes the
-namespaces, links and record of every run whose owner is gone. Records are written atomically (a private
-temporary file in the same folder, then a link to the final name), so a concurrent start never reads half a
-record; a record it cannot read is left alone with its run, never taken for an ownerless run.
+Every run writes ``/run/het-plugin-emulate/<run id>.json`` (its owner's pid and process start time, and
+the cpu cgroups it will create) *before* creating anything, so a run killed with SIGKILL leaves a record;
+the next start removes the namespaces, links, cgroups and record of every run whose owner is gone.
+Records are written atomically (a private temporary file in the same folder, then a link to the final
+name), so a concurrent start never reads half a record; a record it cannot read is left alone with its
+run, never taken for an ownerless run.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from ..errors import HetPluginError
 from .netspec import LINK_PREFIX, NS_PREFIX, RUN_ID_RE
 
 STATE_DIR = Path(os.environ.get("HET_PLUGIN_EMULATE_STATE", "/run/het-plugin-emulate"))
+MOUNTS = Path("/proc/self/mounts")
 
 
 class EmulatorUnavailable(HetPluginError, RuntimeError):
@@ -64,6 +67,90 @@ def check_preconditions() -> None:
             raise EmulatorUnavailable(f"tc cannot add an htb qdisc ({q.stderr.strip()}): the emulator needs sch_htb")
     finally:
         sh(["ip", "netns", "del", probe], check=False)
+
+
+# ---- cpu cgroups (compute speed) --------------------------------------------------------------------
+
+def cpu_controller() -> Optional[Path]:
+    """Where the cgroup-v1 hierarchy with the ``cpu`` controller (CFS bandwidth: cpu.cfs_quota_us) is
+    mounted, e.g. /sys/fs/cgroup/cpu or /sys/fs/cgroup/cpu,cpuacct; None when there is none."""
+    try:
+        text = MOUNTS.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 4 and f[2] == "cgroup" and "cpu" in f[3].split(","):
+            path = Path(f[1].replace("\\040", " "))
+            if (path / "cpu.cfs_quota_us").exists():
+                return path
+    return None
+
+
+def check_cpu_controller() -> Path:
+    """The cpu controller's mount, or one clear message why compute speeds cannot be emulated here."""
+    root = cpu_controller()
+    if root is None:
+        raise EmulatorUnavailable(
+            "emulated compute speeds need the cgroup-v1 cpu controller with CFS bandwidth control "
+            "(cpu.cfs_quota_us), and none is mounted here (cgroup v2's cpu.max is not supported): mount it "
+            "(`mkdir -p /sys/fs/cgroup/cpu && mount -t cgroup -o cpu cgroup /sys/fs/cgroup/cpu`), or run "
+            "without speeds (every node then computes at whatever the shared CPU gives it)")
+    if not os.access(root, os.W_OK):
+        raise EmulatorUnavailable(f"cannot create cgroups under {root} (read-only, or not root): emulated compute "
+                                  "speeds need a writable cgroup-v1 cpu hierarchy (a privileged container)")
+    return root
+
+
+def create_cgroup(root: Path, name: str, quota_us: int, period_us: int, shares: int) -> Path:
+    """A new cpu cgroup ``root/name`` whose processes together get at most ``quota_us`` per ``period_us``,
+    and weigh ``shares`` when the CPU is contended."""
+    path = root / name
+    path.mkdir()
+    (path / "cpu.cfs_period_us").write_text(str(period_us))
+    (path / "cpu.cfs_quota_us").write_text(str(quota_us))
+    (path / "cpu.shares").write_text(str(shares))
+    return path
+
+
+def join_cgroup_argv(path: Path, argv: Sequence[str]) -> list[str]:
+    """``argv`` started through a shell that first moves itself into cgroup ``path``, then execs ``argv``
+    (same pid): the process is in the cgroup before it runs a single instruction of its own."""
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(path / "cgroup.procs"), *argv]
+
+
+def cgroup_pids(path: Path) -> list[int]:
+    try:
+        return [int(x) for x in (path / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def remove_cgroup(path: Path, timeout_s: float = 5.0) -> bool:
+    """Kill what still runs in cgroup ``path`` (by pid) and remove it; False when it could not be removed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        kill_pids(cgroup_pids(path), grace_s=0.5)
+        try:
+            path.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)          # exiting tasks leave the cgroup a moment after they are reaped
+
+
+def cgroups(prefix: str = NS_PREFIX) -> list[Path]:
+    """The emulator's cpu cgroups (named like its namespaces) that exist now."""
+    root = cpu_controller()
+    if root is None:
+        return []
+    try:
+        return sorted(p for p in root.iterdir() if p.name.startswith(prefix) and p.is_dir())
+    except OSError:
+        return []
 
 
 # ---- processes -------------------------------------------------------------------------------------
@@ -165,6 +252,7 @@ class RunRecord:
     run_id: str
     pid: int
     start_time: Optional[int]
+    cgroups: tuple[str, ...] = ()       # cpu cgroups the run creates (paths), so cleanup finds them too
 
     @property
     def path(self) -> Path:
@@ -177,7 +265,8 @@ class RunRecord:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{self.run_id}.", suffix=TMP_SUFFIX)
         try:
             with os.fdopen(fd, "w") as fh:
-                fh.write(json.dumps({"run_id": self.run_id, "pid": self.pid, "start_time": self.start_time}))
+                fh.write(json.dumps({"run_id": self.run_id, "pid": self.pid, "start_time": self.start_time,
+                                     "cgroups": list(self.cgroups)}))
                 fh.flush()
                 os.fsync(fh.fileno())
             try:
@@ -240,20 +329,38 @@ def records(unreadable: Optional[dict[str, str]] = None) -> dict[str, RunRecord]
             d = json.loads(f.read_text())
             if d["run_id"] != f.stem:
                 raise ValueError(f"names run {d['run_id']!r}")
-            out[f.stem] = RunRecord(f.stem, int(d["pid"]), d.get("start_time"))
+            out[f.stem] = RunRecord(f.stem, int(d["pid"]), d.get("start_time"),
+                                    tuple(str(c) for c in d.get("cgroups", ())))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             if unreadable is not None:
                 unreadable[f.stem] = f"{type(exc).__name__}: {exc}"
     return out
 
 
+def run_cgroups(run_id: str) -> list[Path]:
+    """The run's cpu cgroups: those that exist under the controller, and those its record names (only paths
+    named like the run's namespaces inside a cpu hierarchy: a record never points cleanup elsewhere)."""
+    prefix = f"{NS_PREFIX}{run_id}-"
+    found = set(cgroups(prefix))
+    rec = records().get(run_id)
+    for c in (rec.cgroups if rec else ()):
+        p = Path(c)
+        if p.name.startswith(prefix) and p.is_dir() and (p.parent / "cpu.cfs_quota_us").exists():
+            found.add(p)
+    return sorted(found)
+
+
 def remove_run(run_id: str) -> list[str]:
-    """Kill what runs in the run's namespaces (by pid), delete them and its root links; returns what went."""
+    """Kill what runs in the run's namespaces and cgroups (by pid), delete them and its root links; returns
+    what went."""
     removed = []
     for ns in namespaces(f"{NS_PREFIX}{run_id}-"):
         kill_pids(namespace_pids(ns))
         sh(["ip", "netns", "del", ns], check=False)
         removed.append(f"netns {ns}")
+    for cg in run_cgroups(run_id):
+        if remove_cgroup(cg):
+            removed.append(f"cgroup {cg}")
     for link in root_links(f"{LINK_PREFIX}{run_id}"):
         sh(["ip", "link", "del", link], check=False)   # a veth's peer went with its namespace
         removed.append(f"link {link}")
@@ -267,7 +374,7 @@ def clean_leftovers(kept: Optional[list[str]] = None) -> list[str]:
 
     Namespaces and links are listed *before* the records: a run writes its record before it creates
     anything, so every run seen here whose owner is alive has its record in the listing that follows."""
-    names = namespaces() + root_links()
+    names = namespaces() + root_links() + [c.name for c in cgroups()]
     unreadable: dict[str, str] = {}
     recs = records(unreadable)
     runs = {run_of_name(n) for n in names} | set(recs)
@@ -291,7 +398,9 @@ def clean_leftovers(kept: Optional[list[str]] = None) -> list[str]:
 
 
 def leftovers(run_id: Optional[str] = None) -> list[str]:
-    """Namespaces and root links of ``run_id`` (or of any run) that still exist; for tests and checks."""
+    """Namespaces, root links and cpu cgroups of ``run_id`` (or of any run) that still exist; for tests and
+    checks."""
     ns_prefix = NS_PREFIX + (f"{run_id}-" if run_id else "")
     link_prefix = LINK_PREFIX + (run_id or "")
-    return [f"netns {n}" for n in namespaces(ns_prefix)] + [f"link {n}" for n in root_links(link_prefix)]
+    return ([f"netns {n}" for n in namespaces(ns_prefix)] + [f"link {n}" for n in root_links(link_prefix)]
+            + [f"cgroup {c}" for c in cgroups(ns_prefix)])
