@@ -23,10 +23,13 @@ class ReplicaBatches:
     micro_batch_size: int
 
     def __post_init__(self):
-        if self.micro_batch_size < 1 or not self.counts or any(c < 1 for c in self.counts):
-            raise ConfigError(f"replica micro-batches {list(self.counts)} of size {self.micro_batch_size}: every "
-                              "replica needs at least one micro-batch of at least one sample",
-                              field="replica_micro_batches", fix="re-create the plan with `het-plugin plan -o`")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size {self.micro_batch_size}: a micro-batch holds at least one sample",
+                              field="micro_batch_size", fix="use a micro-batch size of 1 or more")
+        if not self.counts or any(c < 1 for c in self.counts):
+            raise ConfigError(f"replica micro-batches {list(self.counts)}: every replica needs at least one",
+                              field="replica_micro_batches",
+                              fix="give every data-parallel replica at least one micro-batch (or re-plan)")
 
     @classmethod
     def from_plan(cls, plan) -> "ReplicaBatches":

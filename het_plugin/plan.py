@@ -159,7 +159,7 @@ class Plan:
 
     @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.num_micro_batches * self.dp
+        return self.micro_batch_size * self.num_micro_batches * self.dp       # = ReplicaBatches' sum of shares
 
     @property
     def replica_counts(self) -> list[int]:
@@ -177,9 +177,8 @@ class Plan:
     def replica_samples(self, replica: int) -> tuple[int, int]:
         """[start, stop) of the replica's samples within the global batch: replicas in dp order, each a
         contiguous range, so the samples of one iteration are those of the even split, in the same order."""
-        counts = self.replica_counts
-        start = sum(counts[:replica]) * self.micro_batch_size
-        return start, start + counts[replica] * self.micro_batch_size
+        from .data import ReplicaBatches
+        return ReplicaBatches.from_plan(self).samples(replica)
 
     def replica_weight(self, replica: int) -> float:
         """The replica's share of the global batch: its gradient (a mean over its own samples) times this,

@@ -37,7 +37,7 @@ def test_replica_ranges_follow_the_counts_and_even_split_matches_dp_order():
 
 @pytest.mark.parametrize("make, field", [
     (lambda: ReplicaBatches((2, 0), 1), "replica_micro_batches"),
-    (lambda: ReplicaBatches((2, 2), 0), "replica_micro_batches"),
+    (lambda: ReplicaBatches((2, 2), 0), "micro_batch_size"),
     (lambda: ReplicaSampler(100, 5, ReplicaBatches((2, 2), 1), 0), "consumed_samples"),
     (lambda: ReplicaSampler(100, 0, ReplicaBatches((2, 2), 1), 2), "replica"),
 ])
