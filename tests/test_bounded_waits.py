@@ -262,3 +262,28 @@ def test_a_creation_that_outlives_the_bound_ends_the_process():
     assert me.exit_message and "did not return from torch within 2s" in me.exit_message
     assert "group #1 (NCCL_EAGER)" in me.exit_message and "missing rank(s) 1" in me.exit_message
     assert me.guard.overrun <= took < me.guard.overrun + 8 * INTERVAL + 3
+
+
+def test_naming_the_late_ranks_costs_a_few_store_round_trips_not_one_per_rank():
+    """Every finished rank that times out looks for the late ones: on a large world that must not be one
+    store request per rank (16k ranks x 16k requests on rank 0's store)."""
+    import types
+
+    from het_plugin.runtime import guard as guard_mod
+
+    class CountingStore:
+        def __init__(self, done):
+            self.done, self.calls = done, 0
+
+        def check(self, keys):
+            self.calls += 1
+            return all(k in self.done for k in keys)
+
+    world, late = 16384, {5, 9000, 16383}
+    fake = types.SimpleNamespace(world_size=world, prefix="p")
+    fake._k = types.MethodType(guard_mod.GroupGuard._k, fake)
+    fake.store = CountingStore({fake._k("done", r) for r in range(world) if r not in late})
+    assert guard_mod.GroupGuard._not_done(fake) == sorted(late)
+    assert fake.store.calls <= 2 * len(late) * 15, fake.store.calls
+    fake.store = CountingStore(set())                         # nobody done: at most DESCRIBE_LIMIT named
+    assert guard_mod.GroupGuard._not_done(fake) == list(range(guard_mod.DESCRIBE_LIMIT))
