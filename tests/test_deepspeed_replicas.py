@@ -117,6 +117,16 @@ def test_loader_over_distributed_sampler_is_refused(uneven):
         _refuse_even_sampler(given, share)
 
 
+def test_replica_batch_sampler_for_users_own_loader(uneven):
+    from het_plugin.runtime.applied import AppliedPlan
+    engine = argparse.Namespace(het_plan=uneven, het_applied=AppliedPlan.start(uneven, rank_in(uneven, 1), "gloo"))
+    loader = torch.utils.data.DataLoader(list(range(16)), batch_sampler=hds.replica_batch_sampler(engine, 16))
+    assert [b.tolist() for b in loader] == [[6, 7], [14, 15]]
+    assert hds.ReplicaDataError is ReplicaDataError
+    with pytest.raises(ConfigError, match="not built by het_plugin"):
+        hds.replica_batch_sampler(argparse.Namespace(), 16)
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     calls, applied = [], []
