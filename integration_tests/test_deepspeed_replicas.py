@@ -117,3 +117,21 @@ def test_data_iterator_running_dry_names_the_replica_and_numbers(tmp_path):
     assert "ran dry after 4 micro-batches: 1 full iterations and 1 of the 3 micro-batches of iteration 2" \
         in failed[0].stderr
     assert all(o.returncode != 0 for o in outs)
+
+
+def test_one_rank_contradicting_the_uneven_plan_stops_every_rank(tmp_path):
+    """Rank 0's config (edited after wrapping) claims a global batch of 32 for the plan's 16: rank 0 names the
+    key and the numbers, the others stop with PlanMismatchError naming rank 0 -- before any group exists."""
+    _, uneven_plan = plans(ParallelDims(pp=1, dp=4), [4], 16, [3, 1, 2, 2])
+    good = wrap(DP_CONFIG, uneven_plan)
+    write_config(good, tmp_path / "good.json")
+    write_config(dict(good, train_batch_size=32, gradient_accumulation_steps=4), tmp_path / "bad.json")
+    configs = [tmp_path / "bad.json"] + [tmp_path / "good.json"] * 3
+    outs = run_ranks(SCRIPT, 4, ["--mode", "dp"], env=ENV, timeout=TIMEOUT, check=False,
+                     rank_env=[{"DS_TEST_CONFIG": str(c)} for c in configs])
+    assert all(o.returncode != 0 and o.result is None for o in outs)
+    assert "ConfigError" in outs[0].stderr
+    assert "train_batch_size is 32, but the plan splits a global batch of 16 samples" in outs[0].stderr
+    assert "micro-batches [3, 1, 2, 2]" in outs[0].stderr
+    for o in outs[1:]:
+        assert "PlanMismatchError: rank(s) 0 could not compute the plan" in o.stderr

@@ -152,7 +152,8 @@ def apply_replica_split(engine, share: ReplicaShare, training_data: Any = None) 
     def scale_loss_by_gas(self, prescaled_loss, eval_micro_batches=None):
         # The pipeline's total loss (sum over this replica's micro-batches) / n, averaged over dp by DeepSpeed:
         # the global batch's mean loss. Evaluation (eval_micro_batches given) is DeepSpeed's own.
-        return original_scale(prescaled_loss, eval_micro_batches=n if eval_micro_batches is None else eval_micro_batches)
+        divisor = n if eval_micro_batches is None else eval_micro_batches
+        return original_scale(prescaled_loss, eval_micro_batches=divisor)
 
     engine.backward = types.MethodType(backward, engine)
     if hasattr(engine, "_INSTRUCTION_MAP"):

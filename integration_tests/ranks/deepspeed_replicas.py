@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ BLOCKS = 4
 def main() -> None:
     arm_watchdog()
     p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", default=os.environ.get("DS_TEST_CONFIG"), help="default: $DS_TEST_CONFIG")
     p.add_argument("--mode", choices=["pipe", "dp"], required=True)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--samples", type=int, default=64)
