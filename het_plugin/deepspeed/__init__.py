@@ -12,7 +12,7 @@ from __future__ import annotations
 from .config import SECTION, HetSection, load_ds_config, section_of, strip_section, wrap, write_config
 
 __all__ = ["wrap", "initialize", "PipelineModule", "PlanTopology", "HetSection", "SECTION", "load_ds_config",
-           "section_of", "strip_section", "write_config"]
+           "section_of", "strip_section", "write_config", "replica_batch_sampler", "ReplicaDataError"]
 
 
 def __getattr__(name):
@@ -25,4 +25,7 @@ def __getattr__(name):
     if name == "PlanTopology":
         from .topology import PlanTopology
         return PlanTopology
+    if name in ("replica_batch_sampler", "ReplicaDataError"):
+        from . import replicas
+        return getattr(replicas, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

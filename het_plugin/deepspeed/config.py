@@ -229,6 +229,8 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
                                  micro_batch_size=batch.micro_batch_size)
     if plan is not None:
         check_plan(plan, pp=pp, tp=tp, dp=batch.dp, source=source)
+        from .replicas import check_batch_settings
+        check_batch_settings(plan, cfg, source)
         section.cluster_digest = plan.cluster_digest
         section.tp, section.pp, section.dp = plan.tp, plan.pp, plan.dp
         section.model = plan.model

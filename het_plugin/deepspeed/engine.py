@@ -7,7 +7,9 @@ Without a ``"heterogeneous"`` section the call goes to ``deepspeed.initialize`` 
 * any other model is plain data parallelism (ZeRO or not): every rank resolves and checks the plan
   (pp = tp = 1), and when the plan reorders ranks DeepSpeed gets an ``mpu`` (a
   ``PipelineParallelGrid`` over :class:`PlanTopology`) whose data-parallel group has the plan's rank
-  order, created with the plan's transport. On an identity plan nothing is passed: DeepSpeed's defaults.
+  order, created with the plan's transport. On an identity plan nothing is passed: DeepSpeed's defaults;
+* a plan with an uneven replica split (``replica_micro_batches``) gives each rank its replica's
+  ``gradient_accumulation_steps``, gradient weight and data range (:mod:`het_plugin.deepspeed.replicas`).
 
 DeepSpeed sees the config without the section.
 """
@@ -22,6 +24,7 @@ from .config import SECTION, BatchSettings, check_plan, load_ds_config, section_
 from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from .groups import planned_groups
+from .replicas import ReplicaShare, apply_replica_split, check_batch_settings, rank_config
 from .resolve import RunShape, resolve_section_plan
 
 
@@ -54,12 +57,21 @@ def initialize(*args, **kwargs):
     if isinstance(model, DeepSpeedPipelineModule):
         plan = _pipeline_plan(model, section, source)
         check_plan(plan, dp=batch.dp, source=source)
+        check_batch_settings(plan, cfg, source)
         applied = model.het_applied
     else:
-        applied = _data_parallel_setup(arguments, section, batch, source)
+        applied = _data_parallel_setup(arguments, section, batch, source, cfg)
+    share = None
+    if applied.plan.uneven_replicas:        # even plans: DeepSpeed's own batch, weights and data, untouched
+        share = ReplicaShare.of(applied.plan, applied.rank)
+        arguments["config"] = rank_config(arguments["config"], share)
     result = deepspeed.initialize(**arguments)
-    result[0].het_plan = applied.plan
-    result[0].het_applied = applied
+    engine = result[0]
+    engine.het_plan = applied.plan
+    engine.het_applied = applied
+    if share is not None:
+        apply_replica_split(engine, share, arguments.get("training_data"))
+        result = (engine, result[1], engine.training_dataloader, *result[3:])
     return result
 
 
@@ -76,7 +88,7 @@ def _pipeline_plan(model, section, source):
     return plan
 
 
-def _data_parallel_setup(arguments, section, batch, source) -> AppliedPlan:
+def _data_parallel_setup(arguments, section, batch, source, cfg) -> AppliedPlan:
     """Resolve the plan for plain data parallelism and, if it reorders ranks, hand DeepSpeed an mpu."""
     if arguments.get("mpu") is not None:
         raise ConfigError("an mpu was passed together with a heterogeneous section; het_plugin builds the "
@@ -101,6 +113,7 @@ def _data_parallel_setup(arguments, section, batch, source) -> AppliedPlan:
         plan = resolve_section_plan(section, shape, source=source,
                             derive_model=lambda: model_from_module(model, batch, world_size))
         check_plan(plan, dp=batch.dp, source=source)
+        check_batch_settings(plan, cfg, source)
         return plan
 
     with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):

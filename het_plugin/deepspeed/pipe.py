@@ -33,6 +33,7 @@ from ..runtime.exchange import configured_timeout
 from .config import SECTION, BatchSettings, load_ds_config, section_of
 from .groups import planned_groups
 from .partition import counted_layers, plan_parts
+from .replicas import check_batch_settings
 from .resolve import RunShape, resolve_section_plan
 from .topology import PlanTopology
 
@@ -74,6 +75,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
                 raise ConfigError(f"train_batch_size / (micro * accumulation) = {batch.dp} data-parallel replicas, "
                                   f"the plan has {plan.dp}", source=source, field="train_batch_size",
                                   fix=f"make train_batch_size = micro * accumulation * {plan.dp}")
+            check_batch_settings(plan, cfg, source)      # an uneven replica split fixes the batch
             # The split must fit this layer list (raises the layer-count ConfigError on every rank).
             plan_parts(len(specs), counted, plan.layers_per_stage, source)
             return plan
