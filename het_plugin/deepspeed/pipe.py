@@ -11,6 +11,8 @@ also pass to :func:`het_plugin.deepspeed.initialize`) and ``layer_pattern=``. Wi
   (``partition_method`` is ignored);
 * groups are created with the plan's transports (:mod:`het_plugin.deepspeed.groups`); what was
   applied (plan and every group created) is ``module.het_applied``, the plan also ``module.het_plan``;
+* pipeline send/receive go over the plan's pipeline groups (:mod:`het_plugin.deepspeed.p2p`; DeepSpeed
+  sends them on the world group), unless the plan is a homogeneous identity plan;
 * the section's ``timeout_s`` (else ``HET_PLUGIN_TIMEOUT``, else 300 s) bounds the plan check and group
   creation: a rank that fails or disappears stops every rank within it.
 """
@@ -32,6 +34,7 @@ from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from .config import SECTION, BatchSettings, load_ds_config, section_of
 from .groups import planned_groups
+from .p2p import route_pipeline_hops
 from .partition import counted_layers, plan_parts
 from .resolve import RunShape, resolve_section_plan
 from .topology import PlanTopology
@@ -92,6 +95,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             super().__init__(specs, None, PlanTopology(plan), *args, **kwargs)
         self.het_plan = plan
         self.het_applied = applied
+        route_pipeline_hops(self._grid, applied)      # DeepSpeed's p2p would use the world group
 
     def _partition_layers(self, method="uniform"):
         """The plan's split; DeepSpeed's methods when there is no plan."""
