@@ -22,7 +22,7 @@ from .config import SECTION, BatchSettings, check_plan, load_ds_config, section_
 from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from .groups import planned_groups
-from .resolve import RunShape, resolve_section_plan
+from .resolve import RunShape, resolve_section
 
 
 def initialize(*args, **kwargs):
@@ -96,16 +96,18 @@ def _data_parallel_setup(arguments, section, batch, source) -> AppliedPlan:
     world_size, rank = dist.get_world_size(), dist.get_rank()
     shape = RunShape(world_size=world_size, pp=1, tp=1)
     model = arguments["model"]
+    resolved = []
 
     def make():
-        plan = resolve_section_plan(section, shape, source=source,
-                            derive_model=lambda: model_from_module(model, batch, world_size))
-        check_plan(plan, dp=batch.dp, source=source)
-        return plan
+        resolved.append(resolve_section(section, shape, source=source,
+                                        derive_model=lambda: model_from_module(model, batch, world_size)))
+        check_plan(resolved[-1].plan, dp=batch.dp, source=source)
+        return resolved[-1].plan
 
     with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
         plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
         applied = AppliedPlan.start(plan, rank)
+        applied.check_network(resolved[-1].cluster, timeout_s=section.timeout_s)
         if not plan.is_identity:
             with planned_groups(applied, "het_plugin.deepspeed.initialize (the data-parallel grid)",
                                 section.timeout_s):

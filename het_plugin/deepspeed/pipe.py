@@ -36,7 +36,7 @@ from .config import SECTION, BatchSettings, load_ds_config, section_of
 from .groups import planned_groups
 from .p2p import route_pipeline_hops
 from .partition import counted_layers, plan_parts
-from .resolve import RunShape, resolve_section_plan
+from .resolve import RunShape, resolve_section
 from .topology import PlanTopology
 
 ASSUMED_SEQ_LENGTH = 2048
@@ -65,10 +65,12 @@ class PipelineModule(_DeepSpeedPipelineModule):
         counted = counted_layers([layer_name(s) for s in specs], pattern)
         shape = RunShape(world_size=world_size, pp=pp, tp=tp, num_layers=len(counted))
         batch = BatchSettings.of(cfg, source)
+        resolved = []
 
         def make() -> Plan:
-            plan = resolve_section_plan(section, shape, source=source,
-                                derive_model=lambda: model_from_layers(specs, counted, batch, shape.dp, tp))
+            resolved.append(resolve_section(section, shape, source=source,
+                                            derive_model=lambda: model_from_layers(specs, counted, batch, shape.dp, tp)))
+            plan = resolved[-1].plan
             if topo_dp is not None and topo_dp != plan.dp:
                 raise ConfigError(f"the topology has data degree {topo_dp}, the plan (and the {world_size} launched "
                                   f"ranks) {plan.dp}", source=source, field="topology",
@@ -83,8 +85,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
 
         with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
             plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
+            applied = AppliedPlan.start(plan, rank)
+            applied.check_network(resolved[-1].cluster, timeout_s=section.timeout_s)
         object.__setattr__(self, "_het_parts", plan_parts(len(specs), counted, plan.layers_per_stage, source))
-        applied = AppliedPlan.start(plan, rank)
         if rank == 0:
             print(startup_summary(plan, "DeepSpeed pipeline",
                                   [f"layers per stage {plan.layers_per_stage}: layer list boundaries "
