@@ -50,10 +50,15 @@ def nccl_settings(env: Mapping[str, str]) -> dict[str, str]:
 def check_network(plan, rank: int, *, cluster=None, native_network: bool = False, store=None,
                   env: Optional[Mapping[str, str]] = None, timeout_s: Optional[float] = None) -> Optional[Preflight]:
     """Refuse (ConfigError on every rank) a launch whose NCCL environment contradicts the plan; None when the
-    check does not apply (not NCCL, one rank, or het_plugin a no-op). ``cluster``: where the nodes' NICs are
-    listed (None: a plan file; nodes are then unchecked, the environment-only checks still run)."""
+    check does not apply (not NCCL, one rank, het_plugin a no-op, or no torch.distributed job and no ``store``).
+    ``cluster``: where the nodes' NICs are listed (None: a plan file; nodes are then unchecked, the
+    environment-only checks still run)."""
     if native_network or plan.world_size <= 1:
         return None
+    if store is None:
+        import torch.distributed as tdist
+        if not (tdist.is_available() and tdist.is_initialized()):
+            return None                  # no job to check (as AppliedPlan.guarding: nothing without a store)
     backend = world_backend()
     if "nccl" not in backend.lower():
         return None
