@@ -63,3 +63,11 @@ def ifname_set(ifname: Optional[str]) -> Iterator[None]:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
         else:
             os.environ["GLOO_SOCKET_IFNAME"] = old
+
+
+def world_group_options(net_name: str = "Socket"):
+    """``pg_options`` for ``init_process_group('nccl', ...)`` when the world group spans fabrics: the world
+    communicator gets its own network (``net_name``), every other communicator keeps its own. None where this
+    torch has no NCCL."""
+    from .runtime.groups import with_net_name
+    return with_net_name(None, net_name)

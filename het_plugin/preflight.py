@@ -608,3 +608,41 @@ def render_text(result: Preflight) -> str:
     else:
         lines.append(f"pre-flight: {len(result.refusals)} problem(s) would make NCCL hang or fail; refused")
     return "\n".join(lines) + "\n"
+
+
+# ---- the world group (created by init_process_group before het_plugin runs) ------------------------
+
+WORLD_OPTIONS_FIX = ("create the world group with its own network before the framework does: "
+                     "torch.distributed.init_process_group('nccl', pg_options=het_plugin.netselect.world_group_options()) "
+                     "(NCCL net_name 'Socket' for the world communicator only; the plan's groups keep theirs), then "
+                     "deepspeed.init_distributed() / Megatron's initialize, which keep an existing world group")
+
+
+def world_refusal(world: GroupUse, backend: str, world_net_name: Optional[str],
+                  node_nets: Mapping[str, Optional[str]]) -> Optional[Refusal]:
+    """The world group under NCCL: one communicator over every node, created before het_plugin could give it a
+    network. Spanning vendors it cannot exist (NCCL and RCCL do not form one communicator); spanning fabrics
+    (IB and RoCE, or clusters joined by Ethernet) it must be a socket communicator: its own ``net_name``
+    ``world_net_name`` (from ``init_process_group``'s ``pg_options``) or ``NCCL_NET=Socket`` on every node
+    (``node_nets``: node -> NCCL_NET). None: nothing to refuse."""
+    if "nccl" not in backend.lower() or len(world.nodes) <= 1:
+        return None
+    if world.transport == "host-staged":
+        return Refusal("init_process_group(backend=)",
+                       f"the world group (init_process_group's backend {backend!r}) spans accelerator vendors: NCCL "
+                       "and RCCL cannot form one communicator, so its first collective would hang",
+                       "create it with backend='het_shim' (import het_plugin.comm first; docs/shim.md) or 'gloo' "
+                       "before the framework initialises torch.distributed", world.nodes)
+    if world.transport != "socket":
+        return None
+    if (world_net_name or "").lower() == "socket":
+        return None
+    nets = {(v or "").strip().lower() for v in node_nets.values()}
+    if nets == {"socket"}:
+        return None
+    given = f"net_name {world_net_name!r}" if world_net_name else "no net_name"
+    return Refusal("init_process_group(pg_options=)",
+                   f"the world group spans fabrics (IB and RoCE, or clusters joined by Ethernet) and was created with "
+                   f"{given}: NCCL would open its communicator on the RDMA HCAs, which cannot reach each other across "
+                   "fabrics, and its first collective would hang",
+                   WORLD_OPTIONS_FIX, world.nodes)

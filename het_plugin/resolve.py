@@ -65,6 +65,14 @@ def load_source(source: Source, what: str = "cluster") -> Union[Plan, Cluster, N
     return Plan.load(path) if looks_like_plan(path) else load_cluster(path)
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """The plan a launch runs and the cluster it was made from (a cluster file or discovery; None for a plan
+    file): the adapters' network pre-flight reads the nodes' NICs there (het_plugin.runtime.preflight)."""
+    plan: Plan
+    cluster: Optional[Cluster] = None
+
+
 def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
                  degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
                  names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
@@ -73,6 +81,15 @@ def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
     entries are the planner's to choose); ``names``: what the user calls tp/pp/dp/cp, for messages.
     ``vpp``: virtual pipeline stages per rank (an interleaved pipeline; None: 1, or what a plan file says) and
     ``overlap_p2p_comm`` (None: the planner's default, on with vpp > 1), taken as given."""
+    return resolve_launch(source, launch=launch, model=model, degrees=degrees, micro_batch_size=micro_batch_size,
+                          names=names, vpp=vpp, overlap_p2p_comm=overlap_p2p_comm).plan
+
+
+def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
+                   degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
+                   names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
+                   overlap_p2p_comm: Optional[bool] = None) -> Resolved:
+    """:func:`resolve_plan`, with the cluster the plan was made from."""
     degrees = degrees or Degrees(launch.world_size)
     names = names or {}
     loaded = load_source(source)
@@ -88,7 +105,7 @@ def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
             name = names.get("overlap_p2p_comm", "overlap_p2p_comm")
             raise ConfigError(f"{name}={overlap_p2p_comm} was passed, but the plan assumed {loaded.overlap_p2p_comm}",
                               source=where, field=name, fix="re-plan with the same setting, or drop it")
-        return loaded
+        return Resolved(loaded)
     cluster = loaded if loaded is not None else discover()
     from .placement import check_world_size
     check_world_size(cluster, launch.world_size, rank=launch.rank, local_world_size=launch.local_world_size)
@@ -99,9 +116,10 @@ def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
     from .planner import make_plan, placeable_degrees
     fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
     try:
-        return make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
+        plan = make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
                          ep=degrees.ep, etp=degrees.etp, order=degrees.order, micro_batch_size=micro_batch_size,
                          vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm)
+        return Resolved(plan, cluster)
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):
             raise

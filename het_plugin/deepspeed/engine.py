@@ -25,7 +25,7 @@ from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from .groups import planned_groups
 from .replicas import ReplicaShare, apply_replica_split, check_batch_settings, rank_config
-from .resolve import RunShape, resolve_section_plan
+from .resolve import RunShape, resolve_section
 
 
 def initialize(*args, **kwargs):
@@ -108,10 +108,12 @@ def _data_parallel_setup(arguments, section, batch, source, cfg) -> AppliedPlan:
     world_size, rank = dist.get_world_size(), dist.get_rank()
     shape = RunShape(world_size=world_size, pp=1, tp=1)
     model = arguments["model"]
+    resolved = []
 
     def make():
-        plan = resolve_section_plan(section, shape, source=source,
-                            derive_model=lambda: model_from_module(model, batch, world_size))
+        resolved.append(resolve_section(section, shape, source=source,
+                                        derive_model=lambda: model_from_module(model, batch, world_size)))
+        plan = resolved[-1].plan
         check_plan(plan, dp=batch.dp, source=source)
         check_batch_settings(plan, cfg, source)
         return plan
@@ -119,6 +121,7 @@ def _data_parallel_setup(arguments, section, batch, source, cfg) -> AppliedPlan:
     with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
         plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
         applied = AppliedPlan.start(plan, rank)
+        applied.check_network(resolved[-1].cluster, timeout_s=section.timeout_s)
         if not plan.is_identity:
             with planned_groups(applied, "het_plugin.deepspeed.initialize (the data-parallel grid)",
                                 section.timeout_s):

@@ -11,6 +11,8 @@ also pass to :func:`het_plugin.deepspeed.initialize`) and ``layer_pattern=``. Wi
   (``partition_method`` is ignored);
 * groups are created with the plan's transports (:mod:`het_plugin.deepspeed.groups`); what was
   applied (plan and every group created) is ``module.het_applied``, the plan also ``module.het_plan``;
+* pipeline send/receive go over the plan's pipeline groups (:mod:`het_plugin.deepspeed.p2p`; DeepSpeed
+  sends them on the world group), unless the plan is a homogeneous identity plan;
 * the section's ``timeout_s`` (else ``HET_PLUGIN_TIMEOUT``, else 300 s) bounds the plan check and group
   creation: a rank that fails or disappears stops every rank within it.
 """
@@ -32,9 +34,10 @@ from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from .config import SECTION, BatchSettings, load_ds_config, section_of
 from .groups import planned_groups
+from .p2p import route_pipeline_hops
 from .partition import counted_layers, plan_parts
 from .replicas import check_batch_settings
-from .resolve import RunShape, resolve_section_plan
+from .resolve import RunShape, resolve_section
 from .topology import PlanTopology
 
 ASSUMED_SEQ_LENGTH = 2048
@@ -63,10 +66,12 @@ class PipelineModule(_DeepSpeedPipelineModule):
         counted = counted_layers([layer_name(s) for s in specs], pattern)
         shape = RunShape(world_size=world_size, pp=pp, tp=tp, num_layers=len(counted))
         batch = BatchSettings.of(cfg, source)
+        resolved = []
 
         def make() -> Plan:
-            plan = resolve_section_plan(section, shape, source=source,
-                                derive_model=lambda: model_from_layers(specs, counted, batch, shape.dp, tp))
+            resolved.append(resolve_section(section, shape, source=source,
+                                            derive_model=lambda: model_from_layers(specs, counted, batch, shape.dp, tp)))
+            plan = resolved[-1].plan
             if topo_dp is not None and topo_dp != plan.dp:
                 raise ConfigError(f"the topology has data degree {topo_dp}, the plan (and the {world_size} launched "
                                   f"ranks) {plan.dp}", source=source, field="topology",
@@ -82,8 +87,9 @@ class PipelineModule(_DeepSpeedPipelineModule):
 
         with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
             plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
+            applied = AppliedPlan.start(plan, rank)
+            applied.check_network(resolved[-1].cluster, timeout_s=section.timeout_s)
         object.__setattr__(self, "_het_parts", plan_parts(len(specs), counted, plan.layers_per_stage, source))
-        applied = AppliedPlan.start(plan, rank)
         if rank == 0:
             print(startup_summary(plan, "DeepSpeed pipeline",
                                   [f"layers per stage {plan.layers_per_stage}: layer list boundaries "
@@ -94,6 +100,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
             super().__init__(specs, None, PlanTopology(plan), *args, **kwargs)
         self.het_plan = plan
         self.het_applied = applied
+        route_pipeline_hops(self._grid, applied)      # DeepSpeed's p2p would use the world group
 
     def _partition_layers(self, method="uniform"):
         """The plan's split; DeepSpeed's methods when there is no plan."""

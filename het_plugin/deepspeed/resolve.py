@@ -13,8 +13,8 @@ from typing import Callable, Optional
 from ..errors import ConfigError
 from ..model import ModelSpec
 from ..plan import Plan
-from ..resolve import Launch, load_source
-from ..resolve import resolve_plan as resolve_any
+from ..cluster import Cluster
+from ..resolve import Launch, Resolved, load_source, resolve_launch
 from ..topology import Degrees
 from .config import AUTO, DEEPSPEED_NAMES, SECTION, HetSection, check_plan
 
@@ -35,9 +35,18 @@ def resolve_section_plan(section: HetSection, shape: RunShape, *, derive_model: 
                  source: str = "<config>") -> Plan:
     """The plan for this run; ``derive_model`` builds a planning model from the layer list when the
     section has none."""
+    return resolve_section(section, shape, derive_model=derive_model, source=source).plan
+
+
+def resolve_section(section: HetSection, shape: RunShape, *, derive_model: Optional[Callable[[], ModelSpec]] = None,
+                    source: str = "<config>") -> Resolved:
+    """:func:`resolve_section_plan` with the cluster the plan came from (for the pre-flight's NICs): the one
+    planned from, or, for an embedded plan, the section's cluster file when it is still the one planned from."""
     degrees = shape.degrees(source)
+    cluster: Optional[Cluster] = None
     if section.plan is not None:
         plan = Plan.from_dict(section.plan, f"{source}: {SECTION}.plan")
+        cluster = _cluster_file_of(section, plan)
     elif section.cluster is None:
         raise ConfigError("the section has neither a plan nor a cluster", source=source, field=SECTION,
                           fix="re-create it with het_plugin.deepspeed.wrap or `het-plugin wrap-config`")
@@ -51,8 +60,9 @@ def resolve_section_plan(section: HetSection, shape: RunShape, *, derive_model: 
                                   f"recorded {section.cluster_digest})", source=section.cluster, field="cluster",
                                   fix="re-wrap the config with `het-plugin wrap-config`")
             model = lambda: _planning_model(section, derive_model, source)  # noqa: E731 - derived only if needed
-            plan = resolve_any(loaded, launch=Launch(shape.world_size), model=model, degrees=degrees,
-                               micro_batch_size=None, names=DEEPSPEED_NAMES)
+            resolved = resolve_launch(loaded, launch=Launch(shape.world_size), model=model, degrees=degrees,
+                                      micro_batch_size=None, names=DEEPSPEED_NAMES)
+            plan, cluster = resolved.plan, resolved.cluster
     if section.plan_hash is not None and plan.hash != section.plan_hash:
         raise ConfigError(f"the plan here ({plan.hash}) is not the one the config was wrapped with "
                           f"({section.plan_hash}): the cluster, the model or het_plugin's planner changed",
@@ -60,7 +70,20 @@ def resolve_section_plan(section: HetSection, shape: RunShape, *, derive_model: 
                           fix="re-wrap the config, or wrap with the plan embedded (the default)")
     check_plan(plan, world_size=shape.world_size, pp=shape.pp, tp=shape.tp, dp=degrees.dp,
                num_layers=shape.num_layers, source=source)
-    return plan
+    return Resolved(plan, cluster)
+
+
+def _cluster_file_of(section: HetSection, plan: Plan) -> Optional[Cluster]:
+    """The section's cluster file, if this rank has it and it is the one the plan was made from (else None:
+    an embedded plan needs no file, and a changed file says nothing about the plan's nodes)."""
+    from pathlib import Path
+    if not section.cluster or section.cluster == AUTO or not Path(section.cluster).is_file():
+        return None
+    try:
+        loaded = load_source(section.cluster)
+    except Exception:          # noqa: BLE001 - unreadable now: the plan itself is what counts
+        return None
+    return loaded if isinstance(loaded, Cluster) and loaded.digest == plan.cluster_digest else None
 
 
 def _planning_model(section: HetSection, derive_model, source: str) -> ModelSpec:

@@ -20,8 +20,7 @@ from ..errors import ConfigError
 from ..model import ModelSpec
 from ..plan import Plan
 from ..report import startup_summary
-from ..resolve import Launch
-from ..resolve import resolve_plan as resolve_any
+from ..resolve import Launch, Resolved, resolve_launch
 from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from ..topology import DEFAULT_ORDER, Degrees, parse_order
@@ -56,11 +55,24 @@ def resolve_megatron_plan(source: Union[Plan, Cluster, PathLike, None] = None, *
     chooses; a plan file must agree with what is given). ``ep``, ``etp`` and ``order`` are Megatron's
     expert sizes and rank order, ``vpp`` its virtual pipeline size (None: not interleaved, or a plan file's),
     taken as given."""
+    return resolve_megatron_launch(source, model=model, world_size=world_size, rank=rank,
+                                   local_world_size=local_world_size, tp=tp, pp=pp, cp=cp,
+                                   micro_batch_size=micro_batch_size, ep=ep, etp=etp, order=order, vpp=vpp,
+                                   overlap_p2p_comm=overlap_p2p_comm).plan
+
+
+def resolve_megatron_launch(source: Union[Plan, Cluster, PathLike, None] = None, *,
+                            model: Union[ModelSpec, PathLike, None] = None, world_size: int, rank: Optional[int] = None,
+                            local_world_size: Optional[int] = None, tp: Optional[int] = None,
+                            pp: Optional[int] = None, cp: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                            ep: int = 1, etp: Optional[int] = None, order: str = DEFAULT_ORDER,
+                            vpp: Optional[int] = None, overlap_p2p_comm: Optional[bool] = None) -> Resolved:
+    """:func:`resolve_megatron_plan` with the cluster the plan was made from (the pre-flight reads its NICs)."""
     degrees = Degrees(world_size, tp=tp, pp=pp, cp=cp or 1, ep=ep or 1, etp=etp, order=order or DEFAULT_ORDER,
                       names=MEGATRON_NAMES, source="Megatron arguments")
-    return resolve_any(source, launch=Launch(world_size, rank, local_world_size), model=model, degrees=degrees,
-                       micro_batch_size=micro_batch_size, names=MEGATRON_NAMES, vpp=vpp,
-                       overlap_p2p_comm=overlap_p2p_comm)
+    return resolve_launch(source, launch=Launch(world_size, rank, local_world_size), model=model, degrees=degrees,
+                          micro_batch_size=micro_batch_size, names=MEGATRON_NAMES, vpp=vpp,
+                          overlap_p2p_comm=overlap_p2p_comm)
 
 
 # ---- applying a plan to Megatron-Core ---------------------------------------------------------------
@@ -111,10 +123,11 @@ def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
 
 
 def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLike] = None,
-                 timeout_s: Optional[float] = None) -> AppliedPlan:
+                 timeout_s: Optional[float] = None, cluster: Optional[Cluster] = None) -> AppliedPlan:
     """Create every Megatron-Core group on the (agreed) plan's placement; rank 0 logs the summary once.
-    A rank that fails or disappears meanwhile stops every rank within ``timeout_s`` (None:
-    ``HET_PLUGIN_TIMEOUT`` or 300 s) with a GroupCreationTimeout naming it (runtime.guard)."""
+    First, under NCCL, the network pre-flight (``cluster``: the Cluster the plan came from, for the nodes'
+    NICs; runtime.preflight). A rank that fails or disappears meanwhile stops every rank within ``timeout_s``
+    (None: ``HET_PLUGIN_TIMEOUT`` or 300 s) with a GroupCreationTimeout naming it (runtime.guard)."""
     global _current
     import torch.distributed as dist
     from .groups import planned_groups
@@ -131,6 +144,7 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
         if kwargs.get(key) is not None:
             kwargs[key] = through_plan(plan, kwargs[key])
     applied = AppliedPlan.start(plan, dist.get_rank())
+    applied.check_network(cluster, timeout_s=timeout_s)
     if applied.rank == 0:
         print(startup_summary(plan, "Megatron"), flush=True)
         if plan_out:
@@ -215,14 +229,16 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     rank, world = dist.get_rank(), dist.get_world_size()
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     cp = megatron_kwargs.pop("context_parallel_size", None)
+    resolved: list[Resolved] = []
 
     def make() -> Plan:
-        return resolve_megatron_plan(plan if plan is not None else cluster, model=model, world_size=world, rank=rank,
-                            local_world_size=int(lws) if lws else None, tp=tensor_model_parallel_size,
-                            pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size,
-                            **plan_degrees(megatron_kwargs))
+        resolved.append(resolve_megatron_launch(
+            plan if plan is not None else cluster, model=model, world_size=world, rank=rank,
+            local_world_size=int(lws) if lws else None, tp=tensor_model_parallel_size,
+            pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size, **plan_degrees(megatron_kwargs)))
+        return resolved[-1].plan
 
     with configured_timeout(timeout_s):
         agreed = agree_on_plan(make, rank=rank, world_size=world, timeout_s=timeout_s)
-        build_groups(agreed, megatron_kwargs, plan_out=plan_out, timeout_s=timeout_s)
+        build_groups(agreed, megatron_kwargs, plan_out=plan_out, timeout_s=timeout_s, cluster=resolved[-1].cluster)
     return agreed

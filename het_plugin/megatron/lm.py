@@ -37,6 +37,7 @@ class LaunchState:
     argv: tuple = ()
     plan_out: Optional[str] = None
     plan: Any = None
+    cluster: Any = None          # the Cluster the plan came from (its nodes' NICs, for the pre-flight)
     error: Optional[BaseException] = None
     changes: list[str] = field(default_factory=list)
 
@@ -67,7 +68,8 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
                             plan_out=getattr(args, "heterogeneous_plan_out", None))
         if source != DISCOVER:
             try:
-                state.plan = _plan_for(args, degrees_given(args, argv), source)
+                resolved = _plan_for(args, degrees_given(args, argv), source)
+                state.plan, state.cluster = resolved.plan, resolved.cluster
             except HetPluginError as exc:
                 state.error = exc
     if state.plan is not None:
@@ -86,14 +88,15 @@ def megatron_args() -> Any:
 
 def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int] = None,
               world_size: Optional[int] = None):
-    from .core import resolve_megatron_plan
+    """The plan (and its cluster) for these Megatron arguments (het_plugin.resolve.Resolved)."""
+    from .core import resolve_megatron_launch
     from .modelspec import model_from_args
     world = world_size or int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
     rank = rank if rank is not None else int(getattr(args, "rank", None) or os.environ.get("RANK", "0"))
     dp_guess = max(1, world // ((given["tp"] or 1) * (given["pp"] or 1) * (given["cp"] or 1)))
     model = model_from_args(args, data_parallel_size=dp_guess)
     lws = os.environ.get("LOCAL_WORLD_SIZE")
-    return resolve_megatron_plan(None if source == DISCOVER else source, model=model, world_size=world, rank=rank,
+    return resolve_megatron_launch(None if source == DISCOVER else source, model=model, world_size=world, rank=rank,
                         local_world_size=int(lws) if lws else None, tp=given["tp"], pp=given["pp"],
                         cp=given["cp"], micro_batch_size=given["micro_batch_size"], ep=given.get("ep", 1),
                         etp=given.get("etp"), order=given.get("order") or "tp-cp-ep-dp-pp", vpp=given.get("vpp"),
@@ -190,7 +193,9 @@ def planned_initialize_model_parallel(*args, **kwargs):
                  **plan_degrees(kwargs),
                  # validated by Megatron already: its interleaved schedule overlaps p2p unless told not to
                  "overlap_p2p_comm": None if getattr(margs, "overlap_p2p_comm", True) else False}
-        return _plan_for(margs, fixed, DISCOVER, rank=rank, world_size=world)
+        resolved = _plan_for(margs, fixed, DISCOVER, rank=rank, world_size=world)
+        state.cluster = resolved.cluster
+        return resolved.plan
 
     from ..runtime.exchange import configured_timeout
     from .args import TIMEOUT_FLAG
@@ -202,4 +207,5 @@ def planned_initialize_model_parallel(*args, **kwargs):
             state.changes = apply_plan_to_args(margs, plan)
         if rank == 0 and state.changes:
             print("het_plugin: Megatron arguments set from the plan: " + ", ".join(state.changes), flush=True)
-        return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None, timeout_s=timeout_s)
+        return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None, timeout_s=timeout_s,
+                            cluster=state.cluster)

@@ -1,6 +1,7 @@
 """What one rank applied: the agreed plan, the group policy's inputs, and a record of every group.
 
-Both adapters build one :class:`AppliedPlan` after the ranks agree on a plan, create every group
+Both adapters build one :class:`AppliedPlan` after the ranks agree on a plan, run the network pre-flight
+(:meth:`AppliedPlan.check_network`), create every group
 through :meth:`AppliedPlan.create`, and hand the object to the user (Megatron: returned and kept for
 ``current_plan()``; DeepSpeed: ``module.het_applied`` / ``engine.het_applied``).
 
@@ -39,6 +40,14 @@ class AppliedPlan:
             import torch.distributed as tdist
             default_backend = str(tdist.get_backend())
         return cls(plan, rank, Policy(default_backend, native_network=plan.homogeneous and plan.is_identity))
+
+    def check_network(self, cluster=None, *, store=None, timeout_s: Optional[float] = None):
+        """The mixed-NIC pre-flight (:mod:`het_plugin.runtime.preflight`), after agreement and before the first
+        group: under NCCL every rank raises the same ConfigError when the environment contradicts the plan.
+        ``cluster``: the Cluster the plan came from (its nodes' ``nics``), None for a plan file."""
+        from .preflight import check_network
+        return check_network(self.plan, self.rank, cluster=cluster, native_network=self.policy.native_network,
+                             store=store, timeout_s=timeout_s)
 
     def spec(self, ranks: Optional[Sequence[int]], *, backend: Optional[str] = None, pg_options: Any = None,
              ascending_is_launch_order: bool = False) -> GroupSpec:

@@ -3,7 +3,8 @@
 ``--config FILE``: a wrapped config; the model is built with het_plugin.deepspeed.PipelineModule and
 the engine with het_plugin.deepspeed.initialize. ``--baseline``: DeepSpeed's own PipelineModule with
 PipeModelDataParallelTopology and deepspeed.initialize (no het_plugin at all).
-Reports losses, the layer split, the topology's groups and the groups each rank is in.
+Reports losses, the layer split, the topology's groups, the groups each rank is in, and the bytes this rank
+sent on each emulated interface while training (eth0, fab0; 0 outside the emulator).
 """
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--mp", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=HIDDEN)
+    p.add_argument("--micro", type=int, default=MICRO, help="train_micro_batch_size_per_gpu of the config")
     args = p.parse_args()
+    hidden, micro = args.hidden, args.micro
 
     import torch
     import torch.distributed as tdist
@@ -56,13 +60,13 @@ def main() -> None:
 
     world = tdist.get_world_size()
     dp = world // (args.pp * args.mp)
-    layers = [LayerSpec(InProj, HIDDEN, HIDDEN)] + [LayerSpec(Block, HIDDEN) for _ in range(BLOCKS)] + \
-        [LayerSpec(Head, HIDDEN, HIDDEN)]
+    layers = [LayerSpec(InProj, hidden, hidden)] + [LayerSpec(Block, hidden) for _ in range(BLOCKS)] + \
+        [LayerSpec(Head, hidden, hidden)]
     topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.mp, num_dp=dp)
     common = dict(loss_fn=torch.nn.MSELoss(), seed_layers=True, base_seed=1234)
     if args.baseline:
-        config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUM,
-                  "train_batch_size": MICRO * ACCUM * dp, "steps_per_print": 10 ** 6}
+        config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": ACCUM,
+                  "train_batch_size": micro * ACCUM * dp, "steps_per_print": 10 ** 6}
         model = deepspeed.pipe.PipelineModule(layers=layers, topology=topo, partition_method="uniform", **common)
         init = deepspeed.initialize
     else:
@@ -79,11 +83,13 @@ def main() -> None:
     def batches():
         gen = torch.Generator().manual_seed(1000 + data_id)
         while True:
-            x = torch.randn(MICRO, HIDDEN, generator=gen)
+            x = torch.randn(micro, hidden, generator=gen)
             yield x, torch.sin(x.flip(-1))
 
     it = batches()
+    before = tx_bytes()
     losses = [float(engine.train_batch(it)) for _ in range(args.steps)]
+    after = tx_bytes()
     topology = model.topology()
     rank = tdist.get_rank()
     plan = getattr(model, "het_plan", None)
@@ -102,7 +108,16 @@ def main() -> None:
         "plan_hash": plan.hash if plan else None,
         "records": [[g.ranks, g.transport, g.gloo_ifname] for g in (model.het_applied.records if getattr(model, "het_applied", None) else [])],
         "gloo_ifname_after": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "tx": {k: after[k] - before[k] for k in after},
     })
+
+
+def tx_bytes() -> dict:
+    out = {}
+    for ifname in ("eth0", "fab0"):
+        p = Path(f"/sys/class/net/{ifname}/statistics/tx_bytes")
+        out[ifname] = int(p.read_text()) if p.exists() else 0
+    return out
 
 
 if __name__ == "__main__":
