@@ -618,6 +618,23 @@ WORLD_OPTIONS_FIX = ("create the world group with its own network before the fra
                      "deepspeed.init_distributed() / Megatron's initialize, which keep an existing world group")
 
 
+# The world group's net_name could not be read from torch (a build whose NCCL options do not show it): the
+# check cannot tell a correctly created world group from a wrong one, so it warns instead of refusing.
+NET_NAME_UNREADABLE = "<unreadable>"
+
+
+def world_warning(world: GroupUse, backend: str, world_net_name: Optional[str],
+                  node_nets: Mapping[str, Optional[str]]) -> Optional[str]:
+    """The warning given instead of :func:`world_refusal`'s refusal when the world's net_name is unreadable."""
+    if world_net_name != NET_NAME_UNREADABLE or world.transport == "host-staged":
+        return None
+    refusal = world_refusal(world, backend, None, node_nets)
+    if refusal is None:
+        return None
+    return ("this torch does not show the world group's NCCL options, so het_plugin cannot tell whether it has a "
+            f"network of its own; if it was not created with one: {refusal.problem}. Fix: {refusal.fix}")
+
+
 def world_refusal(world: GroupUse, backend: str, world_net_name: Optional[str],
                   node_nets: Mapping[str, Optional[str]]) -> Optional[Refusal]:
     """The world group under NCCL: one communicator over every node, created before het_plugin could give it a
@@ -638,7 +655,7 @@ def world_refusal(world: GroupUse, backend: str, world_net_name: Optional[str],
     if (world_net_name or "").lower() == "socket":
         return None
     nets = {(v or "").strip().lower() for v in node_nets.values()}
-    if nets == {"socket"}:
+    if nets == {"socket"} or world_net_name == NET_NAME_UNREADABLE:      # the latter: world_warning
         return None
     given = f"net_name {world_net_name!r}" if world_net_name else "no net_name"
     return Refusal("init_process_group(pg_options=)",

@@ -85,6 +85,18 @@ def test_world_group_spanning_fabrics_needs_its_own_network(nccl):
     assert run_ranks(plan, [{}] * 4, cluster) == {r: None for r in range(4)}
 
 
+def test_an_unreadable_world_net_name_warns_instead_of_refusing(nccl, caplog):
+    """Never checked on a GPU build: if torch does not show the world group's NCCL options, a world group made
+    right must not be refused; rank 0 logs the warning with the fix."""
+    import logging
+    from het_plugin.preflight import NET_NAME_UNREADABLE
+    plan = plan_of(load_cluster(CLUSTER))
+    nccl["net"] = NET_NAME_UNREADABLE
+    with caplog.at_level(logging.WARNING, logger="het_plugin"):
+        assert run_ranks(plan, [{}] * 4, load_cluster(CLUSTER)) == {r: None for r in range(4)}
+    assert "cannot tell whether it has a network of its own" in caplog.text and "world_group_options()" in caplog.text
+
+
 def test_ranks_of_one_node_with_different_settings(nccl):
     data = yaml.safe_load(CLUSTER.read_text())
     for c in data["clusters"]:
@@ -131,5 +143,8 @@ def test_world_refusal_rules():
     assert world_refusal(sock, "nccl", None, {"a": "Socket", "b": None}).field == "init_process_group(pg_options=)"
     assert world_refusal(GroupUse("world group", ("a", "b"), "ib"), "nccl", None, {}) is None
     assert world_refusal(GroupUse("world group", ("a",), "socket"), "nccl", None, {}) is None
+    from het_plugin.preflight import NET_NAME_UNREADABLE
+    assert world_refusal(sock, "nccl", NET_NAME_UNREADABLE, {}) is None
+    assert world_refusal(GroupUse("world group", ("a", "b"), "host-staged"), "nccl", NET_NAME_UNREADABLE, {})
     vendors = world_refusal(GroupUse("world group", ("a", "b"), "host-staged"), "nccl", "Socket", {})
     assert vendors.field == "init_process_group(backend=)" and "het_shim" in vendors.fix

@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Mapping, Optional
 
-from ..preflight import GroupUse, Preflight, Refusal, check_launch, world_refusal
+from ..preflight import NET_NAME_UNREADABLE, GroupUse, Preflight, Refusal, check_launch, world_refusal, world_warning
 from .exchange import Exchange, ExchangeTimeout
 
 log = logging.getLogger("het_plugin")
@@ -32,15 +32,16 @@ def world_backend() -> str:
 
 
 def world_net_name() -> Optional[str]:
-    """The ``net_name`` the world group's NCCL options carry (init_process_group's ``pg_options``); None when unset
-    or when this torch does not show it."""
+    """The ``net_name`` the world group's NCCL options carry (init_process_group's ``pg_options``); None when
+    unset; NET_NAME_UNREADABLE when this torch does not show them (the check then warns instead of refusing:
+    never verified on a GPU build, so a world group made right must not be refused for it)."""
     try:
         import torch
         from torch.distributed import distributed_c10d
         backend = distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
         return backend.options.config.net_name or None
-    except Exception:            # noqa: BLE001 - a CPU build, another backend: nothing set
-        return None
+    except Exception:            # noqa: BLE001 - a build or backend that does not show them
+        return NET_NAME_UNREADABLE
 
 
 def nccl_settings(env: Mapping[str, str]) -> dict[str, str]:
@@ -115,8 +116,10 @@ def judge(plan, cluster, settings: Mapping[int, Mapping[str, str]], backend: str
     everyone = list(range(plan.world_size))
     world = GroupUse("world group", tuple(dict.fromkeys(plan.node_of(r).name for r in everyone)),
                      plan.rule_transport(everyone))
-    wr = world_refusal(world, backend, net_name, {n: e.get("NCCL_NET") for n, e in node_env.items()})
+    nets = {n: e.get("NCCL_NET") for n, e in node_env.items()}
+    wr = world_refusal(world, backend, net_name, nets)
+    ww = world_warning(world, backend, net_name, nets)
     refusals = result.refusals + refusals + ([wr] if wr is not None else [])
     return {"refusals": [{"field": r.field, "problem": r.problem, "fix": r.fix, "nodes": list(r.nodes)}
                          for r in refusals],
-            "warnings": list(result.warnings)}
+            "warnings": list(result.warnings) + ([ww] if ww else [])}
