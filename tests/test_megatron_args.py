@@ -414,3 +414,33 @@ def test_a_homogeneous_plan_keeps_the_users_overlap_setting():
     assert args.overlap_grad_reduce is False and not any("overlap" in c for c in changes)
     container = _container()
     assert lm.apply_plan_to_container(container, plan) == [] and not container.ddp.overlap_grad_reduce
+
+
+def test_megatron_lms_world_group_gets_its_own_network_when_the_plan_spans_fabrics(monkeypatch):
+    """Megatron-LM calls init_process_group itself: with a plan whose world spans fabrics an NCCL world group
+    gets netselect.world_group_options() (the pre-flight's fix) without a script edit; gloo, a given pg_options
+    and a world inside one fabric are left alone."""
+    import torch.distributed as dist
+
+    from het_plugin import netselect
+    from het_plugin.cluster import load_cluster
+    from het_plugin.planner import make_plan
+    from megatron_common import MODEL
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append(kw))
+    sentinel = object()
+    monkeypatch.setattr(netselect, "world_group_options", lambda net_name="Socket": sentinel)
+    monkeypatch.setattr(lm, "state", lm.LaunchState())
+    lm.install_world_group_network()
+    lm.install_world_group_network()                       # once
+    spanning = make_plan(load_cluster(CLUSTER_8), MODEL, tp=1, pp=2)
+    inside = make_plan(load_cluster(DATA / "megatron-homogeneous-4.yaml"), MODEL, tp=1, pp=2)
+    assert lm.world_needs_own_network(spanning) and not lm.world_needs_own_network(inside)
+    lm.state.plan = spanning
+    dist.init_process_group(backend="nccl", world_size=8, rank=0)
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    dist.init_process_group(backend="gloo")
+    dist.init_process_group(backend="nccl", pg_options="mine")
+    lm.state.plan = inside
+    dist.init_process_group(backend="nccl")
+    assert [c.get("pg_options") for c in calls] == [sentinel, sentinel, None, "mine", None]

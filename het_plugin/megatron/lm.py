@@ -76,7 +76,43 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
         state.changes = apply_plan_to_args(args, state.plan) or state.changes
     args._het_plugin_prepared = True
     install_initialize_wrapper()
+    install_world_group_network()
     return args
+
+
+def world_needs_own_network(plan: Any) -> bool:
+    """The plan's world group spans fabrics (IB and RoCE, or clusters joined by Ethernet) within one vendor:
+    under NCCL its communicator must get the socket network (the pre-flight refuses it otherwise)."""
+    return plan is not None and plan.rule_transport(range(plan.world_size)) == "socket"
+
+
+def install_world_group_network() -> None:
+    """Megatron-LM creates the world group itself (``_initialize_distributed``), after parse_args: with a plan
+    file whose world group spans fabrics, ``init_process_group('nccl', ...)`` gets the world-only network
+    (``netselect.world_group_options``, NCCL net_name 'Socket') unless the caller passed ``pg_options`` --
+    what docs/user-guide.md tells a script that creates the group itself to do. The bare flag plans after
+    the group exists: there the pre-flight names the fix."""
+    import torch.distributed as dist
+    current = dist.init_process_group
+    if getattr(current, "__het_plugin_wrapped__", None) is not None:
+        return
+
+    def init_process_group(*a, **kw):
+        backend = kw.get("backend", a[0] if a else None)
+        if (world_needs_own_network(state.plan) and "nccl" in str(backend or "").lower()
+                and kw.get("pg_options") is None and len(a) < 8):     # 8th positional: pg_options
+            from ..netselect import world_group_options
+            options = world_group_options()
+            if options is not None:
+                kw["pg_options"] = options
+                if int(os.environ.get("RANK", "0") or 0) == 0:
+                    print("het_plugin: the world group spans fabrics: init_process_group gets NCCL net_name "
+                          "'Socket' for it (the plan's groups keep their own networks)", flush=True)
+        return current(*a, **kw)
+
+    functools.update_wrapper(init_process_group, current)
+    init_process_group.__het_plugin_wrapped__ = current
+    dist.init_process_group = init_process_group
 
 
 def megatron_args() -> Any:
