@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import HetPluginError
+from ..errors import ConfigError, HetPluginError
 from .args import DISCOVER, apply_plan_to_args, check_compatible, degrees_given
 
 
@@ -68,6 +68,9 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
         if source != DISCOVER:
             try:
                 state.plan = _plan_for(args, degrees_given(args, argv), source)
+                # kept for the agreement like a planning error; the plan still goes into args, so that
+                # validate_args passes (its own assertion would pre-empt the message) and every rank reaches it
+                check_replica_batch(args, state.plan)
             except HetPluginError as exc:
                 state.error = exc
     if state.plan is not None:
@@ -75,6 +78,23 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
     args._het_plugin_prepared = True
     install_initialize_wrapper()
     return args
+
+
+def check_replica_batch(args: Any, plan: Any) -> None:
+    """A plan with uneven data-parallel replicas splits exactly its own global batch: a launch asking for another
+    global batch or micro-batch size (or a batch-size ramp-up) is refused naming the replica counts, instead of
+    the plan's batch silently replacing it."""
+    if not plan.uneven_replicas:
+        return
+    from ..runtime.replicas import ReplicaShare
+    share = ReplicaShare.from_plan(plan, 0)
+    if getattr(args, "rampup_batch_size", None):
+        raise ConfigError(f"--rampup-batch-size is set, but the plan splits a fixed global batch of "
+                          f"{share.global_batch_size} samples over replicas as {plan.replica_counts} micro-batches",
+                          source="command line", field="--rampup-batch-size",
+                          fix="drop --rampup-batch-size, or use a plan without replica_micro_batches")
+    share.check_batch(getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None),
+                      source="command line", gbs_field="--global-batch-size", mbs_field="--micro-batch-size")
 
 
 def megatron_args() -> Any:
@@ -189,7 +209,9 @@ def planned_initialize_model_parallel(*args, **kwargs):
                  **plan_degrees(kwargs),
                  # validated by Megatron already: its interleaved schedule overlaps p2p unless told not to
                  "overlap_p2p_comm": None if getattr(margs, "overlap_p2p_comm", True) else False}
-        return _plan_for(margs, fixed, DISCOVER, rank=rank, world_size=world)
+        found = _plan_for(margs, fixed, DISCOVER, rank=rank, world_size=world)
+        check_replica_batch(margs, found)
+        return found
 
     from ..runtime.exchange import configured_timeout
     from .args import TIMEOUT_FLAG
