@@ -27,8 +27,6 @@ IB_ROCE_4 = HERE / "data" / "megatron-ib-roce-4.yaml"      # ib, roce, ib, roce:
 STEPS = 3
 LAYERS = 4
 
-pytestmark = pytest.mark.megatron
-
 
 def plans(tmp_path: Path, *, pp: int, gbs: int, counts: list[int]) -> tuple[Path, Path, Plan]:
     """The planner's plan for the launch (even split), and the same plan with ``counts``: two plan files."""

@@ -180,21 +180,26 @@ def test_degrees_that_cannot_be_placed_stop_every_rank_with_the_fix():
         assert o.result is None
 
 
-def test_uneven_replicas_read_each_sample_once_and_train_what_the_even_split_trains(hetero, tmp_path):
+@pytest.mark.parametrize("loss_flags", [[], ["--calculate-per-token-loss"]], ids=["mean-loss", "per-token-loss"])
+def test_uneven_replicas_read_each_sample_once_and_train_what_the_even_split_trains(hetero, tmp_path, loss_flags):
     """The same plan with replica_micro_batches [3, 1]: Megatron-LM's data loader (the hook's sampler) gives each
-    replica its range of every global batch, the schedule runs its count, and the logged loss is the even run's."""
+    replica its range of every global batch, the schedule runs its count, and the logged loss is the even run's
+    (Adam on the reduced gradients: iterations 2 and 3 see equal gradients). With per-token loss Megatron sums over
+    dp and divides by the global token count itself: het_plugin leaves its scale alone, and that is right too."""
     _, even = hetero
     uneven = dataclasses.replace(even, replica_micro_batches=[3, 1])
     even_file, plan_file = tmp_path / "even.json", tmp_path / "uneven.json"
     even.save(even_file)
     uneven.save(plan_file)
-    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0"]   # dropout masks follow the micro-batches
+    # dropout masks follow the micro-batches
+    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0", *loss_flags]
     even_outs = train(["--heterogeneous-nic", str(even_file), *no_dropout], layers=5, ranks_per_node=1)
     outs = train(["--heterogeneous-nic", str(plan_file), *no_dropout], layers=5, ranks_per_node=1)
     g = uneven.global_batch_size
     for o in outs:
         r, d = o.result, uneven.replica_of(o.rank)
         assert r["plan_hash"] == uneven.hash and r["replica"] == d
+        assert r["args"]["calculate_per_token_loss"] == bool(loss_flags)
         assert r["train_sampler"] == "ReplicaPretrainingSampler", r["train_sampler"]
         start, stop = uneven.replica_samples(d)
         # every micro-batch the loop took, iteration by iteration: the replica's range of that global batch

@@ -124,3 +124,17 @@ def test_install_wraps_megatrons_schedules_for_an_uneven_plan_only(applied, even
     finally:
         for name, fn in own.items():
             setattr(schedules, name, fn)
+
+
+@pytest.mark.parametrize("given, flag", [({"global_batch_size": 16}, "--global-batch-size=16"),
+                                         ({"micro_batch_size": 1}, "--micro-batch-size=1"),
+                                         ({"rampup_batch_size": ["2", "2", "64"]}, "--rampup-batch-size")])
+def test_megatron_lm_refuses_a_launch_batch_other_than_the_uneven_plans(even, given, flag):
+    from het_plugin.megatron.lm import check_replica_batch
+    args = SimpleNamespace(**{"global_batch_size": 8, "micro_batch_size": 2, "rampup_batch_size": None, **given})
+    check_replica_batch(args, even)                  # an even plan: its batch is written into args as before
+    uneven = dataclasses.replace(even, replica_micro_batches=[3, 1])
+    check_replica_batch(SimpleNamespace(global_batch_size=None, micro_batch_size=None), uneven)   # not given
+    with pytest.raises(ConfigError) as err:
+        check_replica_batch(args, uneven)
+    assert flag in str(err.value) and "global batch of 8" in str(err.value) and "fix:" in str(err.value)

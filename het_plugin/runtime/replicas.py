@@ -89,5 +89,4 @@ class ReplicaShare:
         return ConfigError(f"replica {self.replica}'s {what} ran dry at micro-batch {micro_batch} of "
                            f"{self.count} in this iteration: {self.describe()}", field="replica_micro_batches",
                            fix="feed each replica its own sample range of every global batch (het_plugin.data."
-                               "ReplicaSampler / het_plugin.megatron.replica_sampler), with at least one whole "
-                               "global batch left")
+                               "ReplicaSampler, or the adapter's sampler), with at least one whole global batch left")

@@ -212,7 +212,7 @@ def rank_report(namespace: dict) -> dict:
            "args": {k: getattr(args, k, None) for k in (
                "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                "pipeline_model_parallel_layout", "overlap_grad_reduce", "global_batch_size",
-               "micro_batch_size", "heterogeneous_nic", "use_distributed_optimizer")}}
+               "micro_batch_size", "heterogeneous_nic", "use_distributed_optimizer", "calculate_per_token_loss")}}
     out["args"]["pipeline_model_parallel_layout"] = (
         None if args.pipeline_model_parallel_layout is None else str(args.pipeline_model_parallel_layout))
     out["flag_in_args"] = hasattr(args, "heterogeneous_nic")
