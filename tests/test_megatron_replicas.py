@@ -138,3 +138,32 @@ def test_megatron_lm_refuses_a_launch_batch_other_than_the_uneven_plans(even, gi
     with pytest.raises(ConfigError) as err:
         check_replica_batch(args, uneven)
     assert flag in str(err.value) and "global batch of 8" in str(err.value) and "fix:" in str(err.value)
+
+
+def test_the_megatron_core_sampler_reads_each_replicas_range_once_per_iteration(applied, even):
+    uneven = dataclasses.replace(even, replica_micro_batches=[3, 1])
+    read = {}
+    for d in range(uneven.dp):
+        applied(uneven, rank_of_replica(uneven, d))
+        read[d] = list(replicas.replica_sampler(8 * 3 + 5, consumed_samples=8))   # resume after one global batch
+    assert read[0] == [[8, 9], [10, 11], [12, 13], [16, 17], [18, 19], [20, 21]]
+    assert read[1] == [[14, 15], [22, 23]]          # the trailing incomplete global batch is dropped
+    core._current = None
+    with pytest.raises(ConfigError, match="initialize_model_parallel first"):
+        replicas.replica_sampler(10)
+
+
+def test_megatron_lms_sampler_becomes_the_replicas_for_its_micro_batch_size(applied, even):
+    samplers = pytest.importorskip("megatron.training.datasets.data_samplers")
+    base = samplers.MegatronPretrainingSampler
+    cls = replicas.replica_sampler_class(base)
+    assert issubclass(cls, base) and cls.__het_plugin_original__ is base
+    uneven = applied(dataclasses.replace(even, replica_micro_batches=[3, 1]), rank_of_replica(even, 1))
+    megatron_rank = 0                # the replica comes from the plan, whatever Megatron's dp rank says
+    mine = cls(total_samples=16, consumed_samples=0, micro_batch_size=2, data_parallel_rank=megatron_rank,
+               data_parallel_size=2)
+    assert list(mine) == [[6, 7], [14, 15]] and len(mine) == 2 and uneven.replica_of(rank_of_replica(even, 1)) == 1
+    other = cls(total_samples=16, consumed_samples=0, micro_batch_size=1, data_parallel_rank=1, data_parallel_size=2)
+    assert list(other) == list(base(16, 0, 1, 1, 2)), "another micro-batch size: Megatron's even split"
+    with pytest.raises(ConfigError, match="data_parallel_size=4"):
+        cls(total_samples=16, consumed_samples=0, micro_batch_size=2, data_parallel_rank=0, data_parallel_size=4)

@@ -144,24 +144,20 @@ def install(plan) -> None:
 
 # ---- data ------------------------------------------------------------------------------------------
 
-def replica_sampler(total_samples: int, consumed_samples: int = 0, share: Optional[ReplicaShare] = None):
+def replica_sampler(total_samples: int, consumed_samples: int = 0):
     """Batch sampler for a Megatron-Core script's DataLoader (``batch_sampler=``): this rank's replica's
-    micro-batches of every global batch (sample indices of the data order), ``share.count`` of them per
-    iteration, from ``consumed_samples`` (a whole number of global batches). On the even split it yields what
-    Megatron's ``MegatronPretrainingSampler`` yields for the replica."""
+    micro-batches of every global batch (sample indices of the data order), its count of them per iteration, from
+    ``consumed_samples`` (a whole number of global batches). Every sample of global batch ``i`` (samples
+    ``[i*G, (i+1)*G)``, as Megatron's ``MegatronPretrainingSampler`` reads them) is read once, by one replica."""
     from ..data import ReplicaBatches, ReplicaSampler
-    share = share or replica_share()
-    if share is None:
+    from .core import current_plan
+    applied = current_plan()
+    if applied is None:
         raise ConfigError("no plan applied in this process", field="replica_sampler",
                           fix="call het_plugin.megatron.initialize_model_parallel first")
-    counts = _plan_counts()
-    return ReplicaSampler(total_samples, consumed_samples, ReplicaBatches(tuple(counts), share.micro_batch_size),
-                          share.replica)
-
-
-def _plan_counts() -> list[int]:
-    from .core import current_plan
-    return current_plan().plan.replica_counts
+    plan = applied.plan
+    return ReplicaSampler(total_samples, consumed_samples, ReplicaBatches.from_plan(plan),
+                          plan.replica_of(applied.rank))
 
 
 def replica_sampler_class(base):
@@ -182,7 +178,7 @@ def replica_sampler_class(base):
             if data_parallel_size != share.dp:
                 raise ConfigError(f"data_parallel_size={data_parallel_size}, but the plan has {share.dp} replicas",
                                   field="data_parallel_size", fix="launch the plan's world size and degrees")
-            self.replica_batches = replica_sampler(total_samples, consumed_samples, share)
+            self.replica_batches = replica_sampler(total_samples, consumed_samples)
 
         def __len__(self):
             return len(self.replica_batches) if self.replica_batches is not None else super().__len__()
