@@ -12,6 +12,7 @@ megatron-core 0.19.2 pass (HET_TEST_MCORE set), where it must run.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -177,4 +178,53 @@ def test_degrees_that_cannot_be_placed_stop_every_rank_with_the_fix():
     for o in outs:
         assert o.returncode not in (0, None) and "killed after" not in o.stderr, (o.rank, o.stderr[-2000:])
         assert "cannot be placed" in o.stderr and "tp=1 pp=2" in o.stderr, o.stderr[-2000:]
+        assert o.result is None
+
+
+@pytest.mark.parametrize("loss_flags", [[], ["--calculate-per-token-loss"]], ids=["mean-loss", "per-token-loss"])
+def test_uneven_replicas_read_each_sample_once_and_train_what_the_even_split_trains(hetero, tmp_path, loss_flags):
+    """The same plan with replica_micro_batches [3, 1]: Megatron-LM's data loader (the hook's sampler) gives each
+    replica its range of every global batch, the schedule runs its count, and the logged loss is the even run's
+    (Adam on the reduced gradients: iterations 2 and 3 see equal gradients). With per-token loss Megatron sums over
+    dp and divides by the global token count itself: het_plugin leaves its scale alone, and that is right too."""
+    _, even = hetero
+    uneven = dataclasses.replace(even, replica_micro_batches=[3, 1])
+    even_file, plan_file = tmp_path / "even.json", tmp_path / "uneven.json"
+    even.save(even_file)
+    uneven.save(plan_file)
+    # dropout masks follow the micro-batches
+    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0", *loss_flags]
+    even_outs = train(["--heterogeneous-nic", str(even_file), *no_dropout], layers=5, ranks_per_node=1)
+    outs = train(["--heterogeneous-nic", str(plan_file), *no_dropout], layers=5, ranks_per_node=1)
+    g = uneven.global_batch_size
+    for o in outs:
+        r, d = o.result, uneven.replica_of(o.rank)
+        assert r["plan_hash"] == uneven.hash and r["replica"] == d
+        assert r["args"]["calculate_per_token_loss"] == bool(loss_flags)
+        assert r["train_sampler"] == "ReplicaPretrainingSampler", r["train_sampler"]
+        start, stop = uneven.replica_samples(d)
+        # every micro-batch the loop took, iteration by iteration: the replica's range of that global batch
+        assert r["train_samples"] == [list(range(i * g + s, i * g + s + 2)) for i in range(ITERATIONS)
+                                      for s in range(start, stop, 2)], (o.rank, r["train_samples"])
+    for i in range(ITERATIONS):          # over the replicas (first stage): each sample of batch i exactly once
+        taken = sorted(x for o in outs if uneven.stage_of(o.rank) == 0
+                       for mb in o.result["train_samples"] for x in mb if i * g <= x < (i + 1) * g)
+        assert taken == list(range(i * g, (i + 1) * g))
+    for o in even_outs:                  # the even run kept Megatron's own sampler
+        assert o.result["train_sampler"] == "MegatronPretrainingSampler"
+    base, het = losses(even_outs), losses(outs)
+    assert het.keys() == base.keys() and het == pytest.approx(base, rel=1e-5, abs=1e-6)
+
+
+def test_a_launch_batch_other_than_the_uneven_plans_stops_every_rank(hetero, tmp_path):
+    _, even = hetero
+    plan_file = tmp_path / "uneven.json"
+    dataclasses.replace(even, replica_micro_batches=[3, 1]).save(plan_file)
+    argv = ["--heterogeneous-nic", str(plan_file)]
+    outs = run_ranks(WRAPPER, 4, [str(SCRIPT), "--num-layers", "5", "--train-iters", "1",
+                                  *[a if a != "8" else "16" for a in MODEL], *argv],
+                     ranks_per_node=1, timeout=150, check=False, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    for o in outs:
+        assert o.returncode not in (0, None) and "killed after" not in o.stderr, (o.rank, o.stderr[-2000:])
+        assert "--global-batch-size=16" in o.stderr and "global batch of 8 samples" in o.stderr, o.stderr[-2000:]
         assert o.result is None

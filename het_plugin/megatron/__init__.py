@@ -20,6 +20,8 @@ _EXPORTS = {
     "initialize_model_parallel": "core",
     "resolve_megatron_plan": "core",
     "current_plan": "core",
+    "replica_share": "replicas",
+    "replica_sampler": "replicas",
     "model_from_args": "modelspec",
     "layout_for_plan": "pipeline_layout",
     "layout_string": "pipeline_layout",

@@ -152,6 +152,8 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
             print(f"het_plugin: plan written to {plan_out}", flush=True)
     with planned_groups(applied, timeout_s=timeout_s):
         original_initialize_model_parallel()(**kwargs)
+    from .replicas import install as install_replicas
+    install_replicas(plan)        # uneven replicas: per-rank counts, weights and samples; even: Megatron's own
     note = embedding_note(plan, applied.records)
     if note and applied.rank == 0:
         log.warning("het_plugin: %s", note)

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import HetPluginError
+from ..errors import ConfigError, HetPluginError
 from .args import DISCOVER, apply_plan_to_args, check_compatible, degrees_given
 
 
@@ -70,6 +70,9 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
             try:
                 resolved = _plan_for(args, degrees_given(args, argv), source)
                 state.plan, state.cluster = resolved.plan, resolved.cluster
+                # kept for the agreement like a planning error; the plan still goes into args, so that
+                # validate_args passes (its own assertion would pre-empt the message) and every rank reaches it
+                check_replica_batch(args, state.plan)
             except HetPluginError as exc:
                 state.error = exc
     if state.plan is not None:
@@ -113,6 +116,23 @@ def install_world_group_network() -> None:
     functools.update_wrapper(init_process_group, current)
     init_process_group.__het_plugin_wrapped__ = current
     dist.init_process_group = init_process_group
+
+
+def check_replica_batch(args: Any, plan: Any) -> None:
+    """A plan with uneven data-parallel replicas splits exactly its own global batch: a launch asking for another
+    global batch or micro-batch size (or a batch-size ramp-up) is refused naming the replica counts, instead of
+    the plan's batch silently replacing it."""
+    if not plan.uneven_replicas:
+        return
+    from ..runtime.replicas import ReplicaShare
+    share = ReplicaShare.from_plan(plan, 0)
+    if getattr(args, "rampup_batch_size", None):
+        raise ConfigError(f"--rampup-batch-size is set, but the plan splits a fixed global batch of "
+                          f"{share.global_batch_size} samples over replicas as {plan.replica_counts} micro-batches",
+                          source="command line", field="--rampup-batch-size",
+                          fix="drop --rampup-batch-size, or use a plan without replica_micro_batches")
+    share.check_batch(getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None),
+                      source="command line", gbs_field="--global-batch-size", mbs_field="--micro-batch-size")
 
 
 def megatron_args() -> Any:
@@ -231,6 +251,7 @@ def planned_initialize_model_parallel(*args, **kwargs):
                  "overlap_p2p_comm": None if getattr(margs, "overlap_p2p_comm", True) else False}
         resolved = _plan_for(margs, fixed, DISCOVER, rank=rank, world_size=world)
         state.cluster = resolved.cluster
+        check_replica_batch(margs, resolved.plan)
         return resolved.plan
 
     from ..runtime.exchange import configured_timeout

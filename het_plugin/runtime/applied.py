@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from ..plan import Plan
 from .groups import GroupRecord, GroupSpec, Policy, spec_for
 from .guard import GroupGuard, bounds_creation, restore_timeout, torch_default_timeout
+from .replicas import ReplicaShare
 
 log = logging.getLogger("het_plugin")
 
@@ -48,6 +49,11 @@ class AppliedPlan:
         from .preflight import check_network
         return check_network(self.plan, self.rank, cluster=cluster, native_network=self.policy.native_network,
                              store=store, timeout_s=timeout_s)
+
+    @property
+    def replica_share(self) -> ReplicaShare:
+        """This rank's data-parallel replica and its share of the global batch (runtime.replicas)."""
+        return ReplicaShare.from_plan(self.plan, self.rank)
 
     def spec(self, ranks: Optional[Sequence[int]], *, backend: Optional[str] = None, pg_options: Any = None,
              ascending_is_launch_order: bool = False) -> GroupSpec:

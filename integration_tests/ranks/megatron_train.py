@@ -25,12 +25,15 @@ def main() -> int:
     p.add_argument("--baseline", action="store_true")
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--even-data", action="store_true",
+                   help="read the even split's samples whatever the plan (a script that ignores replica_share)")
     p.add_argument("--groups-only", action="store_true", help="initialise the groups, report them, stop")
     a = p.parse_args()
 
     from integration_tests.support.megatron_tiny import (TinyGPT, init_distributed, my_groups, process_group_ranks,
                                                          shutdown, train)
-    cfg = TinyGPT(num_layers=a.layers)
+    cfg = TinyGPT(num_layers=a.layers, global_batch_size=a.global_batch_size)
     if a.groups_only:
         # het_plugin's groups, then (after tearing them down) Megatron-Core's own for the same degrees.
         init_distributed()
@@ -47,7 +50,7 @@ def main() -> int:
                 "created": [dataclasses.asdict(r) for r in applied.records]})
     else:
         result = train(cfg, tp=a.tp or 1, pp=a.pp or 1, steps=a.steps, cluster=a.cluster, plan=a.plan,
-                       use_plugin=not a.baseline)
+                       use_plugin=not a.baseline, replica_data=not a.even_data)
         report(result.to_dict())
     shutdown()
     return 0

@@ -77,6 +77,12 @@ class TrainResult:
     chunk_layer_numbers: list[list[int]] = field(default_factory=list)   # per model chunk (virtual stage)
     schedule: str = ""                  # Megatron's forward-backward function that ran
     overlap_p2p_comm: bool = False      # the model config's (an interleaved plan may switch it on)
+    # Heterogeneous data parallelism: this rank's replica (the plan's dp coordinate; Megatron's dp rank without
+    # het_plugin), the samples it read of each global batch, and per parameter (by global identity, as
+    # deterministic_init names it) [sum, sum of squares] after the last step.
+    replica: int = 0
+    samples: list[int] = field(default_factory=list)
+    param_digest: dict[str, list[float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,13 +167,31 @@ def deterministic_init(model, seed: int) -> None:
                 param.copy_(_full_tensor(key, shape, seed))
 
 
-def _batches(cfg: TinyGPT, step: int, dp: int, dp_rank: int):
+def _global_key(model, name: str) -> str:
+    """A parameter's global identity (transformer layers by global number; the tied output layer is the embedding)."""
+    for i, layer in enumerate(model.decoder.layers):
+        prefix = f"decoder.layers.{i}."
+        if name.startswith(prefix):
+            return f"layer{layer.layer_number}." + name[len(prefix):]
+    return "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
+
+
+def param_digest(chunks) -> dict[str, list[float]]:
+    """[sum, sum of squares] of every parameter this rank holds, by global identity (tp = 1: whole tensors)."""
+    out = {}
+    for model in chunks:
+        for name, p in model.named_parameters():
+            t = p.detach().double()
+            out[_global_key(model, name)] = [float(t.sum()), float((t * t).sum())]
+    return out
+
+
+def _batches(cfg: TinyGPT, step: int, samples: tuple[int, int]):
     import torch
     # Two fixed global batches, alternating: a learnable task, so the losses go down.
     g = torch.Generator().manual_seed(cfg.seed * 1000 + step % 2)
     data = torch.randint(0, cfg.vocab_size, (cfg.global_batch_size, cfg.seq_length + 1), generator=g)
-    per_rank = cfg.global_batch_size // dp
-    mine = data[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    mine = data[samples[0]:samples[1]]
     position_ids = torch.arange(cfg.seq_length).unsqueeze(0).expand(cfg.micro_batch_size, -1)
     # An explicit causal mask (True = masked): Megatron's default one is allocated on CUDA.
     causal = torch.triu(torch.ones(cfg.seq_length, cfg.seq_length), diagonal=1).bool()[None, None]
@@ -190,7 +214,7 @@ def _forward_step(data_iterator, model):
 def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=None, plan=None,
           use_plugin: bool = True, layers_per_stage: Optional[Sequence[int]] = None,
           overlap_grad_reduce: Optional[bool] = None, ep: int = 1, vpp: Optional[int] = None,
-          config_overrides: Optional[dict] = None) -> TrainResult:
+          config_overrides: Optional[dict] = None, replica_data: bool = True) -> TrainResult:
     """Initialise groups (through het_plugin or plain Megatron-Core), build the model, train ``steps`` steps.
 
     ``use_plugin=False`` is the reference run: Megatron-Core's own groups; ``layers_per_stage`` then
@@ -199,7 +223,8 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
     virtual_pipeline_model_parallel_size (an interleaved pipeline: ``vpp`` model chunks per rank, each
     with its own DDP wrapper, as Megatron-LM builds them). Both go to initialize_model_parallel as
     Megatron's own keyword arguments, through het_plugin or not. ``config_overrides``: TransformerConfig fields
-    set last (e.g. Megatron's ``overlap_p2p_comm`` for a reference run without het_plugin).
+    set last (e.g. Megatron's ``overlap_p2p_comm`` for a reference run without het_plugin). ``replica_data=False``:
+    read the even split's samples whatever the plan (a script that ignores het_plugin's replica share).
     """
     import torch
     import torch.distributed as dist
@@ -280,7 +305,18 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
     config.finalize_model_grads_func = finalize_model_grads
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    # The global batch's even split: het_plugin's schedule gives an uneven plan's replica its own count.
     num_mb = cfg.global_batch_size // (dp * cfg.micro_batch_size)
+    per_rank = cfg.global_batch_size // dp
+    samples, loss_scale, replica = (dp_rank * per_rank, (dp_rank + 1) * per_rank), 1.0, dp_rank
+    if use_plugin:
+        from het_plugin.megatron import replica_share
+        share = replica_share()
+        replica = share.replica
+        if share.uneven and replica_data:
+            # What a Megatron-Core script does for an uneven plan (docs/megatron.md): read the replica's samples,
+            # weight its mean loss by its share when averaging over dp.
+            samples, loss_scale = share.samples, share.loss_scale
     fb = get_forward_backward_func()
     reporter = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0)
     losses, times = [], []
@@ -289,7 +325,7 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
         for d in ddps:
             d.zero_grad_buffer()
         # Each chunk reads the step's micro-batches in order (only the first and last stage use them).
-        data = [_batches(cfg, step, dp, dp_rank) for _ in ddps]
+        data = [_batches(cfg, step, samples) for _ in ddps]
         out = fb(forward_step_func=_forward_step, data_iterator=data[0] if len(data) == 1 else data, model=ddps,
                  num_microbatches=num_mb, seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
                  forward_only=False)
@@ -301,7 +337,7 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
                         p.add_(grad, alpha=-cfg.lr)
         local = torch.zeros(1, dtype=torch.float64)
         if ps.is_pipeline_last_stage():
-            local += torch.stack([d["lm loss"] for d in out]).double().mean()
+            local += torch.stack([d["lm loss"] for d in out]).double().mean() * loss_scale
             dist.all_reduce(local, group=ps.get_data_parallel_group())
             local /= dp
         total = local if reporter else torch.zeros(1, dtype=torch.float64)
@@ -314,7 +350,8 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
                        process_groups=process_group_ranks(),
                        plan_hash=plan_hash, overlap_grad_reduce=ddp_overlap, chunk_layer_numbers=chunk_layer_numbers,
                        schedule=getattr(fb, "__name__", type(fb).__name__),
-                       overlap_p2p_comm=bool(getattr(config, "overlap_p2p_comm", False)))
+                       overlap_p2p_comm=bool(getattr(config, "overlap_p2p_comm", False)),
+                       replica=replica, samples=list(range(*samples)), param_digest=param_digest(chunks))
 
 
 def shutdown() -> None:

@@ -21,7 +21,7 @@ if __package__ in (None, ""):      # run as a file: the repository root is on PY
 from integration_tests.support.launch import arm_watchdog, report  # noqa: E402
 
 _enabled = False
-_seen: dict = {"losses": {}, "model": None}
+_seen: dict = {"losses": {}, "model": None, "train_samples": [], "train_sampler": None}
 
 
 class _CudaFor(types.ModuleType):
@@ -159,6 +159,37 @@ def install_report() -> None:
         return out
 
     training.setup_model_and_optimizer = setup_model_and_optimizer
+    original_loader = training.build_pretraining_data_loader
+
+    @functools.wraps(original_loader)
+    def build_pretraining_data_loader(dataset, consumed_samples):
+        loader = original_loader(dataset, consumed_samples)
+        if loader is None or _seen["train_sampler"] is not None:
+            return loader
+        _seen["train_sampler"] = type(loader.batch_sampler).__name__
+        return _Recording(loader)       # the first loader built is the training one
+
+    training.build_pretraining_data_loader = build_pretraining_data_loader
+
+
+class _Recording:
+    """The training data loader, recording the sample indices of each micro-batch the loop takes from it (a
+    DataLoader without workers takes its batch sampler's batches in order)."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __iter__(self):
+        indices = iter(self._loader.batch_sampler)
+        for batch in self._loader:
+            _seen["train_samples"].append(list(next(indices)))
+            yield batch
+
+    def __len__(self):
+        return len(self._loader)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
 
 
 def rank_report(namespace: dict) -> dict:
@@ -181,7 +212,7 @@ def rank_report(namespace: dict) -> dict:
            "args": {k: getattr(args, k, None) for k in (
                "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                "pipeline_model_parallel_layout", "overlap_grad_reduce", "global_batch_size",
-               "micro_batch_size", "heterogeneous_nic", "use_distributed_optimizer")}}
+               "micro_batch_size", "heterogeneous_nic", "use_distributed_optimizer", "calculate_per_token_loss")}}
     out["args"]["pipeline_model_parallel_layout"] = (
         None if args.pipeline_model_parallel_layout is None else str(args.pipeline_model_parallel_layout))
     out["flag_in_args"] = hasattr(args, "heterogeneous_nic")
@@ -191,6 +222,9 @@ def rank_report(namespace: dict) -> dict:
     core = sys.modules.get("het_plugin.megatron.core")
     applied = core.current_plan() if core is not None else None
     out["plan_hash"] = applied.plan.hash if applied is not None else None
+    out["replica"] = applied.replica_share.replica if applied is not None else None
+    out["train_sampler"] = _seen["train_sampler"]
+    out["train_samples"] = _seen["train_samples"]
     return out
 
 
