@@ -43,7 +43,7 @@ def rank_in(plan, replica: int) -> int:
 def test_each_rank_gets_its_replicas_accumulation_steps(uneven):
     assert not uneven.is_identity
     for rank in range(4):
-        share = ReplicaShare.of(uneven, rank)
+        share = ReplicaShare.from_plan(uneven, rank)
         assert share.replica == uneven.replica_of(rank)
         cfg = rank_config(DS, share)
         count = [3, 1][share.replica]
@@ -52,7 +52,7 @@ def test_each_rank_gets_its_replicas_accumulation_steps(uneven):
         assert cfg["train_batch_size"] == 2 * count * 2
         assert cfg["zero_optimization"] == DS["zero_optimization"] and cfg is not DS
     assert DS["gradient_accumulation_steps"] == 2           # the input is not modified
-    assert ReplicaShare.of(uneven, rank_in(uneven, 0)).global_batch_size == 8
+    assert ReplicaShare.from_plan(uneven, rank_in(uneven, 0)).global_batch_size == 8
 
 
 def test_config_contradicting_an_uneven_plan_is_named(even, uneven):
@@ -81,31 +81,31 @@ def test_wrap_fills_the_plans_batch(uneven):
 
 
 def test_replica_sample_order_reads_each_sample_once_per_iteration(uneven):
-    orders = [list(ReplicaSampleOrder(20, ReplicaShare.of(uneven, rank_in(uneven, d)))) for d in (0, 1)]
+    orders = [list(ReplicaSampleOrder(20, ReplicaShare.from_plan(uneven, rank_in(uneven, d)))) for d in (0, 1)]
     # 20 samples = 2 whole global batches of 8 (the incomplete third is dropped on every replica)
     assert orders == [[0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13], [6, 7, 14, 15]]
-    assert len(ReplicaSampleOrder(20, ReplicaShare.of(uneven, rank_in(uneven, 0)))) == 12
+    assert len(ReplicaSampleOrder(20, ReplicaShare.from_plan(uneven, rank_in(uneven, 0)))) == 12
     loader = torch.utils.data.DataLoader(list(range(20)), batch_size=2,
-                                         sampler=ReplicaSampleOrder(20, ReplicaShare.of(uneven, rank_in(uneven, 1))))
+                                         sampler=ReplicaSampleOrder(20, ReplicaShare.from_plan(uneven, rank_in(uneven, 1))))
     assert [b.tolist() for b in loader] == [[6, 7], [14, 15]]
     shuffled = list(reversed(range(20)))        # positions in a data order
-    assert list(ReplicaSampleOrder(20, ReplicaShare.of(uneven, rank_in(uneven, 1)), order=shuffled)) == \
+    assert list(ReplicaSampleOrder(20, ReplicaShare.from_plan(uneven, rank_in(uneven, 1)), order=shuffled)) == \
         [13, 12, 5, 4]
 
 
 def test_dry_iterator_names_replica_and_numbers(uneven):
-    share = ReplicaShare.of(uneven, rank_in(uneven, 0))
+    share = ReplicaShare.from_plan(uneven, rank_in(uneven, 0))
     it = CountedIterator(iter(range(4)), share)
     assert [next(it) for _ in range(4)] == [0, 1, 2, 3]
     with pytest.raises(ReplicaDataError) as info:
         next(it)
     text = str(info.value)
-    assert "replica 0 runs 3 of the 4 micro-batches of 2 samples per iteration (counts [3, 1], samples [0, 6)" in text
+    assert "replica 0 runs 3 micro-batches of 2 samples per iteration (samples [0, 6) of each global batch of 8" in text
     assert "ran dry after 4 micro-batches: 1 full iterations and 1 of the 3 micro-batches of iteration 2" in text
 
 
 def test_loader_over_distributed_sampler_is_refused(uneven):
-    share = ReplicaShare.of(uneven, rank_in(uneven, 0))
+    share = ReplicaShare.from_plan(uneven, rank_in(uneven, 0))
     data = list(range(16))
     even_loader = torch.utils.data.DataLoader(
         data, batch_size=2, sampler=torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0))
@@ -156,7 +156,7 @@ def test_initialize_hands_deepspeed_the_ranks_config(recorded, even, uneven):
     result = hds.initialize(model=pipeline_model_with(uneven, rank), config=hds.wrap(DS, uneven), training_data=data)
     assert calls[0]["config"]["gradient_accumulation_steps"] == 1 and calls[0]["config"]["train_batch_size"] == 4
     engine, share, training_data = applied[0]
-    assert share == ReplicaShare.of(uneven, rank) and share.replica == 1 and training_data is data
+    assert share == ReplicaShare.from_plan(uneven, rank) and share.replica == 1 and training_data is data
     assert result == (engine, "opt", "replica loader", "sched")
     # An even plan: DeepSpeed's config and return value exactly.
     result = hds.initialize(model=pipeline_model_with(even, rank), config=hds.wrap(DS, even))

@@ -63,7 +63,7 @@ def initialize(*args, **kwargs):
         applied = _data_parallel_setup(arguments, section, batch, source, cfg)
     share = None
     if applied.plan.uneven_replicas:        # even plans: DeepSpeed's own batch, weights and data, untouched
-        share = ReplicaShare.of(applied.plan, applied.rank)
+        share = ReplicaShare.from_plan(applied.plan, applied.rank)
         arguments["config"] = rank_config(arguments["config"], share)
     result = deepspeed.initialize(**arguments)
     engine = result[0]

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import copy
 import types
-from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
-from ..data import ReplicaBatches, ReplicaSampler
+from ..data import ReplicaSampler
 from ..errors import ConfigError, HetPluginError
 from ..plan import Plan
+from ..runtime.replicas import ReplicaShare
 from .config import SECTION, BatchSettings
 
 FIX_CONFIG = ("give the config the plan's batch: train_batch_size = global batch, train_micro_batch_size_per_gpu = "
@@ -40,46 +40,6 @@ FIX_CONFIG = ("give the config the plan's batch: train_batch_size = global batch
 
 class ReplicaDataError(HetPluginError, RuntimeError):
     """A replica's data ran out before the iteration it was reading ended."""
-
-
-@dataclass(frozen=True)
-class ReplicaShare:
-    """What one rank's replica runs per iteration under the plan."""
-    replica: int              # the dp coordinate (DeepSpeed's data-parallel rank)
-    count: int                # its micro-batches per iteration: its gradient_accumulation_steps
-    even_count: int           # the plan's num_micro_batches: what every replica runs on the even split
-    micro_batch_size: int
-    dp: int
-    counts: tuple[int, ...]   # every replica's count, in dp order
-
-    @classmethod
-    def of(cls, plan: Plan, rank: int) -> "ReplicaShare":
-        replica = plan.replica_of(rank)
-        return cls(replica, plan.replica_counts[replica], plan.num_micro_batches, plan.micro_batch_size, plan.dp,
-                   tuple(plan.replica_counts))
-
-    @property
-    def global_batch_size(self) -> int:
-        return sum(self.counts) * self.micro_batch_size
-
-    @property
-    def local_train_batch_size(self) -> int:
-        """The train_batch_size this rank's DeepSpeed config gets: micro x its count x dp."""
-        return self.micro_batch_size * self.count * self.dp
-
-    @property
-    def samples(self) -> tuple[int, int]:
-        return self.batches.samples(self.replica)
-
-    @property
-    def batches(self) -> ReplicaBatches:
-        return ReplicaBatches(self.counts, self.micro_batch_size)
-
-    def describe(self) -> str:
-        start, stop = self.samples
-        return (f"replica {self.replica} runs {self.count} of the {sum(self.counts)} micro-batches of "
-                f"{self.micro_batch_size} samples per iteration (counts {list(self.counts)}, samples "
-                f"[{start}, {stop}) of each global batch of {self.global_batch_size})")
 
 
 # ---- checks before any group exists ------------------------------------------------------------------
@@ -227,7 +187,7 @@ def replica_batch_sampler(engine, total_samples: int, consumed_samples: int = 0)
     if plan is None:
         raise ConfigError("the engine was not built by het_plugin.deepspeed.initialize with a heterogeneous section",
                           field=SECTION, fix="build the engine with hds.initialize and the wrapped config")
-    share = ReplicaShare.of(plan, engine.het_applied.rank)
+    share = ReplicaShare.from_plan(plan, engine.het_applied.rank)
     return ReplicaSampler(total_samples, consumed_samples, share.batches, share.replica)
 
 

@@ -30,13 +30,26 @@ class ReplicaShare:
     micro_batch_size: int
     samples: tuple[int, int]     # [start, stop) of the replica's samples within one global batch
     uneven: bool                 # the plan's replicas run different counts
+    counts: tuple[int, ...] = ()  # every replica's count, in dp order
 
     @classmethod
     def from_plan(cls, plan, rank: int) -> "ReplicaShare":
         d = plan.replica_of(rank)
         return cls(replica=d, count=plan.replica_counts[d], even_count=plan.num_micro_batches, dp=plan.dp,
                    micro_batch_size=plan.micro_batch_size, samples=tuple(plan.replica_samples(d)),
-                   uneven=plan.uneven_replicas)
+                   uneven=plan.uneven_replicas, counts=tuple(plan.replica_counts))
+
+    @property
+    def batches(self):
+        """Every replica's micro-batches per iteration (het_plugin.data.ReplicaBatches: what samplers read)."""
+        from ..data import ReplicaBatches
+        return ReplicaBatches(self.counts, self.micro_batch_size)
+
+    @property
+    def local_train_batch_size(self) -> int:
+        """micro x this replica's count x dp: the per-rank batch a framework's own batch check expects
+        (DeepSpeed's train_batch_size = micro * gas * dp)."""
+        return self.micro_batch_size * self.count * self.dp
 
     @property
     def global_batch_size(self) -> int:
