@@ -33,6 +33,10 @@ def register(sub) -> None:
     p.add_argument("--vpp", type=int,
                    help="virtual pipeline stages per rank: Megatron's interleaved schedule "
                         "(--num-virtual-stages-per-pipeline-rank); default 1 (not interleaved)")
+    p.add_argument("--replica-split", metavar="auto|even|uneven|N,N,...", default=None,
+                   help="micro-batches per data-parallel replica: auto (default: by each replica's speed where "
+                        "replicas run on different devices and it pays, else the frameworks' even split), even, "
+                        "uneven (only plans with uneven shares), or one count per replica (dp = their number)")
     p.add_argument("--profile", metavar="FILE",
                    help="measured profile (layer times, link bandwidths) overriding the analytic estimates; "
                         "format in docs/planner.md")
@@ -93,8 +97,29 @@ def check_files(args) -> None:
         check_writable(out, out_flag, "plan" if out_flag.startswith("-o") else "picture")
 
 
+def replica_split_arg(text: str | None):
+    """``--replica-split``: a mode, or comma-separated counts (checked by the planner, which names the numbers)."""
+    if text is None:
+        return "auto"
+    text = text.strip()
+    if text in ("auto", "even", "uneven"):
+        return text
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--replica-split {text!r} is neither auto, even, uneven nor comma-separated whole "
+                          "numbers", field="--replica-split",
+                          fix="e.g. --replica-split even, or --replica-split 6,6,2,2 (one count per replica)") from None
+
+
 def check_saved_plan(args, plan) -> None:
     """A saved plan is shown as it is: options that would change it are refused, not ignored."""
+    if getattr(args, "replica_split", None) is not None:
+        raise ConfigError("--replica-split was passed, but a saved plan is shown as it is (its replica split is "
+                          f"{plan.replica_counts if plan.uneven_replicas else 'even'})", source=args.cluster,
+                          field="--replica-split",
+                          fix="drop --replica-split, or re-plan from the cluster file: het-plugin plan CLUSTER "
+                              "--replica-split ... -o PLAN")
     for name in PLAN_OPTIONS:
         given = getattr(args, name, None)
         planned = getattr(plan, name, None)
@@ -164,6 +189,7 @@ def run(args) -> int:
 
     check_output_names(args)
     check_numbers(args)
+    replica_split = replica_split_arg(getattr(args, "replica_split", None))
     check_files(args)
     with named_by("CLUSTER"):
         try:
@@ -200,7 +226,11 @@ def run(args) -> int:
         try:
             plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                              etp=args.etp, micro_batch_size=args.micro_batch_size, progress=show, profile=profile,
-                             vpp=args.vpp)
+                             vpp=args.vpp, replica_split=replica_split)
+        except ConfigError as exc:
+            if exc.field != "replica_split":
+                raise
+            raise ConfigError(exc.problem, source=exc.source, field="--replica-split", fix=exc.fix) from None
         finally:
             if show is not None:
                 show.close()
