@@ -1249,7 +1249,7 @@ class SplitCosts:
             return _interleaved_stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.vpp,
                                             self.overlap_p2p_comm, self.wrap_send_s, self.dp, self.overlap_grad_reduce,
                                             self.distributed_optimizer, self.profile)
-        if not self.per_replica:
+        if not self.counts:     # the even split: each stage at its slowest devices (>= any replica group's)
             return _stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.dp,
                                 self.overlap_grad_reduce, self.distributed_optimizer, self.profile)
         if self._group_rows is None:       # a group's table is m * (per micro-batch) + (exposed reduction)

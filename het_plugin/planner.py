@@ -368,6 +368,7 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
     found = _Search(keep=NUM_ALTERNATIVES + 1)
     orders = list(domain_orders(cluster))
     speeds = len({n.accelerator.name for n in cluster.nodes}) > 1
+    least_memory = min(n.accelerator.memory_gib for n in cluster.nodes)
     net = cost.Network(cluster, transport)
     most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
     dense_key = lambda d: (d.tp, d.cp, d.pp, d.dp, d.order)      # noqa: E731 -- what the placement depends on
@@ -389,7 +390,9 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                     continue
                 seen.add(placement.rank_of_logical)
                 placed.append((k, cost.analyze(cluster, placement, transport, net)))
-            if speeds and dims.pp > 1 and dims.dp > 1 and _whole_pipelines(cluster, dims):
+            # each domain holds whole pipelines, so the smallest devices must hold a pipeline's stages
+            if (speeds and dims.pp > 1 and dims.dp > 1 and _whole_pipelines(cluster, dims)
+                    and cost.params_memory_gib(model, dims, True) <= least_memory):
                 placement = place_replicas(cluster, dims, orders[0])
                 if placement.rank_of_logical not in seen:
                     placed.append((len(orders), cost.analyze(cluster, placement, transport, net)))
