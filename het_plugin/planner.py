@@ -354,7 +354,7 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
         return
     # Against the even split's prediction, or (pruned: worse than the kept plans) its lower bound.
     even_s = even.prediction.iteration_s if even is not None else even_bound
-    if uneven.prediction.iteration_s < even_s * (1 - UNEVEN_MIN_GAIN):
+    if replica_split == "uneven" or uneven.prediction.iteration_s < even_s * (1 - UNEVEN_MIN_GAIN):
         search.offer(uneven)
 
 
