@@ -13,7 +13,7 @@ from het_plugin.errors import ConfigError
 from het_plugin.model import preset_model
 from het_plugin.placement import place, place_replicas, transport
 from het_plugin.plan import Plan
-from het_plugin.planner import SHAPE_DATA, make_plan
+from het_plugin.planner import SHAPE_DATA, SHAPE_MIXED, make_plan
 from het_plugin.report import render_text, replica_rows
 from het_plugin.topology import ParallelDims
 
@@ -207,12 +207,30 @@ def test_report_shows_each_replicas_share_and_why_the_shape_won(mixed, gpt7):
     assert "of the batch each" in text and "pipeline " in text
 
 
-def test_h100_a100_example_reports_shapes(gpt7):
+def test_h100_a100_example_gets_uneven_shares_and_names_the_shapes(gpt7):
     cl = load_cluster(EXAMPLES / "clusters" / "h100-a100.yaml")
     plan = make_plan(cl, gpt7)
+    assert plan.uneven_replicas
+    counts = {r.devices: r.count for r in replica_rows(plan)}
+    assert counts["east/H100"] > counts["east/A100-80"]
     shapes = {alt.get("shape") for alt in plan.alternatives} | {plan.prediction.shape}
     assert len(shapes) >= 2                      # the other shapes' best plans are listed to compare
-    assert "beat " in render_text(plan, cl)
+    assert "beat pipeline across domains" in render_text(plan, cl)
+
+
+def test_mixed_shape_is_searched_where_a_stage_spans_two_device_types(gpt7):
+    # H100 and A100 nodes on one fabric, an A100 cluster behind 100 GbE: a stage over the first cluster holds
+    # replicas of two speeds while the pipeline crosses the slow link.
+    cl = cluster_from_dict({"name": "mix", "clusters": [
+        {"name": "east", "fabric": {"type": "ib", "gbps": 1600}, "nodes": [_node("H100"), _node("A100-80")]},
+        {"name": "west", "fabric": {"type": "roce", "gbps": 800}, "nodes": [_node("A100-80", 4)]}],
+        "links": [{"between": ["east", "west"], "gbps": 100, "latency_us": 50}]})
+    plan = make_plan(cl, gpt7, pp=2)
+    shapes = {alt.get("shape") for alt in plan.alternatives} | {plan.prediction.shape}
+    assert SHAPE_MIXED in shapes
+    mixed = [a for a in plan.alternatives if a.get("shape") == SHAPE_MIXED] or [None]
+    if plan.prediction.shape != SHAPE_MIXED:
+        assert mixed[0]["iteration_s"] >= plan.prediction.iteration_s
 
 
 # ---- bad input -----------------------------------------------------------------------------------------------
