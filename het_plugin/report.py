@@ -248,6 +248,7 @@ def shape_lines(plan: Plan) -> list[str]:
             best[shape] = alt
     same = [a for a in plan.alternatives if a.get("shape") == pred.shape
             and a.get("replica_split") != alt_split(plan)]
+    same.sort(key=lambda a: a.get("replica_split") != "even")      # the even split first, where listed
     for shape, alt in best.items():
         lines.append(f"  beat {shape}: its best ({_alt_degrees(alt)}, replica split {alt.get('replica_split')}) "
                      f"predicts {alt['iteration_s'] / pred.iteration_s:.3f}x this plan's time")
