@@ -121,6 +121,21 @@ def test_memory_follows_the_largest_count_when_it_is_below_pp(mixed, gpt7):
     assert split.counts == []                    # equal counts are the even split
 
 
+def test_first_stages_hold_up_to_pp_of_the_largest_count(mixed, gpt7):
+    # 1F1B keeps min(pp - s, count) micro-batches in flight on stage s: with 2 each and pp = 4 the first stage
+    # holds 2, with counts [3, 1] it holds 3 (the activation memory grows by one micro-batch's)
+    model = gpt7.model_copy(update={"global_batch_size": 4})
+    analysis = cost.analyze(mixed, place(mixed, ParallelDims(tp=4, pp=4, dp=2)), transport)
+    layers = [9, 9, 9, 9]
+    split = cost.SplitCosts(model, analysis, 1)
+    even = split.predict(layers).memory_gib_per_stage
+    split.set_counts([3, 1])
+    uneven = split.predict(layers).memory_gib_per_stage
+    per_mb = split.stages[0].act_bytes_per_layer * 9 / cost.GIB
+    assert uneven[0] - even[0] == pytest.approx(per_mb)
+    assert uneven[0] > even[0] and uneven[3] == even[3]       # the last stage holds one either way
+
+
 # ---- hierarchical reduction across a slow link ---------------------------------------------------------------
 
 
