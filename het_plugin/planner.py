@@ -362,12 +362,17 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                     overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None,
                     sched: tuple = (1, None), replica_split: "str | list[int]" = "auto") -> _Search:
     """Het-aware search: every domain order, the exact partition, with and without the distributed
-    optimizer, for each degree combination. Where devices differ in speed, also each pipeline inside one domain
-    and data parallelism across domains (:func:`placement.place_replicas`, the file's domain order: the order
-    only renumbers the replicas), with speed-proportional replica shares (see :func:`_evaluate_split`)."""
+    optimizer, for each degree combination. Where devices of one fabric and vendor differ in speed, also each
+    pipeline inside one domain and data parallelism across domains (:func:`placement.place_replicas`, the file's
+    domain order: the order only renumbers the replicas), with speed-proportional replica shares (see
+    :func:`_evaluate_split`)."""
     found = _Search(keep=NUM_ALTERNATIVES + 1)
     orders = list(domain_orders(cluster))
-    speeds = len({n.accelerator.name for n in cluster.nodes}) > 1
+    # Whole pipelines per domain where every domain shares one fabric and one vendor: the DP groups that dealing
+    # makes stay on that fabric and vendor (the placement rule); across clusters or vendors DP spans them only
+    # when nothing else fits the degrees (pp = 1), through sockets or the shim as before.
+    speeds = (len({n.accelerator.name for n in cluster.nodes}) > 1 and len({n.cluster for n in cluster.nodes}) == 1
+              and len({n.vendor for n in cluster.nodes}) == 1)
     least_memory = min(n.accelerator.memory_gib for n in cluster.nodes)
     net = cost.Network(cluster, transport)
     most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
