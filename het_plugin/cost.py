@@ -12,8 +12,10 @@ The model, in short (details and constants in docs/planner.md):
   of ``bytes/n``; a group spanning tiers reduces hierarchically (inside the node, then over the cluster
   fabric, then across clusters), each step paying its tier's latency and its bandwidth shared by all
   accelerators of the node that talk at once. A group whose transport is ``socket`` uses Ethernet even
-  inside an RDMA cluster; ``host-staged`` (cross-vendor shim) also uses sockets and pays a device-host
-  copy each way.
+  inside an RDMA cluster; ``host-staged`` (cross-vendor shim) reduces inside each vendor's fabric first, then
+  over sockets between vendors, and pays a device-host copy of its share each way.
+* Replicas: data-parallel replicas on different devices (:class:`ReplicaClass`) are simulated each on its own
+  devices with its own micro-batch count (heterogeneous data parallelism; :meth:`SplitCosts.balance`).
 * Pipeline: 1F1B with per-stage forward/backward times and per-hop send times, simulated op by op; with
   ``vpp`` virtual stages per rank Megatron's interleaved 1F1B (:mod:`het_plugin.schedule`), its extra hop from
   the last stage back to the first, and ``overlap_p2p_comm`` (sends hidden behind compute).
@@ -50,7 +52,7 @@ from typing import Callable, Optional, Sequence
 from .catalog import Accelerator
 from .cluster import RDMA, Cluster, Link, Node
 from .model import ModelSpec
-from .placement import Placement, transport as placement_transport
+from .placement import Placement, baseline_transport, transport as placement_transport
 from .plan import Prediction
 from .profile import Profile
 from .topology import ParallelDims
@@ -70,6 +72,13 @@ HBM_BYTES_PER_S = 1.5e12        # memory bandwidth assumed for the optimizer ste
 FRAMEWORK_OVERHEAD_GIB = 2.0    # CUDA/ROCm context, communicator buffers, allocator slack
 LOGITS_BYTES = 10               # per logit on the last stage: bf16 logits, fp32 softmax and its gradient
 GIB = 1024 ** 3
+
+
+# Transports whose groups reduce hierarchically at run time when they span a slow boundary: the shim's
+# 'host-staged' groups (vendor subgroups on their own fabric, stripes between them over host memory). A 'socket'
+# group (one vendor, across clusters) is one NCCL communicator on sockets: a flat ring over the Ethernet NICs,
+# charged so; add "socket" here once the runtime reduces such groups inside each fabric first.
+SECTIONED_TRANSPORTS: tuple[str, ...] = ("host-staged",)
 
 
 # ---- link tiers -----------------------------------------------------------------------------------
@@ -133,6 +142,7 @@ class Level:
 class CollectivePath:
     levels: tuple[Level, ...]
     host_staged: bool = False
+    staged_fraction: float = 1.0    # share of the bytes each rank copies to and from the host (shim stripes)
 
     def allreduce_s(self, nbytes: float, profile: Optional[Profile] = None, fraction: float = 1.0) -> float:
         """Hierarchical ring all-reduce (``fraction`` 0.5: a reduce-scatter or an all-gather alone)."""
@@ -142,7 +152,7 @@ class CollectivePath:
                 total += 2 * (lv.members - 1) * fraction * lv.step_s(chunk / lv.members, profile)
                 chunk /= lv.members
         if self.host_staged and nbytes > 0:
-            total += 2 * nbytes * fraction * 8 / (HOST_COPY_GBPS * 1e9)
+            total += 2 * nbytes * fraction * self.staged_fraction * 8 / (HOST_COPY_GBPS * 1e9)
         return total
 
 
@@ -186,8 +196,13 @@ class Network:
     so one call per such shape is enough.
     """
 
-    def __init__(self, cluster: Cluster, transport_fn: TransportFn = placement_transport):
+    def __init__(self, cluster: Cluster, transport_fn: TransportFn = placement_transport,
+                 hierarchical: Optional[bool] = None):
         self.cluster, self.fn = cluster, transport_fn
+        # Groups of these transports reduce hierarchically by section (:func:`_sectioned_path`) under a plan;
+        # the baseline (the frameworks' own flat rings, its transport function) charges every group flat.
+        hierarchical = (transport_fn is not baseline_transport) if hierarchical is None else hierarchical
+        self.sectioned: tuple[str, ...] = SECTIONED_TRANSPORTS if hierarchical else ()
         self.fabric: dict[str, Link] = {}
         for n in cluster.nodes:
             self.fabric.setdefault(n.cluster, Link(n.fabric.type, n.fabric.gbps, n.fabric.latency_us))
@@ -279,6 +294,13 @@ class StageInfo:
     expert: Optional[ExpertInfo] = None            # None: the expert groups are the dense ones (ep 1, etp = tp)
 
 
+@dataclass(frozen=True)
+class ReplicaClass:
+    """Data-parallel replicas (one pipeline each) that run on the same device types stage by stage."""
+    replicas: tuple[int, ...]                       # dp coordinates, ascending
+    accelerators: tuple[tuple[Accelerator, ...], ...]   # per stage: the device types under the replica's ranks
+
+
 @dataclass
 class Analysis:
     """What a placement means for communication; independent of micro-batch size and layer split."""
@@ -290,6 +312,8 @@ class Analysis:
     node_runs: tuple[tuple[int, int], ...] = ()    # (first logical rank, node) of each run on one node
     expert_span: Optional[str] = None              # why an expert group leaves one domain (None: none does)
     wrap_hops: tuple[tuple[Tier, int, bool], ...] = ()   # last stage -> first (interleaved)
+    # Replicas grouped by the devices their stages run on; () when every replica runs on the same ones.
+    replica_classes: tuple[ReplicaClass, ...] = ()
 
 
 def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[CollectivePath, str]:
@@ -300,6 +324,10 @@ def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[Collec
     per_node: dict[int, int] = {}
     for n in members_nodes:
         per_node[n] = per_node.get(n, 0) + 1
+    if t in net.sectioned:
+        sectioned = _sectioned_path(net, per_node, t)
+        if sectioned is not None:
+            return sectioned, t
     by_cluster: dict[str, list[int]] = {}
     for n in sorted(per_node):
         by_cluster.setdefault(nodes[n].cluster, []).append(n)
@@ -317,6 +345,32 @@ def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[Collec
         tiers = [net.hop(a, b, t) for i, a in enumerate(reps) for b in reps[i + 1:]]
         levels.append(_level(tiers, len(by_cluster), share))
     return CollectivePath(tuple(levels), t == "host-staged"), t
+
+
+def _sectioned_path(net: Network, per_node: dict[int, int], t: str) -> Optional[CollectivePath]:
+    """A group across a slow boundary (sockets between clusters, or the shim between vendors) reduced
+    hierarchically: inside each *section* (the members on one cluster fabric and one vendor) over the node and
+    the section's own fabric, then between sections over the slow link (every member carries its 1/(k n) share,
+    the shim's stripes), then back. None when the members sit in one section (the flat ring applies)."""
+    nodes = net.cluster.nodes
+    sections: dict[tuple[str, str], list[int]] = {}
+    for n in sorted(per_node):
+        sections.setdefault((nodes[n].cluster, nodes[n].vendor), []).append(n)
+    if len(sections) < 2:
+        return None
+    share = max(nodes[n].num_accelerators for n in per_node)
+    levels = []
+    k = max(per_node.values())
+    if k > 1:
+        levels.append(Level(_slowest([net.hop(n, n, t) for n in per_node]), k, 1))
+    n_nodes = max(len(v) for v in sections.values())
+    if n_nodes > 1:
+        tiers = [net.hop(v[0], v[1], net.transport(frozenset(v))) for v in sections.values() if len(v) > 1]
+        levels.append(Level(_slowest(tiers), n_nodes, share))
+    leaders = [v[0] for v in sections.values()]
+    tiers = [net.hop(a, b, t) for i, a in enumerate(leaders) for b in leaders[i + 1:]]
+    levels.append(Level(_slowest(tiers), len(sections), share))
+    return CollectivePath(tuple(levels), t == "host-staged", 1.0 / (k * n_nodes))
 
 
 def _ring_hop(net: Network, ring_nodes: Sequence[int]) -> tuple[Tier, int, bool]:
@@ -460,8 +514,36 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
             if path not in emb_paths:
                 emb_paths.append(path)
     out = Analysis(placement, stages, tuple(emb_paths), transports, tuple(node_of_logical),
-                   node_runs=_node_runs(node_of_logical), wrap_hops=tuple(wrap))
+                   node_runs=_node_runs(node_of_logical), wrap_hops=tuple(wrap),
+                   replica_classes=replica_classes(cluster, node_of_logical, dims))
     return analyze_experts(cluster, out, dims, net)
+
+
+def replica_classes(cluster: Cluster, node_of_logical: Sequence[int], dims: ParallelDims) -> tuple[ReplicaClass, ...]:
+    """Replicas grouped by the device types of their stages (a replica's stage is its tp*cp ranks: TP stays on
+    one node and CP on one node or whole nodes of one domain, so its first and last rank tell its devices).
+    () when all replicas look alike. O(pp * dp)."""
+    if dims.dp == 1:
+        return ()
+    nodes = cluster.nodes
+    accs = {n.accelerator.name: n.accelerator for n in nodes}
+    if len(accs) == 1:
+        return ()
+    names = [n.accelerator.name for n in nodes]
+    S, tc = dims.stage_size, dims.tp * dims.cp
+    columns = []
+    for s in range(dims.pp):
+        firsts = node_of_logical[s * S:(s + 1) * S:tc]
+        lasts = node_of_logical[s * S + tc - 1:(s + 1) * S:tc]
+        columns.append([names[a] if a == b or names[a] == names[b] else tuple(sorted({names[a], names[b]}))
+                        for a, b in zip(firsts, lasts)])
+    keys: dict[tuple, list[int]] = {}
+    for d, key in enumerate(zip(*columns)):
+        keys.setdefault(key, []).append(d)
+    if len(keys) == 1:
+        return ()
+    return tuple(ReplicaClass(tuple(ds), tuple(tuple(accs[x] for x in ((k,) if isinstance(k, str) else k))
+                                               for k in key)) for key, ds in keys.items())
 
 
 def analyze_experts(cluster: Cluster, analysis: Analysis, dims: ParallelDims,
@@ -918,6 +1000,28 @@ def _stage_costs(sts: list[StageModel], num_layers: int, num_micro_batches: int,
     return tables
 
 
+def _stage_cost_parts(sts: list[StageModel], num_layers: int, dp: int, overlap: bool, distributed_optimizer: bool,
+                      profile: Optional[Profile]) -> tuple[list[list[float]], list[list[float]]]:
+    """:func:`_stage_costs` in two parts, (per micro-batch, exposed reduction), so that a table for any micro-batch
+    count m is ``m * per + exposed`` (replica groups with their own counts)."""
+    per_rows, exposed_rows = [], []
+    for s, st in enumerate(sts):
+        recv_side = sts[s - 1].send_s if s > 0 else 0.0
+        if profile is None:
+            red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
+            red_step = _dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0
+        per, exposed = [], []
+        for n in range(num_layers + 1):
+            fwd = st.fixed_fwd_s + n * st.layer_fwd_s
+            bwd = st.fixed_bwd_s + n * st.layer_bwd_s
+            red = red0 + n * red_step if profile is None else _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
+            per.append(fwd + bwd + st.send_s + recv_side)
+            exposed.append(max(0.0, red - bwd) if overlap else red)
+        per_rows.append(per)
+        exposed_rows.append(exposed)
+    return per_rows, exposed_rows
+
+
 # ---- 1F1B simulation ------------------------------------------------------------------------------
 
 
@@ -1198,6 +1302,72 @@ class SplitCosts:
             # warm-up + 1 chunks of about n / vpp layers each hold activations (Megatron's 1 + (pp-1)/(pp vpp))
             self.stages = [dataclasses.replace(st, in_flight=min(warmup_count(pp, s, m, vpp) + 1, m * vpp) / vpp)
                            for s, st in enumerate(self.stages)]
+        #: data-parallel replicas that run alike, with their stages' models: one group (every replica, the
+        #: stages' slowest devices) unless replicas run on different devices (not with interleaving)
+        self.replica_groups: list[tuple[tuple[int, ...], list[StageModel]]] = [(tuple(range(dims.dp)), self.stages)]
+        if vpp == 1 and analysis.replica_classes:
+            # the same for both optimizer settings: kept on the analysis per micro-batch size
+            cache = analysis.__dict__.setdefault("_class_stage_models", {})
+            key = (micro_batch_size, self.num_micro_batches, id(profile))
+            if key not in cache:
+                cache[key] = [(c.replicas, _stage_models(model, _class_analysis(analysis, c), micro_batch_size,
+                                                         self.num_micro_batches, profile))
+                              for c in analysis.replica_classes]
+            self.replica_groups = list(cache[key])
+        self.counts: list[int] = []          # micro-batches per replica; [] = the even split
+        self._group_rows: Optional[list] = None
+
+    @property
+    def per_replica(self) -> bool:
+        """Replicas differ (devices or counts): each is predicted on its own."""
+        return len(self.replica_groups) > 1 or bool(self.counts)
+
+    def set_counts(self, counts: Sequence[int]) -> None:
+        """Micro-batches per replica ([] or all equal: the even split); the first stages hold up to pp of the
+        largest count in flight (1F1B), so the memory follows the largest."""
+        counts = list(counts)
+        if counts and (len(counts) != self.dp or sum(counts) != self.dp * self.num_micro_batches or min(counts) < 1):
+            raise ValueError(f"replica counts {counts} must be {self.dp} counts >= 1 adding up to "
+                             f"{self.dp * self.num_micro_batches}")
+        if counts and self.vpp > 1 and len(set(counts)) > 1:
+            raise ValueError("uneven replica counts are not modelled with an interleaved pipeline (vpp > 1)")
+        self.counts = counts if counts and len(set(counts)) > 1 else []
+        top = max(counts) if self.counts else self.num_micro_batches
+        if self.vpp == 1:
+            pp = len(self.stages)
+            self.stages = [replace(st, in_flight=min(pp - s, top)) for s, st in enumerate(self.stages)]
+            if len(self.replica_groups) == 1:
+                self.replica_groups = [(self.replica_groups[0][0], self.stages)]
+
+    def group_counts(self) -> list[int]:
+        """The largest micro-batch count of each replica group (what its slowest replica runs)."""
+        counts = self.counts
+        if not counts:
+            return [self.num_micro_batches] * len(self.replica_groups)
+        return [max(counts[d] for d in reps) for reps, _ in self.replica_groups]
+
+    def balance(self, layers_per_stage: Sequence[int]) -> list[int]:
+        """Micro-batches per replica for this split, by each replica group's speed (:func:`share_micro_batches`
+        over each group's 1F1B fill and steady-state step); [] where the groups run alike."""
+        if len(self.replica_groups) < 2 or self.vpp > 1:
+            return []
+        sizes, fills, steps = [], [], []
+        for reps, sts in self.replica_groups:
+            f = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers_per_stage)]
+            b = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers_per_stage)]
+            send = [st.send_s for st in sts]
+            per = [f[s] + b[s] + send[s] * (s + 1 < len(sts)) + (send[s - 1] if s else 0.0) for s in range(len(sts))]
+            step = max(per)
+            sizes.append(len(reps))
+            steps.append(step)
+            fills.append(sum(f) + sum(b) + 2 * sum(send[:-1]) - step)
+        totals = share_micro_batches(sizes, fills, steps, self.dp * self.num_micro_batches)
+        counts = [0] * self.dp
+        for (reps, _), q in zip(self.replica_groups, totals):
+            base, extra = divmod(q, len(reps))
+            for i, d in enumerate(reps):
+                counts[d] = base + (1 if i < extra else 0)
+        return counts if len(set(counts)) > 1 else []
 
     def max_layers(self) -> list[int]:
         """Per stage, the most layers its memory holds (-1: not even its fixed part fits)."""
@@ -1210,8 +1380,20 @@ class SplitCosts:
             return _interleaved_stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.vpp,
                                             self.overlap_p2p_comm, self.wrap_send_s, self.dp, self.overlap_grad_reduce,
                                             self.distributed_optimizer, self.profile)
-        return _stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.dp,
-                            self.overlap_grad_reduce, self.distributed_optimizer, self.profile)
+        if not self.counts:     # the even split: each stage at its slowest devices (>= any replica group's)
+            return _stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.dp,
+                                self.overlap_grad_reduce, self.distributed_optimizer, self.profile)
+        if self._group_rows is None:       # a group's table is m * (per micro-batch) + (exposed reduction)
+            self._group_rows = []
+            for _, sts in self.replica_groups:
+                self._group_rows.append(_stage_cost_parts(sts, self.model.num_layers, self.dp,
+                                                          self.overlap_grad_reduce, self.distributed_optimizer,
+                                                          self.profile))
+        rows: Optional[list[list[float]]] = None       # each stage's cost: its slowest replica group's
+        for (per, fixed), m in zip(self._group_rows, self.group_counts()):
+            t = [[m * a + e for a, e in zip(ra, re)] for ra, re in zip(per, fixed)]
+            rows = t if rows is None else [[max(a, b) for a, b in zip(r, q)] for r, q in zip(rows, t)]
+        return rows
 
     @property
     def layers_differ(self) -> bool:
@@ -1247,6 +1429,8 @@ class SplitCosts:
 
     def predict(self, layers_per_stage: Sequence[int], description: str = "") -> Prediction:
         """The prediction of one split (``fits == False`` and the reason in its description if it does not fit)."""
+        if self.per_replica and self.vpp == 1:
+            return _evaluate_replicas(self, layers_per_stage, description)
         virtual = None
         if self.vpp > 1:
             from .layer_split import virtual_split
@@ -1256,6 +1440,97 @@ class SplitCosts:
         return _evaluate(self.model, self.analysis, self.stages, self.num_micro_batches, layers_per_stage,
                          self.overlap_grad_reduce, self.distributed_optimizer, self.profile, description,
                          virtual, self.overlap_p2p_comm, self.wrap_send_s)
+
+
+def _class_analysis(analysis: Analysis, cls: ReplicaClass) -> Analysis:
+    """The analysis as one replica class sees it: each stage on that class's devices only."""
+    return replace(analysis, stages=[replace(st, accelerators=accs) for st, accs in zip(analysis.stages,
+                                                                                       cls.accelerators)])
+
+
+def share_micro_batches(sizes: Sequence[int], fills: Sequence[float], steps: Sequence[float], total: int) -> list[int]:
+    """Micro-batches per replica group (``sizes[g]`` replicas; inside a group counts differ by at most one),
+    adding up to ``total``, each replica at least one, minimising the slowest group's ``fills[g] + steps[g] *
+    count`` (a replica's 1F1B pipeline with ``count`` micro-batches: the fill and drain, then one step of its
+    slowest stage per micro-batch). The continuous optimum (every group finishing together), rounded down, then
+    the remainder placed where it finishes earliest; exact for this affine model."""
+    groups = range(len(sizes))
+    if total < sum(sizes):
+        raise ValueError(f"{total} micro-batches cannot give each of {sum(sizes)} replicas one")
+    finish = sum(z / st for z, st in zip(sizes, steps))
+    t = (total + sum(z * f / st for z, f, st in zip(sizes, fills, steps))) / finish
+    q = [z * max(1, int((t - f) / st)) for z, f, st in zip(sizes, fills, steps)]
+
+    def top(g: int) -> int:          # the largest count inside group g
+        return -(-q[g] // sizes[g])
+
+    while sum(q) > total:            # rounding up to one each overshot: lower the group finishing last
+        g = max((g for g in groups if q[g] > sizes[g]), key=lambda g: (fills[g] + steps[g] * top(g), -g))
+        q[g] -= min(q[g] - sizes[g] * (top(g) - 1), sum(q) - total)
+    while sum(q) < total:
+        short = total - sum(q)
+        free = [g for g in groups if q[g] < sizes[g] * top(g)]     # slots below a group's largest count
+        if free:
+            g = min(free, key=lambda g: (steps[g], g))
+            q[g] += min(short, sizes[g] * top(g) - q[g])
+            continue
+        g = min(groups, key=lambda g: (fills[g] + steps[g] * (top(g) + 1), g))
+        q[g] += min(short, sizes[g])
+    return q
+
+
+def _evaluate_replicas(sc: "SplitCosts", layers_per_stage: Sequence[int], description: str) -> Prediction:
+    """Each replica group's 1F1B on its own devices with its own micro-batch counts; every stage's gradient
+    reduction starts when its last replica gets there (overlapped with that replica's last backward)."""
+    model, analysis, dims = sc.model, sc.analysis, sc.analysis.placement.dims
+    pp, dp = dims.pp, dims.dp
+    counts = sc.counts or [sc.num_micro_batches] * dp
+    replica_s = [0.0] * dp
+    pipeline, busiest = 0.0, 0.0
+    ends = [0.0] * pp
+    stage_compute = [0.0] * pp
+    alltoall = 0.0
+    reds = [_dp_reduce_s(st, n, dp, sc.distributed_optimizer, sc.profile) for st, n in zip(sc.stages, layers_per_stage)]
+    for (reps, sts), m in zip(sc.replica_groups, sc.group_counts()):
+        fwd = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers_per_stage)]
+        bwd = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers_per_stage)]
+        send = [st.send_s for st in sts]
+        finish = simulate_1f1b(fwd, bwd, send, m)
+        # A replica of the group with fewer micro-batches (one less: a group's counts differ by at most one when
+        # balanced) finishes a steady-state step of the slowest stage earlier per micro-batch.
+        step = max(f + b + send[s] * (s + 1 < pp) + (send[s - 1] if s else 0.0)
+                   for s, (f, b) in enumerate(zip(fwd, bwd)))
+        for d in reps:
+            replica_s[d] = max(finish) - (m - counts[d]) * step
+        pipeline = max(pipeline, max(finish))
+        busiest = max(busiest, max(m * (f + b) for f, b in zip(fwd, bwd)))
+        alltoall = max(alltoall, max(m * n * st.alltoall_per_layer_s for st, n in zip(sts, layers_per_stage)))
+        for s in range(pp):
+            exposed = max(0.0, reds[s] - bwd[s]) if sc.overlap_grad_reduce else reds[s]
+            ends[s] = max(ends[s], finish[s] + exposed)
+            stage_compute[s] = max(stage_compute[s], fwd[s] + bwd[s])
+    opt = max(_optimizer_s(st, n, dp, sc.distributed_optimizer) for st, n in zip(sc.stages, layers_per_stage))
+    emb = 0.0
+    if len(model.embedding_stages(pp)) > 1 and analysis.embedding_paths:
+        emb_bytes = model.embedding_params / dims.tp * GRAD_BYTES
+        emb = max(p.allreduce_s(emb_bytes, sc.profile) for p in analysis.embedding_paths)
+    iteration = max(ends) + emb + opt
+    tokens = model.global_batch_size * model.seq_length
+    flops = 3.0 * model.global_batch_size * (model.decoder_flops_fwd(1) + model.logits_flops_fwd(1)
+                                             + model.mtp_flops_fwd(1))
+    memory = [_memory_bytes(st, n, dp, sc.distributed_optimizer) / GIB for st, n in zip(sc.stages, layers_per_stage)]
+    pred = Prediction(
+        iteration_s=iteration, tokens_per_s=tokens / iteration,
+        tflops_per_device=flops / iteration / dims.world_size / 1e12,
+        pipeline_s=pipeline, dp_exposed_s=max(ends) - pipeline + emb, optimizer_s=opt,
+        bubble_fraction=max(0.0, 1.0 - busiest / pipeline) if pipeline > 0 else 0.0,
+        stage_compute_s=stage_compute, memory_gib_per_stage=memory,
+        capacity_gib_per_stage=[st.capacity_gib for st in sc.stages], description=description,
+        alltoall_s=alltoall, replica_pipeline_s=replica_s)
+    problem = memory_problem(pred)
+    if problem:
+        pred.description = (pred.description + "; " if pred.description else "") + problem
+    return pred
 
 
 def params_memory_gib(model: ModelSpec, dims: ParallelDims, distributed_optimizer: bool) -> float:

@@ -34,6 +34,10 @@ class Placement:
     dims: ParallelDims
     rank_of_logical: tuple[int, ...]     # default-order logical rank -> physical launch rank
     domain_order: tuple[Domain, ...]
+    # How the logical ranks were dealt: "stage" (a stage's block of tp*cp*dp ranks after another: the pipeline
+    # crosses domains, DP stays inside) or "replica" (a replica's whole pipeline after another: each pipeline
+    # inside a domain, DP groups across domains; see place_replicas).
+    dealing: str = "stage"
 
     @property
     def framework_rank_of_logical(self) -> tuple[int, ...]:
@@ -164,6 +168,24 @@ def place(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[Domain] |
                 first = cluster.node_first_rank[n.index]
                 seq.extend(range(first, first + n.num_accelerators))
     return Placement(dims, tuple(seq), order)
+
+
+def place_replicas(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[Domain] | None = None) -> Placement:
+    """Deal whole pipelines domain by domain: replica ``d``'s ``pp`` stages of ``tp*cp`` ranks take the next
+    ``pp*tp*cp`` launch ranks. Each pipeline (and its TP and CP groups) stays inside one domain when the domain
+    sizes allow; every stage's DP groups span the domains instead (heterogeneous data parallelism: replicas on
+    faster devices take more micro-batches). With pp == 1 it is :func:`place`'s dealing."""
+    stage_dealt = place(cluster, dims, domain_order)
+    seq = stage_dealt.rank_of_logical            # launch ranks in domain order
+    S, tc = dims.stage_size, dims.tp * dims.cp
+    out = [0] * dims.world_size
+    i = 0
+    for d in range(dims.dp):
+        for s in range(dims.pp):
+            first = s * S + d * tc
+            out[first:first + tc] = seq[i:i + tc]
+            i += tc
+    return Placement(dims, tuple(out), stage_dealt.domain_order, "replica")
 
 
 def default_placement(cluster: Cluster, dims: ParallelDims) -> Placement:

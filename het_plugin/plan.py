@@ -75,6 +75,10 @@ class Prediction:
     memory_gib_per_stage: list[float] = field(default_factory=list)
     capacity_gib_per_stage: list[float] = field(default_factory=list)
     description: str = ""
+    # Heterogeneous data parallelism: each replica's pipeline (its own devices, its own micro-batch count),
+    # in dp order; [] when every replica runs the same devices with the same count (then pipeline_s is theirs).
+    replica_pipeline_s: list[float] = field(default_factory=list)
+    shape: str = ""                    # how a heterogeneous plan spreads over its domains (planner.SHAPE_*)
 
     @property
     def fits(self) -> bool:
@@ -396,11 +400,15 @@ def check_replica_split(replica_micro_batches: Sequence[int], dp: int, num_micro
 
 
 def _drop_zero_alltoall(data: dict) -> None:
-    """Predictions gained 'alltoall_s' (MoE) after plans were written with format 3: hashed only when not 0,
-    so a dense model's plan keeps its hash."""
+    """Predictions gained 'alltoall_s' (MoE), 'replica_pipeline_s' and 'shape' (heterogeneous data parallelism)
+    after plans were written with format 3: hashed only when not 0 / not empty, so a plan without them keeps its
+    hash."""
     for key in ("prediction", "baseline"):
         if data.get(key) is not None and data[key].get("alltoall_s") == 0.0:
             del data[key]["alltoall_s"]
+        for name, empty in (("replica_pipeline_s", []), ("shape", "")):
+            if data.get(key) is not None and data[key].get(name) == empty:
+                del data[key][name]
 
 
 def _json_default(o):

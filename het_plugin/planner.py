@@ -19,9 +19,9 @@ from .errors import ConfigError
 from .model import ModelSpec
 from .layer_split import bottleneck, exact_partition, virtual_split
 from .placement import (Placement, baseline_transport, default_placement, domain_orders, local_group_fits, place,
-                        stage_domains, transport)
+                        place_replicas, stage_domains, transport)
 from .profile import Profile
-from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction
+from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction, check_replica_split
 from .topology import DEFAULT_ORDER, EXPERT_KINDS, GROUP_KINDS, Degrees, ParallelDims
 
 
@@ -39,9 +39,12 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
                   micro_batch_size: int, *, prediction: Optional[Prediction] = None,
                   baseline: Optional[Prediction] = None, overlap_grad_reduce: bool = True,
                   distributed_optimizer: bool = False, alternatives: Sequence[dict] = (),
-                  extra_warnings: Sequence[str] = (), vpp: int = 1, overlap_p2p_comm: bool = False) -> Plan:
+                  extra_warnings: Sequence[str] = (), vpp: int = 1, overlap_p2p_comm: bool = False,
+                  replica_micro_batches: Sequence[int] = ()) -> Plan:
     """Turn a placement and a split into a Plan: every group kind with its transport, node table, warnings.
-    ``vpp > 1``: an interleaved pipeline, each stage's layers split by :func:`layer_split.virtual_split`."""
+    ``vpp > 1``: an interleaved pipeline, each stage's layers split by :func:`layer_split.virtual_split`.
+    ``replica_micro_batches``: micro-batches per data-parallel replica (() or all equal: the even split, stored
+    as [] so the plan is the frameworks' own)."""
     dims = placement.dims
     if sum(layers_per_stage) != model.num_layers or len(layers_per_stage) != dims.pp:
         raise ValueError(f"layers_per_stage {list(layers_per_stage)} must have {dims.pp} entries summing to "
@@ -58,16 +61,27 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
                       cluster.node_first_rank[n.index], n.num_accelerators) for n in cluster.nodes]
     links = [LinkPlan(sorted(pair), link.kind) for pair, link in sorted(cluster.links.items(), key=lambda kv: sorted(kv[0]))]
     warnings = list(extra_warnings)
-    for s, doms in enumerate(stage_domains(cluster, placement)):
-        if len(doms) > 1:
-            names = ", ".join(f"{c}/{a}" for c, a in doms)
-            warnings.append(f"stage {s} spans {names}: its data-parallel groups cross a slow boundary "
-                            f"(transport {groups['dp'][0].transport if dims.pp == 1 else 'see dp groups'})")
+    spanning = [(s, doms) for s, doms in enumerate(stage_domains(cluster, placement)) if len(doms) > 1]
+    if placement.dealing == "replica" and spanning:
+        names = ", ".join(f"{c}/{a}" for c, a in spanning[0][1])
+        warnings.append(f"data parallel across domains: every stage's data-parallel groups span {names} "
+                        f"(transport {', '.join(sorted({g.transport for g in groups['dp']}))}; the gradient "
+                        "reduction runs inside each fabric, then between them)")
+        spanning = []
+    for s, doms in spanning:
+        names = ", ".join(f"{c}/{a}" for c, a in doms)
+        warnings.append(f"stage {s} spans {names}: its data-parallel groups cross a slow boundary "
+                        f"(transport {groups['dp'][0].transport if dims.pp == 1 else 'see dp groups'})")
     per_mb = dims.dp * micro_batch_size
     if model.global_batch_size % per_mb:
         raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of dp*micro_batch "
                           f"= {dims.dp}*{micro_batch_size}", field="global_batch_size",
                           fix=f"use a multiple of {per_mb}")
+    num_micro_batches = model.global_batch_size // per_mb
+    counts = [int(n) for n in replica_micro_batches]
+    check_replica_split(counts, dims.dp, num_micro_batches, "<planner>")
+    if len(set(counts)) == 1:
+        counts = []
     return Plan(
         cluster_name=cluster.name, cluster_digest=cluster.digest, model=model.model_dump(),
         world_size=dims.world_size, tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, ep=dims.ep, etp=dims.etp,
@@ -77,11 +91,22 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         overlap_grad_reduce=overlap_grad_reduce, vpp=vpp, overlap_p2p_comm=overlap_p2p_comm and vpp > 1,
         layers_per_virtual_stage=virtual_split(layers_per_stage, vpp) if vpp > 1 else [],
         distributed_optimizer=distributed_optimizer, homogeneous=cluster.is_homogeneous,
-        prediction=prediction, baseline=baseline, alternatives=list(alternatives), warnings=warnings)
+        replica_micro_batches=counts, prediction=prediction, baseline=baseline, alternatives=list(alternatives), warnings=warnings)
 
 
 MICRO_BATCH_CHOICES = (1, 2, 4, 8)
 NUM_ALTERNATIVES = 5
+#: An uneven replica split is planned only when it predicts at least this much less time than the even split of
+#: the same shape (the frameworks' own split stays where the gain is within the model's noise).
+UNEVEN_MIN_GAIN = 0.01
+#: ``make_plan(replica_split=...)``: the planner chooses, the frameworks' even split only, or uneven only.
+REPLICA_SPLITS = ("auto", "even", "uneven")
+
+# The shapes of a heterogeneous plan (Candidate.shape), named in the report and the alternatives.
+SHAPE_PIPELINE = "pipeline across domains"
+SHAPE_DATA = "data parallel across domains"
+SHAPE_MIXED = "pipeline across domains, data parallel across domains inside a stage"
+SHAPE_ONE = "one domain"
 
 
 @dataclass
@@ -93,14 +118,35 @@ class Candidate:
     micro_batch_size: int
     order_index: int
     distributed_optimizer: bool = False
+    replica_counts: list[int] = field(default_factory=list)     # [] = the even split
+    replica_groups: int = 1              # groups of replicas that run on different devices
+    spans: bool = False                  # some stage (its DP groups) spans domains
 
     @property
     def key(self) -> tuple:
         d = self.placement.dims
-        return (self.prediction.iteration_s, d.tp, d.pp, self.micro_batch_size, self.order_index, d.ep, -d.etp)
+        return (self.prediction.iteration_s, d.tp, d.pp, self.micro_batch_size, self.order_index, d.ep, -d.etp,
+                bool(self.replica_counts), self.placement.dealing != "stage")
 
-    def summary(self, experts: bool = False) -> dict:
-        """The candidate in a few keys; ``experts`` (an MoE model) adds ep and etp even when they are 1 and tp."""
+    @property
+    def shape(self) -> str:
+        """How the plan spreads over domains of different devices (see the SHAPE_* names)."""
+        d = self.placement.dims
+        if self.placement.dealing == "replica" or (d.pp == 1 and self.spans):
+            return SHAPE_DATA
+        if self.spans:
+            return SHAPE_MIXED
+        return SHAPE_PIPELINE if d.pp > 1 else SHAPE_ONE
+
+    def split_text(self) -> str:
+        """The replica split in words: 'even', or '9 micro-batches on 4 replicas, 5 on 28'."""
+        if not self.replica_counts:
+            return "even"
+        return replica_split_text(self.replica_counts)
+
+    def summary(self, experts: bool = False, shapes: bool = False) -> dict:
+        """The candidate in a few keys; ``experts`` (an MoE model) adds ep and etp even when they are 1 and tp;
+        ``shapes`` (a heterogeneous cluster) its shape and replica split."""
         d = self.placement.dims
         p = self.prediction
         out = {"tp": d.tp, "cp": d.cp, "pp": d.pp, "dp": d.dp}
@@ -110,7 +156,17 @@ class Candidate:
                     "domain_order": [f"{c}/{a}" for c, a in self.placement.domain_order],
                     "layers_per_stage": list(self.layers), "iteration_s": round(p.iteration_s, 6),
                     "tokens_per_s": round(p.tokens_per_s, 1), "distributed_optimizer": self.distributed_optimizer})
+        if shapes:
+            out.update(shape=self.shape, replica_split=self.split_text())
         return out
+
+
+def replica_split_text(counts: Sequence[int]) -> str:
+    """'9 micro-batches on 4 replicas, 5 on 28' (largest count first)."""
+    from collections import Counter
+    parts = sorted(Counter(counts).items(), reverse=True)
+    return ", ".join(f"{c}{' micro-batches' if i == 0 else ''} on {n} replica{'s' if n > 1 else ''}"
+                     for i, (c, n) in enumerate(parts))
 
 
 def _has_experts(dims: ParallelDims) -> bool:
@@ -125,6 +181,7 @@ class _Search:
     best: list[Candidate] = field(default_factory=list)
     closest_overflow: Optional[tuple[float, str]] = None     # (GiB over, description) of the nearest miss
     expert_spans: list[str] = field(default_factory=list)     # placements refused: an expert group spans domains
+    by_shape: dict[str, Candidate] = field(default_factory=dict)   # the best candidate of each shape
 
     def bound(self) -> float:
         return self.best[-1].prediction.iteration_s if len(self.best) >= self.keep else math.inf
@@ -133,6 +190,15 @@ class _Search:
         self.best.append(cand)
         self.best.sort(key=lambda c: c.key)
         del self.best[self.keep:]
+        known = self.by_shape.get(cand.shape)
+        if known is None or cand.key < known.key:
+            self.by_shape[cand.shape] = cand
+
+    def bound_for(self, shape: str) -> float:
+        """Prune a candidate whose lower bound reaches this: worse than the kept ones and than its shape's best
+        (so the report can still say how the best of every shape did)."""
+        known = self.by_shape.get(shape)
+        return max(self.bound(), known.prediction.iteration_s if known is not None else math.inf)
 
     def miss(self, overflow_gib: float, what: str) -> None:
         if self.closest_overflow is None or overflow_gib < self.closest_overflow[0]:
@@ -199,50 +265,120 @@ def placeable_degrees(cluster: Cluster, model: ModelSpec, cp: int = 1) -> list[t
     return sorted({(d.tp, d.pp) for d in options})
 
 
-def _micro_batches(model: ModelSpec, dims: ParallelDims, fixed_mb: Optional[int], vpp: int = 1) -> list[int]:
+def _micro_batches(model: ModelSpec, dims: ParallelDims, fixed_mb: Optional[int], vpp: int = 1,
+                   replica_split: "str | list[int]" = "auto") -> list[int]:
     """Micro-batch sizes to try; with vpp > 1 only those whose micro-batch count pp divides (Megatron's
-    interleaved schedule, its default microbatch_group_size_per_vp_stage = pp)."""
+    interleaved schedule, its default microbatch_group_size_per_vp_stage = pp); with given replica counts only
+    a size whose micro-batches they add up to."""
     choices = [fixed_mb] if fixed_mb else list(MICRO_BATCH_CHOICES)
     return [mb for mb in choices if model.global_batch_size % (dims.dp * mb) == 0
-            and (vpp == 1 or (model.global_batch_size // (dims.dp * mb)) % dims.pp == 0)]
+            and (vpp == 1 or (model.global_batch_size // (dims.dp * mb)) % dims.pp == 0)
+            and (isinstance(replica_split, str) or (len(replica_split) == dims.dp
+                                                    and sum(replica_split) * mb == model.global_batch_size))]
+
+
+def _spans_domains(analysis: cost.Analysis) -> bool:
+    """Some stage's data-parallel groups span domains: two device types in a stage, or a DP group that leaves a
+    fabric or a vendor (sockets, the shim)."""
+    return (any(len(st.accelerators) > 1 for st in analysis.stages)
+            or bool(analysis.transports.get("dp", set()) & {"socket", "host-staged"}))
 
 
 def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDims, mb: int,
                     layers: Optional[list[int]], search: _Search, order_index: int, dist_opt: bool,
-                    overlap: bool, profile: Optional[Profile], label: str, sched: tuple = (1, None)) -> None:
+                    overlap: bool, profile: Optional[Profile], label: str, sched: tuple = (1, None),
+                    replica_split: "str | list[int]" = "auto") -> None:
     """Partition (when ``layers`` is None) and predict one candidate; offer it or record why not.
-    ``sched``: (vpp, overlap_p2p_comm) of the pipeline schedule."""
+    ``sched``: (vpp, overlap_p2p_comm) of the pipeline schedule. ``replica_split``: "even", "auto" (also the
+    speed-proportional split of :meth:`cost.SplitCosts.balance` where replicas run on different devices,
+    re-partitioned for it, offered when it gains :data:`UNEVEN_MIN_GAIN`), "uneven" (only that), or the counts."""
     split = cost.SplitCosts(model, analysis, mb, overlap_grad_reduce=overlap, distributed_optimizer=dist_opt,
                             profile=profile, vpp=sched[0], overlap_p2p_comm=sched[1])
-    caps = split.max_layers()
-    if layers is None:
+    explicit = not isinstance(replica_split, str)
+    if explicit:
+        split.set_counts(replica_split)
+    groups = len(split.replica_groups)
+    spans = _spans_domains(analysis)
+    fixed = layers
+
+    def partition() -> tuple[Optional[list[int]], Optional[list[list[float]]]]:
+        """The split for the current counts, and the cost tables (None when layers are given)."""
+        caps = split.max_layers()
+        if fixed is not None:
+            return (fixed if all(n <= c for n, c in zip(fixed, caps)) else None), None
         tables = split.tables()
-        layers = exact_partition(model.num_layers, tables, caps, min_layers=sched[0])
-        if layers is None:
-            search.miss(split.overflow_gib(uniform_layers(model.num_layers, dims.pp)), f"{label} mb={mb}")
-            return
-        lower = bottleneck(tables, layers)
-        if lower >= search.bound() and not split.layers_differ:    # (per-layer overrides: not a lower bound)
-            return
-        layers = split.refine(layers, caps, min_layers=sched[0])
-    elif any(n > c for n, c in zip(layers, caps)):
-        search.miss(split.overflow_gib(layers), f"{label} mb={mb}")
+        lay = exact_partition(model.num_layers, tables, caps, min_layers=sched[0])
+        if lay is not None:         # per-layer overrides in the profile: single-layer moves from the mean split
+            lay = split.refine(lay, caps, min_layers=sched[0])
+        return lay, tables
+
+    def attempt(lay: list[int], tables, counts: list[int], prune: bool) -> Optional[Candidate]:
+        cand = Candidate(None, analysis.placement, list(lay), mb, order_index, dist_opt, counts, groups, spans)
+        # (with per-layer overrides the tables' bottleneck is not a lower bound: no pruning)
+        if (prune and tables is not None and not split.layers_differ
+                and bottleneck(tables, lay) >= search.bound_for(cand.shape)):
+            return None
+        pred = split.predict(lay)
+        if not pred.fits:
+            search.miss(max(m_ - c for m_, c in zip(pred.memory_gib_per_stage, pred.capacity_gib_per_stage)),
+                        f"{label} mb={mb}")
+            return None
+        cand.prediction = pred
+        return cand
+
+    try_uneven = not explicit and replica_split != "even" and groups > 1 and sched[0] == 1
+    even_layers, tables = partition()
+    if even_layers is None:
+        search.miss(split.overflow_gib(fixed or uniform_layers(model.num_layers, dims.pp)), f"{label} mb={mb}")
         return
-    pred = split.predict(layers)
-    if not pred.fits:
-        search.miss(max(m_ - c for m_, c in zip(pred.memory_gib_per_stage, pred.capacity_gib_per_stage)),
-                    f"{label} mb={mb}")
+    even = None
+    even_bound = bottleneck(tables, even_layers) if tables is not None else 0.0
+    if replica_split != "uneven":
+        even = attempt(even_layers, tables, list(split.counts), prune=True)
+        if even is not None:
+            search.offer(even)
+    if not try_uneven:
         return
-    search.offer(Candidate(pred, analysis.placement, list(layers), mb, order_index, dist_opt))
+    counts = split.balance(even_layers)         # speed-proportional for the even split's layers ...
+    if not counts:
+        return
+    split.set_counts(counts)
+    lay, tables = partition()                   # ... the layers again for those counts, and the counts again
+    if lay is None:
+        return
+    if lay != even_layers:
+        counts = split.balance(lay)
+        if not counts:
+            return
+        split.set_counts(counts)
+        if any(n > c for n, c in zip(lay, split.max_layers())):
+            return
+        tables = split.tables() if tables is not None else None
+    uneven = attempt(lay, tables, counts, prune=True)
+    if uneven is None:
+        return
+    # Against the even split's prediction, or (pruned: worse than the kept plans) its lower bound.
+    even_s = even.prediction.iteration_s if even is not None else even_bound
+    if replica_split == "uneven" or uneven.prediction.iteration_s < even_s * (1 - UNEVEN_MIN_GAIN):
+        search.offer(uneven)
 
 
 def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
                     overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None,
-                    sched: tuple = (1, None)) -> _Search:
+                    sched: tuple = (1, None), replica_split: "str | list[int]" = "auto") -> _Search:
     """Het-aware search: every domain order, the exact partition, with and without the distributed
-    optimizer, for each degree combination."""
+    optimizer, for each degree combination. Where devices of one fabric and vendor differ in speed, also each
+    pipeline inside one domain and data parallelism across domains (:func:`placement.place_replicas`, the file's
+    domain order: the order only renumbers the replicas), with speed-proportional replica shares (see
+    :func:`_evaluate_split`)."""
     found = _Search(keep=NUM_ALTERNATIVES + 1)
     orders = list(domain_orders(cluster))
+    # Whole pipelines per domain where every domain shares one fabric and one vendor: the DP groups that dealing
+    # makes stay on that fabric and vendor (the placement rule); across clusters or vendors DP spans them only
+    # when nothing else fits the degrees (pp = 1), through sockets or the shim as before.
+    speeds = (len({n.accelerator.name for n in cluster.nodes}) > 1 and len({n.cluster for n in cluster.nodes}) == 1
+              and len({n.vendor for n in cluster.nodes}) == 1)
+    least_memory = min(n.accelerator.memory_gib for n in cluster.nodes)
     net = cost.Network(cluster, transport)
     most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
     dense_key = lambda d: (d.tp, d.cp, d.pp, d.dp, d.order)      # noqa: E731 -- what the placement depends on
@@ -264,6 +400,12 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                     continue
                 seen.add(placement.rank_of_logical)
                 placed.append((k, cost.analyze(cluster, placement, transport, net)))
+            # each domain holds whole pipelines, so the smallest devices must hold a pipeline's stages
+            if (speeds and dims.pp > 1 and dims.dp > 1 and _whole_pipelines(cluster, dims)
+                    and cost.params_memory_gib(model, dims, True) <= least_memory):
+                placement = place_replicas(cluster, dims, orders[0])
+                if placement.rank_of_logical not in seen:
+                    placed.append((len(orders), cost.analyze(cluster, placement, transport, net)))
             analyses[key] = placed
         for k, dense in analyses[key]:
             analysis = cost.analyze_experts(cluster, dense, dims, net)
@@ -273,29 +415,40 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                 found.expert_spans.append(f"{_label(dims)}, order {' > '.join(f'{c}/{a}' for c, a in dense.placement.domain_order)}: "
                                           f"{analysis.expert_span}")
                 continue
-            for mb in _micro_batches(model, dims, fixed_mb, sched[0]):
+            for mb in _micro_batches(model, dims, fixed_mb, sched[0], replica_split):
                 for dist_opt in dist_opts:
                     _evaluate_split(model, analysis, dims, mb, None, found, k, dist_opt, overlap, profile,
-                                    _label(dims), sched)
+                                    _label(dims), sched, replica_split)
         if progress is not None:
             progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
 
 
+def _whole_pipelines(cluster: Cluster, dims: ParallelDims) -> bool:
+    """Every domain holds whole pipelines (pp*tp*cp ranks): the premise of data parallelism across domains."""
+    size = dims.pp * dims.tp * dims.cp
+    per_domain: dict = {}
+    for n in cluster.nodes:
+        per_domain[n.domain] = per_domain.get(n.domain, 0) + n.num_accelerators
+    return all(k % size == 0 for k in per_domain.values())
+
+
 def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
                     dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
                     profile: Optional[Profile] = None, ep: Optional[int] = 1, etp: Optional[int] = None,
-                    order: str = DEFAULT_ORDER) -> list[Candidate]:
+                    order: str = DEFAULT_ORDER, replica_split: "str | Sequence[int]" = "auto") -> list[Candidate]:
     """The best few plans of the het-aware search, best first, on any cluster (homogeneous ones too:
     benchmarks use it for the best a sub-cluster could do on its own)."""
     fixed_mb = micro_batch_size or model.micro_batch_size
+    replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, 1)
     options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
-    return _search_planned(cluster, model, options, fixed_mb, True, profile).best
+    return _search_planned(cluster, model, options, fixed_mb, True, profile, replica_split=replica_split).best
 
 
 def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
                     fixed_pp: bool, dist_opt: bool, overlap: bool, profile: Optional[Profile],
-                    transport_fn, progress: Optional[Progress] = None, sched: tuple = (1, None)) -> _Search:
+                    transport_fn, progress: Optional[Progress] = None, sched: tuple = (1, None),
+                    replica_split: "str | list[int]" = "even") -> _Search:
     """The frameworks' default: identity placement, uniform layers (pp must divide the layers, as
     Megatron-Core requires without a layout, unless the user fixed such a pp), ``transport_fn``."""
     found = _Search(keep=NUM_ALTERNATIVES + 1)
@@ -314,10 +467,10 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
         if d0 is None or (d0.tp, d0.cp, d0.pp, d0.dp, d0.order) != (dims.tp, dims.cp, dims.pp, dims.dp, dims.order):
             dense = cost.analyze(cluster, default_placement(cluster, dims), transport_fn, net)
         analysis = cost.analyze_experts(cluster, dense, dims, net)
-        for mb in _micro_batches(model, dims, fixed_mb, sched[0]):
+        for mb in _micro_batches(model, dims, fixed_mb, sched[0], replica_split):
             layers = None if uneven else uniform_layers(model.num_layers, dims.pp)
             _evaluate_split(model, analysis, dims, mb, layers, found, 0, dist_opt, overlap, profile, _label(dims),
-                            sched)
+                            sched, replica_split)
         if progress is not None:
             progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
@@ -328,13 +481,68 @@ def _label(dims: ParallelDims) -> str:
             + (f" ep={dims.ep} etp={dims.etp}" if _has_experts(dims) else ""))
 
 
-def _describe(cand: Candidate, what: str) -> str:
+def _describe(cand: Candidate, what: str, shape: bool = False) -> str:
     d = cand.placement.dims
     order = " > ".join(f"{c}/{a}" for c, a in cand.placement.domain_order)
     experts = f" ep={d.ep} etp={d.etp}" if _has_experts(d) else ""
     return (f"{what}: tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp}{experts} micro-batch {cand.micro_batch_size}, "
             f"domain order {order}, layers {cand.layers}"
-            + (", distributed optimizer" if cand.distributed_optimizer else ""))
+            + (", distributed optimizer" if cand.distributed_optimizer else "")
+            + (f"; shape: {cand.shape}, replica split {cand.split_text()}" if shape else ""))
+
+
+def _replica_request(cluster: Cluster, model: ModelSpec, replica_split, dp: Optional[int], fixed_mb: Optional[int],
+                     vpp: int) -> tuple["str | list[int]", Optional[int], Optional[int]]:
+    """Check ``replica_split`` ("auto", "even", "uneven", or micro-batches per replica); given counts fix dp
+    (their number) and the micro-batch size (global batch / their sum). Returns (split, dp, micro-batch size)."""
+    fix = "use auto, even, uneven, or one count (>= 1) per data-parallel replica adding up to dp x num_micro_batches"
+    if isinstance(replica_split, str):
+        if replica_split not in REPLICA_SPLITS:
+            raise ConfigError(f"replica_split={replica_split!r} is not one of {', '.join(REPLICA_SPLITS)} or a list of "
+                              "counts", field="replica_split", fix=fix)
+        devices = sorted({n.accelerator.name for n in cluster.nodes})
+        if replica_split == "uneven" and len(devices) == 1:
+            raise ConfigError(f"replica_split=uneven cannot be honoured: every accelerator of {cluster.name} is a "
+                              f"{devices[0]}, so every replica runs at the same speed (an uneven split only makes "
+                              "the others wait for the busiest)", source=cluster.source, field="replica_split",
+                              fix="use auto or even, or give the counts yourself")
+        if replica_split == "uneven" and vpp > 1:
+            raise ConfigError(f"replica_split=uneven cannot be honoured with an interleaved pipeline (vpp={vpp}): "
+                              "the planner models uneven replicas for the 1F1B schedule only", field="replica_split",
+                              fix="use vpp=1, or replica_split auto/even")
+        return replica_split, dp, fixed_mb
+    try:
+        counts = list(replica_split)
+    except TypeError:
+        raise ConfigError(f"replica_split={replica_split!r} is neither a mode nor a list of counts",
+                          field="replica_split", fix=fix) from None
+    if not counts:
+        raise ConfigError("replica_split is an empty list of counts", field="replica_split", fix=fix)
+    for d, n in enumerate(counts):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"replica {d} gets {n!r} micro-batches (replica_split {counts}); each replica needs at "
+                              "least 1", field="replica_split", fix=fix)
+    total, size, batch = sum(counts), len(counts), model.global_batch_size
+    if dp is not None and dp != size:
+        raise ConfigError(f"replica_split gives {size} counts {counts}, but dp={dp}", field="replica_split",
+                          fix=f"give {dp} counts, or drop dp")
+    if total % size:
+        raise ConfigError(f"replica_split {counts} adds up to {total} micro-batches, not a multiple of its {size} "
+                          f"replicas (the frameworks run dp x num_micro_batches per iteration)", field="replica_split",
+                          fix=f"make the counts add up to a multiple of {size}")
+    if fixed_mb is not None and total * fixed_mb != batch:
+        raise ConfigError(f"replica_split {counts} adds up to {total} micro-batches of micro_batch_size {fixed_mb} = "
+                          f"{total * fixed_mb} samples; global_batch_size is {batch}", field="replica_split",
+                          fix=(f"make the counts add up to {batch // fixed_mb}" if batch % fixed_mb == 0 else
+                               "use a micro_batch_size that divides global_batch_size"))
+    if batch % total:
+        raise ConfigError(f"replica_split {counts} adds up to {total} micro-batches, which do not divide "
+                          f"global_batch_size {batch} into equal micro-batches", field="replica_split",
+                          fix=f"make the counts add up to a divisor of {batch}")
+    if vpp > 1 and len(set(counts)) > 1:
+        raise ConfigError(f"replica_split {counts} is uneven, which the planner does not model with an interleaved "
+                          f"pipeline (vpp={vpp})", field="replica_split", fix="use vpp=1, or equal counts")
+    return counts, size, batch // total
 
 
 def _interleaved_options(model: ModelSpec, options: list[ParallelDims], pp: Optional[int], fixed_mb: Optional[int],
@@ -371,7 +579,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
               dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
               progress: Optional[Progress] = None, profile: Optional[Profile] = None, ep: Optional[int] = 1,
               etp: Optional[int] = None, order: str = DEFAULT_ORDER, vpp: int = 1,
-              overlap_p2p_comm: Optional[bool] = None) -> Plan:
+              overlap_p2p_comm: Optional[bool] = None, replica_split: "str | Sequence[int]" = "auto") -> Plan:
     """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected.
 
     ``ep``/``etp`` (expert parallel sizes) and ``order`` (Megatron's rank order) are the framework's, taken
@@ -389,26 +597,41 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     layers go over its ``vpp`` virtual stages (:func:`layer_split.virtual_split`), the cost model simulates the
     interleaved 1F1B, and ``overlap_p2p_comm`` (None: on, Megatron-LM's default with interleaving) says whether
     it hides the pipeline's sends behind compute.
+
+    ``replica_split``: how the global batch goes over the data-parallel replicas. "auto" (the default): where
+    replicas run on devices of different speeds (data parallelism across domains, or a stage over two device
+    types), each replica's micro-batch count follows its speed when that predicts at least
+    :data:`UNEVEN_MIN_GAIN` less time, else the frameworks' even split (always on a homogeneous cluster).
+    "even": the even split only. "uneven": only plans with uneven counts (a ConfigError if none exists). A list:
+    those counts (dp = their number, micro-batch size = global batch / their sum).
     """
     fixed_mb = micro_batch_size or model.micro_batch_size
     if fixed_mb is not None and model.global_batch_size % fixed_mb:
         raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of micro_batch_size "
                           f"{fixed_mb}", field="micro_batch_size", fix="use a divisor of global_batch_size")
+    replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, vpp)
     options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
     options, sched = _interleaved_options(model, options, pp, fixed_mb, vpp, overlap_p2p_comm)
     overlap = True
     if cluster.is_homogeneous:
         for dist_opt in (False, True):      # Megatron's default first; the distributed optimizer if needed
             planned = _search_default(cluster, model, options, fixed_mb, pp is not None, dist_opt, overlap,
-                                      profile, transport, progress, sched)
+                                      profile, transport, progress, sched, replica_split)
             if planned.best:
                 break
         if not planned.best and planned.closest_overflow is None:
             # No degree option has a pp that divides num_layers (Megatron's uniform default needs one):
             # the exact split over identical stages, which the layout knob expresses, is the next best.
-            planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched)
+            planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched,
+                                      replica_split)
     else:
-        planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched)
+        planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched, replica_split)
+    if not planned.best and replica_split == "uneven":
+        devices = ", ".join(sorted({n.accelerator.name for n in cluster.nodes}))
+        raise ConfigError(f"replica_split=uneven cannot be honoured: of {len(options)} degree combinations on "
+                          f"{cluster.name} ({devices}), none has replicas on devices of different speeds for which "
+                          f"an uneven split fits in memory and predicts a plan", source=cluster.source,
+                          field="replica_split", fix="use auto or even, or fix fewer degrees")
     if not planned.best:
         if planned.expert_spans and (planned.closest_overflow is None or (ep or 1) > 1):
             raise _expert_span_error(cluster, planned, ep)
@@ -422,8 +645,12 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
             if found.best and (base_best is None or found.best[0].key < base_best.key):
                 base_best = found.best[0]
     best = planned.best[0]
-    best.prediction.description = _describe(best, "planned" if not cluster.is_homogeneous else
-                                            "framework default (homogeneous cluster: het_plugin changes nothing)")
+    het = not cluster.is_homogeneous
+    best.prediction.description = _describe(best, "planned" if het else
+                                            "framework default (homogeneous cluster: het_plugin changes nothing)",
+                                            shape=het)
+    if het:
+        best.prediction.shape = best.shape
     baseline = None
     if base_best is not None:
         b = base_best
@@ -437,11 +664,14 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
         warnings.append("no framework-default plan fits in memory (uniform layers); no baseline to compare")
     warnings += cost.profile_notes(profile, model, {n.accelerator.name for n in cluster.nodes},
                                    best.micro_batch_size, best.placement.dims.tp)
+    others = list(planned.best[1:])
+    if het:     # the best of every other shape too, so the report can say why this shape won
+        others += [c for shape, c in sorted(planned.by_shape.items()) if shape != best.shape and c not in others]
     return assemble_plan(cluster, model, best.placement, best.layers, best.micro_batch_size,
                          prediction=best.prediction, baseline=baseline, overlap_grad_reduce=overlap,
                          distributed_optimizer=best.distributed_optimizer,
-                         alternatives=[c.summary(model.is_moe) for c in planned.best[1:]], extra_warnings=warnings,
-                         vpp=sched[0], overlap_p2p_comm=bool(sched[1]))
+                         alternatives=[c.summary(model.is_moe, shapes=het) for c in others], extra_warnings=warnings,
+                         vpp=sched[0], overlap_p2p_comm=bool(sched[1]), replica_micro_batches=best.replica_counts)
 
 
 def _expert_span_error(cluster: Cluster, found: _Search, ep: Optional[int]) -> ConfigError:

@@ -141,6 +141,10 @@ def _alternative_line(alt: dict[str, Any], planned_s: Optional[float]) -> str:
         parts.append("order " + " > ".join(map(str, order)))
     if "distributed_optimizer" in alt:
         parts.append("distributed optimizer" if alt.pop("distributed_optimizer") else "plain optimizer")
+    if "shape" in alt:
+        parts.append(f"shape: {alt.pop('shape')}")
+    if "replica_split" in alt:
+        parts.append(f"replica split {alt.pop('replica_split')}")
     it = alt.pop("iteration_s", None)
     alt.pop("tokens_per_s", None)   # follows from the iteration time
     for k in sorted(alt):
@@ -180,6 +184,93 @@ def _link_lines(plan: Plan, cluster) -> list[str]:
             lines.append(f"  {a} <-> {b}: {link.kind} {link.gbps:g} Gbit/s, {link.latency_us:g} us"
                          f"{' (slow)' if slow else ''}; {crossing}")
     return lines
+
+
+@dataclass
+class ReplicaRow:
+    """Replicas that share a micro-batch count, the devices they run on and (about) their predicted time."""
+    replicas: list[int]
+    count: int
+    devices: str
+    pipeline_s: Optional[float]
+
+
+def replica_rows(plan: Plan) -> list[ReplicaRow]:
+    """The data-parallel replicas grouped by count and devices, in dp order of their first replica."""
+    node_of = rank_nodes(plan)
+    dims, inverse = plan.dims, plan.logical_of_physical
+    devices: list[set] = [set() for _ in range(plan.dp)]
+    for r in range(plan.world_size):
+        n = node_of[r]
+        devices[dims.coord(inverse[r])["dp"]].add(f"{n.cluster}/{n.accelerator}")
+    counts = plan.replica_counts
+    times = plan.prediction.replica_pipeline_s if plan.prediction and plan.prediction.replica_pipeline_s else None
+    rows: dict[tuple, ReplicaRow] = {}
+    for d in range(plan.dp):
+        key = (counts[d], " + ".join(sorted(devices[d])))
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = ReplicaRow([], counts[d], key[1], None)
+        row.replicas.append(d)
+        if times is not None:
+            row.pipeline_s = max(row.pipeline_s or 0.0, times[d])
+    return list(rows.values())
+
+
+def replica_lines(plan: Plan) -> list[str]:
+    """Each replica's share of the global batch and predicted pipeline time, where replicas differ (uneven
+    counts, or devices of different speeds); [] on the even split over alike replicas."""
+    pred = plan.prediction
+    if not plan.uneven_replicas and not (pred and pred.replica_pipeline_s):
+        return []
+    total = sum(plan.replica_counts)
+    lines = []
+    for row in replica_rows(plan):
+        n = len(row.replicas)
+        share = row.count / total
+        time = f", pipeline {_fmt_s(row.pipeline_s)}" if row.pipeline_s is not None else ""
+        lines.append(f"  replica{'s' if n > 1 else ''} {spans(row.replicas)} on {row.devices}: {row.count} "
+                     f"micro-batches{' each' if n > 1 else ''} = {share:.1%} of the batch{' each' if n > 1 else ''}"
+                     + (f" ({share * n:.1%} in all)" if n > 1 else "") + time)
+    return lines
+
+
+def shape_lines(plan: Plan) -> list[str]:
+    """Why the plan's shape won: the best alternative of each other shape and its predicted time."""
+    pred = plan.prediction
+    if pred is None or not pred.shape:
+        return []
+    lines = [f"shape: {pred.shape}, replica split {alt_split(plan)}"]
+    best: dict[str, dict] = {}
+    for alt in plan.alternatives:
+        shape = alt.get("shape")
+        if shape and shape != pred.shape and shape not in best:
+            best[shape] = alt
+    same = [a for a in plan.alternatives if a.get("shape") == pred.shape
+            and a.get("replica_split") != alt_split(plan)]
+    same.sort(key=lambda a: a.get("replica_split") != "even")      # the even split first, where listed
+    for shape, alt in best.items():
+        lines.append(f"  beat {shape}: its best ({_alt_degrees(alt)}, replica split {alt.get('replica_split')}) "
+                     f"predicts {alt['iteration_s'] / pred.iteration_s:.3f}x this plan's time")
+    if same:
+        alt = same[0]
+        lines.append(f"  beat the same shape with replica split {alt.get('replica_split')} ({_alt_degrees(alt)}): "
+                     f"{alt['iteration_s'] / pred.iteration_s:.3f}x")
+    if not best:
+        lines.append("  no plan of another shape was found (none fits, or the degrees allow only this one)")
+    return lines
+
+
+def alt_split(plan: Plan) -> str:
+    """The plan's replica split as the alternatives write it."""
+    if not plan.uneven_replicas:
+        return "even"
+    from .planner import replica_split_text
+    return replica_split_text(plan.replica_counts)
+
+
+def _alt_degrees(alt: dict) -> str:
+    return " ".join(f"{k}{alt[k]}" for k in ("tp", "pp", "dp") if k in alt) + f" mb{alt.get('micro_batch_size')}"
 
 
 def has_experts(plan: Plan) -> bool:
@@ -246,7 +337,9 @@ def render_text(plan: Plan, cluster=None) -> str:
     lines = [f"het_plugin plan {plan.hash}: {model} on {plan.cluster_name} "
              f"({plan.world_size} ranks, {len(plan.nodes)} nodes, {len(clusters)} cluster(s), {kind})",
              f"degrees: {degrees_text(plan)}   micro-batch {plan.micro_batch_size}"
-             f" x {plan.num_micro_batches} per iteration   overlap grad reduce: "
+             f" x {plan.num_micro_batches} per iteration"
+             f"{' per replica on average (uneven: see the replicas)' if plan.uneven_replicas else ''}"
+             f"   overlap grad reduce: "
              f"{'on' if plan.overlap_grad_reduce else 'off'}   distributed optimizer: "
              f"{'on' if plan.distributed_optimizer else 'off'}",
              f"placement: {'identity (logical rank = launch rank)' if plan.is_identity else 'remapped'}",
@@ -293,6 +386,12 @@ def render_text(plan: Plan, cluster=None) -> str:
         lines.extend(experts)
         lines.append("")
 
+    replicas = replica_lines(plan)
+    if replicas:
+        lines.append("data-parallel replicas (each its own pipeline; share of the global batch, predicted time):")
+        lines.extend(replicas)
+        lines.append("")
+
     lines.append("communicators (kind: count x size, transport):")
     kind_w = max([10] + [len(k) for k in plan.groups])
     for kind_name, groups in plan.groups.items():
@@ -321,9 +420,13 @@ def render_text(plan: Plan, cluster=None) -> str:
     if speedup is not None:
         lines.append(f"speed-up over the baseline: {speedup:.2f}x (baseline iteration {_fmt_s(plan.baseline.iteration_s)}"
                      f" / planned {_fmt_s(plan.prediction.iteration_s)})")
+    shapes = shape_lines(plan)
+    if shapes:
+        lines.append("")
+        lines.extend(shapes)
     if plan.alternatives:
         lines.append("")
-        lines.append("alternatives considered (next best):")
+        lines.append("alternatives considered (next best, then the best of each other shape):")
         for i, alt in enumerate(plan.alternatives, 1):
             lines.append(f"  {i}. {_alternative_line(alt, plan.prediction.iteration_s if plan.prediction else None)}")
     if plan.warnings:
@@ -349,6 +452,8 @@ def startup_summary(plan: Plan, framework: str, extra: Iterable[str] = ()) -> st
         if ts:
             kinds.append(f"{kind}={'/'.join(ts)}")
     lines.append("  transports: " + ", ".join(kinds) + f"; overlap_grad_reduce={plan.overlap_grad_reduce}")
+    if plan.uneven_replicas:
+        lines.append(f"  micro-batches per data-parallel replica (by speed): {alt_split(plan)}")
     lines.extend(f"  {line}" for line in extra)
     if plan.prediction:
         pred = f"  predicted: {plan.prediction.iteration_s:.4g} s/iteration"

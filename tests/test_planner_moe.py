@@ -32,10 +32,18 @@ def test_mixtral_plans_with_expert_groups_inside_one_domain(mixtral_plan):
     assert plan.ep > 1 and 8 % plan.ep == 0 and plan.dims.etp in (1, plan.tp)
     for kind in ("expert-ep", "expert-tp-ep", "expert-tp", "expert-dp"):
         assert plan.groups[kind], kind
+    for kind in ("expert-ep", "expert-tp-ep", "expert-tp"):
         for g in plan.groups[kind]:
             assert len(domains_of(plan, g.ranks)) == 1, (kind, g)
-    # the all-to-all runs on the node's own links: the cheapest place the cost model knows
-    assert {g.transport for g in plan.groups["expert-ep"]} == {"local"}
+    # the expert gradients' reduction spans domains only where the dense one does (data parallelism across
+    # domains, issue 12), on the transport the rule gives
+    dense_spans = any(len(domains_of(plan, g.ranks)) > 1 for g in plan.groups["dp"])
+    for g in plan.groups["expert-dp"]:
+        assert len(domains_of(plan, g.ranks)) == 1 or dense_spans, g
+        assert g.transport == plan.rule_transport(g.ranks)
+    # the all-to-all runs on the node's own links or one domain's fabric, never across a slow link or vendors
+    # (on the HETHUB-like mix the planner now takes data parallelism across the vendors with ep8 etp2: two nodes)
+    assert {g.transport for g in plan.groups["expert-ep"]} <= {"local", "ib", "roce"}
     assert plan.prediction.alltoall_s > 0
     assert plan.speedup is not None and plan.speedup > 1
 

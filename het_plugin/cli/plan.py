@@ -40,6 +40,10 @@ def register(sub) -> None:
     p.add_argument("--no-overlap-p2p-comm", dest="overlap_p2p_comm", action="store_false", default=None,
                    help="with --vpp: plan for Megatron's interleaved schedule without p2p overlap "
                         "(Megatron-LM's --no-overlap-p2p-communication)")
+    p.add_argument("--replica-split", metavar="auto|even|uneven|N,N,...", default=None,
+                   help="micro-batches per data-parallel replica: auto (default: by each replica's speed where "
+                        "replicas run on different devices and it pays, else the frameworks' even split), even, "
+                        "uneven (only plans with uneven shares), or one count per replica (dp = their number)")
     p.add_argument("--profile", metavar="FILE",
                    help="measured profile (layer times, link bandwidths) overriding the analytic estimates; "
                         "format in docs/planner.md")
@@ -112,8 +116,29 @@ def check_files(args) -> None:
         check_writable(out, out_flag, "plan" if out_flag.startswith("-o") else "picture")
 
 
+def replica_split_arg(text: str | None):
+    """``--replica-split``: a mode, or comma-separated counts (checked by the planner, which names the numbers)."""
+    if text is None:
+        return "auto"
+    text = text.strip()
+    if text in ("auto", "even", "uneven"):
+        return text
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--replica-split {text!r} is neither auto, even, uneven nor comma-separated whole "
+                          "numbers", field="--replica-split",
+                          fix="e.g. --replica-split even, or --replica-split 6,6,2,2 (one count per replica)") from None
+
+
 def check_saved_plan(args, plan) -> None:
     """A saved plan is shown as it is: options that would change it are refused, not ignored."""
+    if getattr(args, "replica_split", None) is not None:
+        raise ConfigError("--replica-split was passed, but a saved plan is shown as it is (its replica split is "
+                          f"{plan.replica_counts if plan.uneven_replicas else 'even'})", source=args.cluster,
+                          field="--replica-split",
+                          fix="drop --replica-split, or re-plan from the cluster file: het-plugin plan CLUSTER "
+                              "--replica-split ... -o PLAN")
     for name in PLAN_OPTIONS:
         given = getattr(args, name, None)
         planned = getattr(plan, name, None)
@@ -193,6 +218,7 @@ def run(args) -> int:
     check_output_names(args)
     check_numbers(args)
     check_order(args)
+    replica_split = replica_split_arg(getattr(args, "replica_split", None))
     check_files(args)
     with named_by("CLUSTER"):
         loaded = load_source(args.cluster)
@@ -219,7 +245,12 @@ def run(args) -> int:
         try:
             plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                              etp=args.etp, micro_batch_size=args.micro_batch_size, progress=show, profile=profile,
-                             vpp=args.vpp, order=args.order or DEFAULT_ORDER, overlap_p2p_comm=args.overlap_p2p_comm)
+                             vpp=args.vpp, replica_split=replica_split, order=args.order or DEFAULT_ORDER,
+                             overlap_p2p_comm=args.overlap_p2p_comm)
+        except ConfigError as exc:
+            if exc.field != "replica_split":
+                raise
+            raise ConfigError(exc.problem, source=exc.source, field="--replica-split", fix=exc.fix) from None
         finally:
             if show is not None:
                 show.close()
