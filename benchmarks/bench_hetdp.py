@@ -65,9 +65,13 @@ FAST_PART = "A100-80"
 SLOW_PART = {"name": "A100-half", "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 156}   # half of 312
 DEFAULT_SCALE = 25.0       # 25 GbE -> 1000 Mbit/s, fabric -> 8000 Mbit/s: the tiny job stays mostly compute-bound
 
-# One global batch for every configuration (step times compare, losses match): 12 samples of micro-batch 1 split
-# 2:1 over two fast and two slow replicas as 4, 4, 2, 2 micro-batches ((i): 3 each; (iii): 6 per pipeline).
-GLOBAL_BATCH = 12
+# One global batch for every configuration (step times compare, losses match): 48 samples of micro-batch 1 split
+# 2:1 over two fast and two slow replicas as 16, 16, 8, 8 micro-batches ((i): 12 each; (iii): 24 per pipeline).
+# A multiple of 12 (4 replicas, 2:1). Not smaller: at 12 samples the per-step costs that do not shrink with a
+# replica's micro-batches (update, the gradient all-reduce through the slow nodes' throttled cpu quota) hid the
+# split ((ii)/(i) 0.97 at 12 against 0.71 at 48 in one quick run each, speed check held); a real job runs many
+# micro-batches per replica.
+GLOBAL_BATCH = 48
 
 CONFIGS = {
     "i-even-dp": "(i) DP=4 across both clusters, even split (global_batch/4 per replica); gradients over Ethernet",
@@ -288,7 +292,7 @@ def build_plans(cluster: Cluster, shape: TinyShape, layers_arg, out_dir: Path) -
 
 
 def run(args) -> dict:
-    shape = TinyShape(global_batch_size=GLOBAL_BATCH)
+    shape = TinyShape(global_batch_size=args.global_batch)
     cluster = hetdp_cluster()
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -411,10 +415,16 @@ def main(argv=None) -> int:
                         "for all quotas together)")
     p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")],
                    help="(iii)'s layers per stage, e.g. 5,3 (default: split by the stages' speeds)")
+    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH,
+                   help=f"samples per step for every configuration (default {GLOBAL_BATCH}); a multiple of 12, so "
+                        "that four replicas split it evenly and two fast and two slow ones 2:1")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--results", help="raw results folder (default benchmarks/results; quick: a temporary folder)")
     p.add_argument("--timeout", type=float, default=1500)
     args = p.parse_args(argv)
+    if args.global_batch < 12 or args.global_batch % 12:
+        p.error(f"--global-batch {args.global_batch}: needs a positive multiple of 12 (4 replicas, split 2:1 as "
+                "2n, 2n, n, n micro-batches of 1 sample)")
     if args.quick:
         args.rounds, args.warmup, args.steps = 1, 1, 2
     args.results = args.results or str(Path(tempfile.gettempdir()) / "het_hetdp_quick" if args.quick

@@ -20,6 +20,7 @@ from het_plugin.plan import Plan  # noqa: E402
 from het_plugin.planner import make_plan  # noqa: E402
 
 SHAPE = TinyShape(global_batch_size=bench_hetdp.GLOBAL_BATCH)
+SLOW = bench_hetdp.GLOBAL_BATCH // 6          # a slow replica's micro-batches (of 1 sample) at 2:1
 
 
 def test_the_cluster_is_two_to_one_by_the_catalog():
@@ -59,11 +60,11 @@ def test_the_proportional_plan_gives_the_fast_replicas_twice_the_slow_ones_micro
     cluster = bench_hetdp.hetdp_cluster()
     path, summary = bench_hetdp.proportional_plan(cluster, SHAPE, tmp_path)
     plan = Plan.load(path)
-    assert (plan.tp, plan.pp, plan.dp) == (1, 1, 4) and plan.global_batch_size == SHAPE.global_batch_size == 12
+    assert (plan.tp, plan.pp, plan.dp) == (1, 1, 4) and plan.global_batch_size == SHAPE.global_batch_size == 6 * SLOW
     by_cluster = {}
     for rank in range(plan.world_size):
         by_cluster.setdefault(cluster.node_of(rank).cluster, []).append(plan.replica_counts[plan.replica_of(rank)])
-    assert by_cluster == {"fast": [4, 4], "slow": [2, 2]}
+    assert by_cluster == {"fast": [2 * SLOW, 2 * SLOW], "slow": [SLOW, SLOW]}
     assert sum(plan.replica_counts) == plan.dp * plan.num_micro_batches
     assert summary["replica_micro_batches"] == plan.replica_counts and summary["transports"]["dp"] == ["socket"]
     even = make_plan(cluster, SHAPE.model_spec(), tp=1, pp=1, dp=4, micro_batch_size=1)
@@ -74,7 +75,7 @@ def test_replica_counts_follow_each_replicas_slowest_rank():
     cluster = bench_hetdp.hetdp_cluster()
     plan = make_plan(cluster, SHAPE.model_spec(), tp=1, pp=2, dp=2, micro_batch_size=1)
     # each replica spans both clusters' stages: both run at the slow stage's speed, so the split stays even
-    assert bench_hetdp.proportional_counts(cluster, plan) == [6, 6]
+    assert bench_hetdp.proportional_counts(cluster, plan) == [3 * SLOW, 3 * SLOW]
 
 
 def test_the_planner_configuration_is_make_plans_pick_as_is(tmp_path):
@@ -91,7 +92,7 @@ def test_every_configuration_runs_from_its_plan_with_the_same_global_batch(tmp_p
     for name, path in paths.items():
         plan = Plan.load(configs[name]["plan"])
         assert configs[name]["plan"] == str(path) and configs[name]["pp"] == plan.pp
-        assert plan.global_batch_size == 12 and plans[name]["hash"] == plan.hash
+        assert plan.global_batch_size == bench_hetdp.GLOBAL_BATCH and plans[name]["hash"] == plan.hash
     assert predicted["i-even-dp"] > 0 and predicted["iii-pipeline"] > 0 and predicted["iv-planner"] > 0
     # an uneven plan is predicted only by a planner that modelled its counts, never as the even split
     ii = Plan.load(paths["ii-proportional-dp"])
@@ -101,7 +102,8 @@ def test_every_configuration_runs_from_its_plan_with_the_same_global_batch(tmp_p
 def test_an_uneven_plan_without_a_prediction_of_its_own_is_not_predicted(tmp_path):
     cluster = bench_hetdp.hetdp_cluster()
     even = bench_hetdp.even_dp_plan(cluster, SHAPE)
-    uneven = dataclasses.replace(even, replica_micro_batches=[4, 4, 2, 2], prediction=None)
+    uneven = dataclasses.replace(even, replica_micro_batches=[2 * SLOW, 2 * SLOW, SLOW, SLOW],
+                                 prediction=None)
     assert bench_hetdp.predicted_step(cluster, SHAPE, uneven) is None
     assert bench_hetdp.predicted_step(cluster, SHAPE, even) > 0
 
@@ -139,4 +141,10 @@ def test_the_table_shows_predictions_losses_ratios_and_goals():
     assert "| 3000 | 3000 | 3 | reference |" in text
     assert "| 2000 | 2000 | not modelled | match (max rel. diff 1.0e-07) |" in text
     assert "ratio ii/i: median 0.667" in text and "goal (ii)/(i) <= 0.75 (ideal 0.67): met (0.67)" in text
-    assert "global batch 12 for every configuration" in text
+    assert f"global batch {bench_hetdp.GLOBAL_BATCH} for every configuration" in text
+
+
+def test_a_global_batch_that_does_not_split_two_to_one_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_hetdp.main(["--global-batch", "16"])
+    assert exc.value.code == 2 and "--global-batch 16: needs a positive multiple of 12" in capsys.readouterr().err
