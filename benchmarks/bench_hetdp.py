@@ -16,22 +16,26 @@ Megatron-Core GPT of the end-to-end benchmark, benchmarks/e2e_setup.py TinyShape
 
   (i)   ``i-even-dp``         DP=4 across both clusters, every replica global_batch/4 samples: Megatron-Core's
                               own groups, gradients over Ethernet (the even split, as run today).
-  (ii)  ``ii-proportional-dp``  SLOT, not run: het_plugin's speed-proportional split (fast replicas more
-                              micro-batches). Needs the per-replica micro-batch runtime of issue 12 items 3-5
-                              (Plan.replica_micro_batches, per-rank num_microbatches and gradient weights).
+  (ii)  ``ii-proportional-dp``  DP=4 as (i), through het_plugin with a plan whose replica_micro_batches are
+                              proportional to the replicas' speeds (fast replicas 2x the slow ones' micro-batches).
   (iii) ``iii-pipeline``      PP=2 across the clusters x DP=2 inside each: het_plugin's placement and
                               per-group transports (DP on each cluster's fabric, the pipeline on Ethernet), the
                               layers split by the stages' speeds (``--layers`` to override).
-  (iv)  ``iv-planner``        SLOT, not run: whatever the planner picks once it searches (ii) and mixes; needs
-                              the same runtime.
+  (iv)  ``iv-planner``        whatever het_plugin.planner.make_plan picks for this cluster and model, run as is
+                              (placement, layers, and replica_micro_batches when the planner sets them).
 
-Prints per configuration the median step time (all rounds, after warm-up) and per-round medians, and the
-ratios within each round ((iii)/(i)), their median; writes the raw numbers to benchmarks/results/hetdp.json
+Every configuration trains the same global batch (GLOBAL_BATCH, which splits 2:1 over the replicas), so
+step times compare and the losses must match (i)'s. Prints per configuration the median step time (all
+rounds, after warm-up), per-round medians and the predictor's estimate; the ratios within each round
+((ii)/(i), (iii)/(i), (iv)/(i), (iv)/best measured, predicted/measured) and their median, against the
+issue's goals; writes the raw numbers to benchmarks/results/hetdp.json
 (quick: a temporary folder). It writes nothing into docs/. Needs root and the cgroup-v1 cpu controller.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import os
 import statistics
@@ -49,7 +53,9 @@ sys.path.insert(0, str(REPO))
 from e2e_setup import TinyShape  # noqa: E402
 from het_plugin.cluster import Cluster, cluster_from_dict  # noqa: E402
 from het_plugin.emulate import Emulation, EmulatorUnavailable  # noqa: E402
+from het_plugin.cost import predict  # noqa: E402
 from het_plugin.placement import Placement  # noqa: E402
+from het_plugin.plan import Plan  # noqa: E402
 from het_plugin.planner import assemble_plan, make_plan  # noqa: E402
 from het_plugin.topology import ParallelDims  # noqa: E402
 
@@ -59,21 +65,28 @@ FAST_PART = "A100-80"
 SLOW_PART = {"name": "A100-half", "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 156}   # half of 312
 DEFAULT_SCALE = 25.0       # 25 GbE -> 1000 Mbit/s, fabric -> 8000 Mbit/s: the tiny job stays mostly compute-bound
 
+# One global batch for every configuration (step times compare, losses match): 48 samples of micro-batch 1 split
+# 2:1 over two fast and two slow replicas as 16, 16, 8, 8 micro-batches ((i): 12 each; (iii): 24 per pipeline).
+# A multiple of 12 (4 replicas, 2:1). Not smaller: at 12 samples the per-step costs that do not shrink with a
+# replica's micro-batches (update, the gradient all-reduce through the slow nodes' throttled cpu quota) hid the
+# split ((ii)/(i) 0.97 at 12 against 0.71 at 48 in one quick run each, speed check held); a real job runs many
+# micro-batches per replica.
+GLOBAL_BATCH = 48
+
 CONFIGS = {
     "i-even-dp": "(i) DP=4 across both clusters, even split (global_batch/4 per replica); gradients over Ethernet",
+    "ii-proportional-dp": "(ii) DP=4 across both clusters, het_plugin's split: micro-batches per replica "
+                          "proportional to speed",
     "iii-pipeline": "(iii) PP=2 across the clusters x DP=2 inside each, het_plugin's placement and transports, "
                     "layers split by stage speed",
+    "iv-planner": "(iv) the planner's pick (make_plan as is)",
 }
-# Slots for the configurations that need the per-replica micro-batch runtime (issue 12 items 3-5). They are
-# listed, not run: add them to CONFIGS and to configurations() when Plan.replica_micro_batches reaches
-# Megatron-Core's schedule (per-rank num_microbatches) and the gradient weights.
-SLOTS = {
-    "ii-proportional-dp": "(ii) DP=4, micro-batches per replica proportional to speed (het_plugin's split): needs "
-                          "Plan.replica_micro_batches in the Megatron runtime (per-rank num_microbatches, gradient "
-                          "weights)",
-    "iv-planner": "(iv) the planner's pick among (i)-(iii) and mixes: needs the same runtime and the planner's search",
-}
-PAIRS = {"iii/i": ("iii-pipeline", "i-even-dp")}
+PAIRS = {"ii/i": ("ii-proportional-dp", "i-even-dp"), "iii/i": ("iii-pipeline", "i-even-dp"),
+         "iv/i": ("iv-planner", "i-even-dp")}
+# The issue's goals: (ii)/(i) at most 0.75 (ideal 0.67); the planner's pick within 5% of the best measured
+# configuration; the predictor within 10% of each measured step.
+GOALS = {"ii/i": 0.75, "iv/best": 1.05, "predictor": 0.10}
+LOSS_TOLERANCE = 1e-4       # relative: the same global batch and model give (i)'s losses up to float reordering
 
 
 def log(msg: str) -> None:
@@ -128,23 +141,136 @@ def pipeline_plan(cluster: Cluster, shape: TinyShape, layers_arg, out_dir: Path)
     return path, summary
 
 
-def configurations(shape: TinyShape, plan_path: Path) -> list[dict]:
+def replica_speeds(cluster: Cluster, plan: Plan) -> list[float]:
+    """Each data-parallel replica's speed: its slowest rank's sustained FLOP/s (a replica spans all stages)."""
+    slowest = [float("inf")] * plan.dp
+    for rank in range(plan.world_size):
+        d = plan.replica_of(rank)
+        slowest[d] = min(slowest[d], cluster.node_of(rank).accelerator.sustained_flops)
+    return slowest
+
+
+def proportional_counts(cluster: Cluster, plan: Plan) -> list[int]:
+    """(ii)'s micro-batches per replica: the global batch's micro-batches proportional to the replicas' speeds."""
+    return split_by_speed(plan.dp * plan.num_micro_batches, replica_speeds(cluster, plan))
+
+
+def proportional_plan(cluster: Cluster, shape: TinyShape, out_dir: Path) -> tuple[Path, dict]:
+    """(ii): the planner's DP=4 placement (the even split), with ``replica_micro_batches`` proportional to speed.
+    Where make_plan takes the counts (``replica_split=[...]``) it plans them, and its prediction covers them;
+    otherwise the counts go into the even plan (``dataclasses.replace``) and the even split's prediction is
+    dropped, not kept as if it were (ii)'s."""
+    spec = shape.model_spec()
+    even = make_plan(cluster, spec, tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size)
+    counts = proportional_counts(cluster, even)
+    if "replica_split" in inspect.signature(make_plan).parameters:
+        plan = make_plan(cluster, spec, tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size,
+                         replica_split=counts)
+    else:
+        plan = dataclasses.replace(even, replica_micro_batches=counts, prediction=None)
+    path = out_dir / "plan-hetdp-proportional.json"
+    plan.save(path)
+    return path, plan_summary(cluster, plan)
+
+
+def planner_plan(cluster: Cluster, shape: TinyShape, out_dir: Path) -> tuple[Path, dict]:
+    """(iv): make_plan's pick for this cluster and model, nothing fixed but the micro-batch size, used as is."""
+    plan = make_plan(cluster, shape.model_spec(), micro_batch_size=shape.micro_batch_size)
+    path = out_dir / "plan-hetdp-planner.json"
+    plan.save(path)
+    return path, plan_summary(cluster, plan)
+
+
+def plan_summary(cluster: Cluster, plan: Plan) -> dict:
+    return {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "layers_per_stage": plan.layers_per_stage,
+            "stages": ["+".join(sorted({cluster.node_of(r).cluster for r in plan.stage_ranks(s)})) for s in range(plan.pp)],
+            "replica_micro_batches": plan.replica_counts, "rank_of_logical": plan.rank_of_logical,
+            "transports": {k: sorted({g.transport for g in plan.groups[k]}) for k in ("dp", "pp") if plan.groups.get(k)},
+            "hash": plan.hash}
+
+
+def predicted_step(cluster: Cluster, shape: TinyShape, plan: Plan) -> float | None:
+    """het_plugin.cost's iteration time for ``plan`` (catalog numbers, no measured profile). An even plan is
+    predicted here; an uneven one only by a planner that modelled its counts (the plan's own prediction),
+    else None: no prediction is better than the even split's passed off as the uneven one's."""
+    if plan.uneven_replicas:
+        return plan.prediction.iteration_s if plan.prediction is not None else None
+    dims = ParallelDims(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp)
+    placed = Placement(dims, tuple(plan.rank_of_logical), tuple(cluster.domains))
+    # as the runs train: Megatron's plain optimizer (megatron_tiny), not the distributed one the planner assumes
+    return predict(cluster, shape.model_spec(), placed, plan.layers_per_stage, plan.micro_batch_size,
+                   overlap_grad_reduce=plan.overlap_grad_reduce, distributed_optimizer=False).iteration_s
+
+
+def even_dp_plan(cluster: Cluster, shape: TinyShape) -> Plan:
+    """(i)'s shape as a plan (DP=4, even, gradients over Ethernet): what the predictor reads for (i), which
+    itself runs on Megatron-Core's own groups."""
+    return make_plan(cluster, shape.model_spec(), tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size)
+
+
+def configurations(shape: TinyShape, plan_paths: dict[str, Path]) -> list[dict]:
+    """What the ranks run: (i) without het_plugin, the others from their plan files (``plan_paths``)."""
     base = dict(overlap=True, micro_batch_size=shape.micro_batch_size, layers=None, plan=None, ifname="eth0",
                 ifnames=None)
-    return [dict(base, name="i-even-dp", pp=1),
-            dict(base, name="iii-pipeline", pp=2, plan=str(plan_path))]
+    out = [dict(base, name="i-even-dp", pp=1)]
+    for name in ("ii-proportional-dp", "iii-pipeline", "iv-planner"):
+        if name in plan_paths:
+            path = plan_paths[name]
+            out.append(dict(base, name=name, pp=Plan.load(path).pp, plan=str(path)))
+    return out
 
 
-def summarize(measured: dict, warmup: int) -> dict:
+def loss_check(losses: dict) -> dict[str, float]:
+    """Largest relative difference of each configuration's losses from (i)'s (the same math: one global batch)."""
+    ref = losses.get("i-even-dp")
+    if not ref:
+        return {}
+    return {name: max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref))
+            for name, got in losses.items() if name != "i-even-dp" and got}
+
+
+def summarize(measured: dict, warmup: int, predicted: dict | None = None) -> dict:
+    """Medians, per-round medians, the ratios within each round and their median: PAIRS, the planner's pick
+    against the best measured configuration of the same round, and predicted / measured per configuration."""
+    predicted = predicted or {}
     per_round = {name: [statistics.median(r[warmup:]) for r in rounds] for name, rounds in measured.items()}
-    rows = {name: {"median_s": statistics.median(t for r in rounds for t in r[warmup:]), "rounds_s": per_round[name]}
+    rows = {name: {"median_s": statistics.median(t for r in rounds for t in r[warmup:]), "rounds_s": per_round[name],
+                   "predicted_s": predicted.get(name)}
             for name, rounds in measured.items()}
     ratios = {}
+
+    def add(key: str, each: list[float]) -> None:
+        ratios[key] = {"median": statistics.median(each), "rounds": each}
+
     for key, (a, b) in PAIRS.items():
         if a in per_round and b in per_round:
-            each = [x / y for x, y in zip(per_round[a], per_round[b])]
-            ratios[key] = {"median": statistics.median(each), "rounds": each}
+            add(key, [x / y for x, y in zip(per_round[a], per_round[b])])
+    if "iv-planner" in per_round and len(per_round) > 1:
+        rounds = range(len(per_round["iv-planner"]))
+        add("iv/best", [per_round["iv-planner"][i] / min(r[i] for r in per_round.values()) for i in rounds])
+    for name, times in per_round.items():
+        if predicted.get(name):
+            add(f"predicted/{name}", [predicted[name] / t for t in times])
     return {"configs": rows, "ratios": ratios}
+
+
+def goal_marks(ratios: dict) -> list[str]:
+    """The issue's goals, each met or missed by the run's median ratio (or not assessed)."""
+    out = []
+    for key, label in (("ii/i", "(ii)/(i) <= 0.75 (ideal 0.67)"),
+                       ("iv/best", "the planner's pick within 5% of the best measured")):
+        r = ratios.get(key)
+        out.append(f"goal {label}: " + ("not assessed (not run)" if r is None else
+                                        f"{'met' if r['median'] <= GOALS[key] else 'missed'} ({r['median']:.2f})"))
+    pred = {k.split("/", 1)[1]: r["median"] for k, r in ratios.items() if k.startswith("predicted/")}
+    if pred:
+        off = {name: abs(r - 1) for name, r in pred.items()}
+        out.append(f"goal the predictor within 10% of each measured step: "
+                   f"{'met' if max(off.values()) <= GOALS['predictor'] else 'missed'} ("
+                   + ", ".join(f"{name} {r:.3g}" for name, r in pred.items()) + ")")
+    else:
+        out.append("goal the predictor within 10% of each measured step: not assessed (no prediction)")
+    return out
 
 
 def speed_line(cluster: Cluster, rates: list[float]) -> str:
@@ -152,17 +278,36 @@ def speed_line(cluster: Cluster, rates: list[float]) -> str:
     return ", ".join(f"{n.name} {r / top:.2f}" for n, r in zip(cluster.nodes, rates))
 
 
+def build_plans(cluster: Cluster, shape: TinyShape, layers_arg, out_dir: Path) -> tuple[dict, dict, dict]:
+    """Every configuration's plan file (except (i), which runs without het_plugin), a summary of each plan and
+    the predictor's step time for each configuration (None where the predictor does not model the plan)."""
+    paths, summaries = {}, {}
+    paths["iii-pipeline"], summaries["iii-pipeline"] = pipeline_plan(cluster, shape, layers_arg, out_dir)
+    paths["ii-proportional-dp"], summaries["ii-proportional-dp"] = proportional_plan(cluster, shape, out_dir)
+    paths["iv-planner"], summaries["iv-planner"] = planner_plan(cluster, shape, out_dir)
+    predicted = {"i-even-dp": predicted_step(cluster, shape, even_dp_plan(cluster, shape))}
+    for name, path in paths.items():
+        predicted[name] = predicted_step(cluster, shape, Plan.load(path))
+    return paths, summaries, predicted
+
+
 def run(args) -> dict:
-    shape = TinyShape()
+    shape = TinyShape(global_batch_size=args.global_batch)
     cluster = hetdp_cluster()
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="het_hetdp_"))
-    plan_path, plan_summary = pipeline_plan(cluster, shape, args.layers, results_dir)
-    log(f"(iii) plan: stages on {plan_summary['stages']}, layers {plan_summary['layers_per_stage']} (the planner "
-        f"alone, without a measured profile: {plan_summary['planner_layers_per_stage']}), ranks "
-        f"{plan_summary['rank_of_logical']}, transports {plan_summary['transports']}")
-    configs = [c for c in configurations(shape, plan_path) if c["name"] in args.configs]
+    plan_paths, plans, predicted = build_plans(cluster, shape, args.layers, results_dir)
+    pipe = plans["iii-pipeline"]
+    log(f"(iii) plan: stages on {pipe['stages']}, layers {pipe['layers_per_stage']} (the planner "
+        f"alone, without a measured profile: {pipe['planner_layers_per_stage']}), ranks "
+        f"{pipe['rank_of_logical']}, transports {pipe['transports']}")
+    for name in ("ii-proportional-dp", "iv-planner"):
+        pl = plans[name]
+        log(f"{name} plan: tp {pl['tp']} pp {pl['pp']} dp {pl['dp']}, stages on {pl['stages']}, layers "
+            f"{pl['layers_per_stage']}, micro-batches per replica {pl['replica_micro_batches']}, ranks "
+            f"{pl['rank_of_logical']}, transports {pl['transports']}")
+    configs = [c for c in configurations(shape, plan_paths) if c["name"] in args.configs]
     job = {"shape": shape.to_dict(), "configs": configs, "rounds": args.rounds, "warmup": args.warmup,
            "steps": args.steps, "results": str(work / "results.json")}
     job_path = work / "job.json"
@@ -201,8 +346,9 @@ def run(args) -> dict:
            "cpu": [{"node": n.name, "speed": n.cpu.speed, "quota_us": n.cpu.quota_us, "period_us": n.cpu.period_us,
                     "shares": n.cpu.shares} for n in emu.layout.nodes],
            "compute_rates": {"before": before, "after": after},
-           "plan": plan_summary, "configs": {c["name"]: CONFIGS[c["name"]] for c in configs}, "slots": SLOTS,
-           "measured": raw["step_times"], "losses": raw["losses"], **summarize(raw["step_times"], args.warmup)}
+           "plans": plans, "predicted_s": predicted, "configs": {c["name"]: CONFIGS[c["name"]] for c in configs},
+           "measured": raw["step_times"], "losses": raw["losses"], "loss_vs_i": loss_check(raw["losses"]),
+           **summarize(raw["step_times"], args.warmup, predicted)}
     (results_dir / "hetdp.json").write_text(json.dumps(out, indent=1))
     return out
 
@@ -235,16 +381,23 @@ def table(out: dict) -> str:
              + ", ".join(f"{r / max(out['compute_rates']['before']):.2f}" for r in out["compute_rates"]["before"])
              + "; after "
              + ", ".join(f"{r / max(out['compute_rates']['after']):.2f}" for r in out["compute_rates"]["after"]),
-             speed_check(out), "", f"| configuration | median step (ms) | per round (ms) |", "|---|---:|---|"]
+             speed_check(out), f"global batch {out['shape']['global_batch_size']} for every configuration; "
+             "predictions: het_plugin.cost with the catalog's numbers (no profile measured in the emulator)", "",
+             "| configuration | median step (ms) | per round (ms) | predicted (ms) | losses vs (i) |",
+             "|---|---:|---|---:|---|"]
     for name, row in out["configs"].items():
+        pred = row.get("predicted_s")
+        diff = out.get("loss_vs_i", {}).get(name)
+        same = ("reference" if name == "i-even-dp" else "not compared" if diff is None else
+                f"{'match' if diff <= LOSS_TOLERANCE else 'DIFFER'} (max rel. diff {diff:.1e})")
         lines.append(f"| {CONFIGS[name]} | {row['median_s'] * 1e3:.0f} | "
-                     + ", ".join(f"{t * 1e3:.0f}" for t in row["rounds_s"]) + " |")
-    for name, why in SLOTS.items():
-        lines.append(f"| {why} | not run | |")
+                     + ", ".join(f"{t * 1e3:.0f}" for t in row["rounds_s"])
+                     + f" | {'not modelled' if pred is None else f'{pred * 1e3:.3g}'} | {same} |")
     lines.append("")
     for key, r in out["ratios"].items():
-        lines.append(f"ratio {key}: median {r['median']:.2f} (per round: "
-                     + ", ".join(f"{x:.2f}" for x in r["rounds"]) + ")")
+        lines.append(f"ratio {key}: median {r['median']:.3g} (per round: "
+                     + ", ".join(f"{x:.3g}" for x in r["rounds"]) + ")")
+    lines.extend(goal_marks(out["ratios"]))
     return "\n".join(lines)
 
 
@@ -262,10 +415,16 @@ def main(argv=None) -> int:
                         "for all quotas together)")
     p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")],
                    help="(iii)'s layers per stage, e.g. 5,3 (default: split by the stages' speeds)")
+    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH,
+                   help=f"samples per step for every configuration (default {GLOBAL_BATCH}); a multiple of 12, so "
+                        "that four replicas split it evenly and two fast and two slow ones 2:1")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--results", help="raw results folder (default benchmarks/results; quick: a temporary folder)")
     p.add_argument("--timeout", type=float, default=1500)
     args = p.parse_args(argv)
+    if args.global_batch < 12 or args.global_batch % 12:
+        p.error(f"--global-batch {args.global_batch}: needs a positive multiple of 12 (4 replicas, split 2:1 as "
+                "2n, 2n, n, n micro-batches of 1 sample)")
     if args.quick:
         args.rounds, args.warmup, args.steps = 1, 1, 2
     args.results = args.results or str(Path(tempfile.gettempdir()) / "het_hetdp_quick" if args.quick
