@@ -144,9 +144,17 @@ def test_teardown_on_exit_and_on_error(emulator_ok):
     assert _no_traces(run_id) == []
 
 
+def _default_sigint() -> None:
+    """As in a terminal: a test run started in the background of a non-interactive shell (nohup, a CI script's
+    `cmd &`) inherits SIGINT ignored, and Python keeps an inherited ignore, so Ctrl-C would not reach the CLI."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _start_cli(*extra: str) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen([*CLI, "emulate", str(CLUSTER), *extra, "--", "sleep", "60"],
-                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=_default_sigint)
     seen = ""
     for _ in range(20):                        # "emulated network <run id>: ..." once it is up
         line = p.stderr.readline()             # (a leftover-cleanup message may come first)
@@ -182,7 +190,15 @@ def test_interrupted_run_tears_down(emulator_ok, sig, code):
     p, run_id = _start_cli()
     time.sleep(0.5)
     os.kill(p.pid, sig)
-    assert p.wait(timeout=30) == code
+    try:
+        assert p.wait(timeout=30) == code
+    except subprocess.TimeoutExpired:       # say where the CLI was (two CI-like runs here timed out once each)
+        status = Path(f"/proc/{p.pid}/status").read_text() if Path(f"/proc/{p.pid}/status").exists() else ""
+        masks = [line for line in status.splitlines() if line.startswith(("State", "SigBlk", "SigIgn", "SigCgt"))]
+        stack = subprocess.run(["cat", f"/proc/{p.pid}/wchan"], stdout=subprocess.PIPE, text=True).stdout
+        p.kill()
+        rest = p.communicate(timeout=10)[1]
+        pytest.fail(f"the CLI did not stop within 30 s of {sig.name}: {masks}, wchan {stack!r}; stderr: {rest[-2000:]}")
     assert _no_traces(run_id) == []
 
 
