@@ -269,7 +269,8 @@ class Plan:
                               f"below pp={self.pp}", source=source, field="embedding_stages",
                               fix="re-create the plan with `het-plugin plan -o`")
         check_virtual_split(self.layers_per_stage, self.vpp, self.layers_per_virtual_stage, source)
-        check_replica_split(self.replica_micro_batches, self.dp, self.num_micro_batches, source)
+        check_replica_split(self.replica_micro_batches, self.dp, self.num_micro_batches, source, vpp=self.vpp,
+                            dims=self.dims)
         if self.overlap_p2p_comm and self.vpp == 1:
             raise ConfigError("overlap_p2p_comm is set, but Megatron overlaps pipeline send/receive only in the "
                               "interleaved schedule (vpp > 1)", source=source, field="overlap_p2p_comm",
@@ -378,10 +379,29 @@ def check_virtual_split(layers_per_stage: Sequence[int], vpp: int, layers_per_vi
                           f"{list(layers_per_stage)}", source=source, field="layers_per_virtual_stage", fix=fix)
 
 
+# Groups that run a collective per micro-batch (the MoE token all-to-all, expert-TP): their members must run the
+# same number of micro-batches, or the replica with more waits forever in its extra ones.
+PER_MICRO_BATCH_KINDS = ("expert-tp", "expert-ep", "expert-tp-ep")
+
+
+def replica_split_conflict(dims: ParallelDims, counts: Sequence[int]) -> Optional[tuple[str, list[int], list[int]]]:
+    """The first per-micro-batch group (kind, logical members, their counts) whose members belong to replicas with
+    different counts; None when the split keeps every such group on one count."""
+    if len(set(counts)) <= 1:
+        return None
+    for kind in PER_MICRO_BATCH_KINDS:
+        for members in dims.groups(kind):
+            have = [counts[dims.coord(r)["dp"]] for r in members]
+            if len(set(have)) > 1:
+                return kind, list(members), have
+    return None
+
+
 def check_replica_split(replica_micro_batches: Sequence[int], dp: int, num_micro_batches: int,
-                        source: str = "<plan>") -> None:
+                        source: str = "<plan>", *, vpp: int = 1, dims: Optional[ParallelDims] = None) -> None:
     """Per-replica micro-batch counts: none (the even split), or dp counts of at least 1 adding up to
-    dp * num_micro_batches (the global batch every replica agreed on)."""
+    dp * num_micro_batches (the global batch every replica agreed on); uneven ones only without interleaving
+    and where no expert group joins replicas of different counts (``dims``)."""
     counts = list(replica_micro_batches)
     if not counts:
         return
@@ -397,6 +417,18 @@ def check_replica_split(replica_micro_batches: Sequence[int], dp: int, num_micro
         raise ConfigError(f"replica_micro_batches {counts} add up to {sum(counts)} micro-batches, the global batch "
                           f"holds dp x num_micro_batches = {dp} x {num_micro_batches} = {dp * num_micro_batches}",
                           source=source, field="replica_micro_batches", fix=fix)
+    if len(set(counts)) > 1 and vpp > 1:
+        raise ConfigError(f"replica_micro_batches {counts} are uneven with an interleaved pipeline (vpp={vpp}): "
+                          "Megatron's interleaved schedule groups micro-batches by pipeline size, and a replica with "
+                          "fewer would fail alone while the others wait", source=source, field="replica_micro_batches",
+                          fix="use equal counts with vpp > 1 (remove replica_micro_batches), or vpp=1")
+    conflict = replica_split_conflict(dims, counts) if dims is not None else None
+    if conflict is not None:
+        kind, members, have = conflict
+        raise ConfigError(f"replica_micro_batches {counts}: the {kind} group of logical ranks {members} joins replicas "
+                          f"running {have} micro-batches, and it runs a collective every micro-batch (a replica with "
+                          "more would wait forever)", source=source, field="replica_micro_batches",
+                          fix="give the replicas an expert group joins the same count, or use the even split")
 
 
 def _drop_zero_alltoall(data: dict) -> None:

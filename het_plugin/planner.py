@@ -21,7 +21,7 @@ from .layer_split import bottleneck, exact_partition, virtual_split
 from .placement import (Placement, baseline_transport, default_placement, domain_orders, local_group_fits, place,
                         place_replicas, stage_domains, transport)
 from .profile import Profile
-from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction, check_replica_split
+from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction, check_replica_split, replica_split_conflict
 from .topology import DEFAULT_ORDER, EXPERT_KINDS, GROUP_KINDS, Degrees, ParallelDims
 
 
@@ -79,7 +79,7 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
                           fix=f"use a multiple of {per_mb}")
     num_micro_batches = model.global_batch_size // per_mb
     counts = [int(n) for n in replica_micro_batches]
-    check_replica_split(counts, dims.dp, num_micro_batches, "<planner>")
+    check_replica_split(counts, dims.dp, num_micro_batches, "<planner>", vpp=vpp, dims=dims)
     if len(set(counts)) == 1:
         counts = []
     return Plan(
@@ -354,6 +354,8 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
         if any(n > c for n, c in zip(lay, split.max_layers())):
             return
         tables = split.tables() if tables is not None else None
+    if replica_split_conflict(dims, counts) is not None:
+        return                                  # an expert group would join replicas of different counts: a hang
     uneven = attempt(lay, tables, counts, prune=True)
     if uneven is None:
         return

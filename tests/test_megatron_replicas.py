@@ -167,3 +167,21 @@ def test_megatron_lms_sampler_becomes_the_replicas_for_its_micro_batch_size(appl
     assert list(other) == list(base(16, 0, 1, 1, 2)), "another micro-batch size: Megatron's even split"
     with pytest.raises(ConfigError, match="data_parallel_size=4"):
         cls(total_samples=16, consumed_samples=0, micro_batch_size=2, data_parallel_rank=0, data_parallel_size=4)
+
+
+def test_a_global_aux_loss_across_replicas_is_refused_with_uneven_counts():
+    """Megatron's global_aux_loss all-reduces over the data-parallel replicas in every forward: with uneven counts
+    the replica with more micro-batches would wait forever, so the schedule call stops first."""
+    import types
+
+    from het_plugin.errors import ConfigError
+    from het_plugin.megatron.replicas import _check_no_cross_replica_collectives
+    from het_plugin.runtime.replicas import ReplicaShare
+    share = ReplicaShare(replica=0, count=3, even_count=2, dp=2, micro_batch_size=1, samples=(0, 3), uneven=True,
+                         counts=(3, 1))
+    for kinds in ("global_aux_loss", ["aux_loss", "global_aux_loss"]):
+        with pytest.raises(ConfigError) as info:
+            _check_no_cross_replica_collectives(types.SimpleNamespace(moe_router_load_balancing_type=kinds), share)
+        assert info.value.field == "moe_router_load_balancing_type" and "seq_aux_loss" in info.value.fix
+    for fine in ("aux_loss", ["seq_aux_loss"], None):
+        _check_no_cross_replica_collectives(types.SimpleNamespace(moe_router_load_balancing_type=fine), share)

@@ -281,3 +281,31 @@ def test_a_plan_file_with_unknown_group_keys_is_one_message_for_every_reader(sav
         load_source(path)
     assert "not a valid plan file" in str(info.value) and "color" in str(info.value)
     assert "het-plugin plan" in info.value.fix
+
+
+def test_uneven_replicas_refused_where_they_would_hang():
+    """Replicas with different counts must not meet in a group that runs a collective every micro-batch (the
+    MoE all-to-all of expert-ep, expert-TP), nor run Megatron's interleaved schedule."""
+    from het_plugin.plan import check_replica_split, replica_split_conflict
+    from het_plugin.topology import ParallelDims
+    dims = ParallelDims(tp=1, pp=1, dp=4, ep=2)
+    pairs = [sorted(dims.coord(r)["dp"] for r in g) for g in dims.groups("expert-ep")]
+    assert all(len(p) == 2 for p in pairs)
+    a, b = pairs[0]
+    counts = [2] * 4
+    counts[a], counts[b] = 3, 1                      # the two replicas of one expert group differ
+    kind, members, have = replica_split_conflict(dims, counts)
+    assert kind == "expert-ep" and sorted(have) == [1, 3]
+    with pytest.raises(ConfigError) as info:
+        check_replica_split(counts, 4, 2, dims=dims)
+    assert info.value.field == "replica_micro_batches" and "expert-ep" in str(info.value)
+    paired = [0] * 4                                 # each expert group on one count: fine
+    for p, n in zip(pairs, (3, 1)):
+        for d in p:
+            paired[d] = n
+    assert replica_split_conflict(dims, paired) is None
+    check_replica_split(paired, 4, 2, dims=dims)
+    assert replica_split_conflict(ParallelDims(tp=1, pp=1, dp=4), [3, 1, 2, 2]) is None    # dense: no such group
+    with pytest.raises(ConfigError) as info:
+        check_replica_split([3, 1], 2, 2, vpp=2)
+    assert info.value.field == "replica_micro_batches" and "vpp=2" in str(info.value)

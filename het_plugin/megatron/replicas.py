@@ -109,6 +109,7 @@ def wrap_schedule(schedule):
         chunks = len(model) if isinstance(model, (list, tuple)) else 1
         kwargs["forward_step_func"] = _counting_step(kwargs["forward_step_func"], share, chunks)
         config = _model_config(model)
+        _check_no_cross_replica_collectives(config, share)
         if forward_only or getattr(config, "calculate_per_token_loss", False) or share.loss_scale == 1.0:
             return schedule(**kwargs)
         with _ScaledGrads(config, share.loss_scale):
@@ -116,6 +117,20 @@ def wrap_schedule(schedule):
 
     replica_schedule.__het_plugin_wrapped__ = schedule
     return replica_schedule
+
+
+def _check_no_cross_replica_collectives(config, share: ReplicaShare) -> None:
+    """Collectives a forward step runs across data-parallel replicas would pair the micro-batches of replicas
+    with different counts and hang: Megatron's global auxiliary load-balancing loss all-reduces over the
+    tp x dp x cp group in every MoE layer's forward. Same config on every rank: every rank stops alike."""
+    kinds = getattr(config, "moe_router_load_balancing_type", None)
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    if any("global_aux_loss" in str(k) for k in kinds):
+        raise ConfigError(f"moe_router_load_balancing_type={kinds} all-reduces over the data-parallel replicas in "
+                          f"every micro-batch's forward, but {share.describe()}: replicas with different counts "
+                          "would wait for each other forever", source=SOURCE, field="moe_router_load_balancing_type",
+                          fix="use aux_loss or seq_aux_loss, or a plan with the even split (het-plugin plan "
+                              "--replica-split even)")
 
 
 def _unwrapped(fn):
