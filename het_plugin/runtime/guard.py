@@ -115,6 +115,7 @@ class GroupGuard:
         self._current: Optional[tuple[int, Optional[str], Optional[list[int]], float]] = None
         self._handling = False          # the main thread is naming the missing ranks (it will raise)
         self._aborted = False           # this rank published abort
+        self._seen_abort = False        # this rank counted itself in abort-seen (the store host waits for it)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -378,7 +379,24 @@ class GroupGuard:
             self.store.set(self._k("abort", self.rank), record)
             self.store.set(self._k("abort"), str(self.rank))
         except Exception:       # noqa: BLE001 - the store is gone: the others find out by themselves
-            pass
+            return
+        self._linger_if_host(self.store, missing)
+
+    def _linger_if_host(self, store, missing: Sequence[int]) -> None:
+        """The store lives in rank 0's process (init_process_group's MASTER_ADDR store): before it goes, give the
+        other live ranks' watchers (polling every interval) the time to read why -- else they can only say that
+        the store's host is gone, not which rank was missing. Bounded: 2 intervals + 1 s."""
+        if self.rank != 0 or store_host()[1] != [0]:
+            return
+        expected = len([r for r in range(self.world_size) if r != self.rank and r not in set(missing)])
+        deadline = time.monotonic() + 2 * self.interval + 1.0
+        while time.monotonic() < deadline:
+            try:
+                if store.add(self._k("abort-seen"), 0) >= expected:
+                    return
+            except Exception:   # noqa: BLE001 - the store is gone already
+                return
+            time.sleep(0.05)
 
     def _record(self, store, rank: int) -> Optional[dict]:
         raw = self._read(store, self._k("abort", rank))
@@ -389,7 +407,14 @@ class GroupGuard:
         if raw is None:
             return None
         by = int(raw)
-        return by, self._record(store, by) or {}
+        found = by, self._record(store, by) or {}
+        if by != self.rank and not self._seen_abort:
+            self._seen_abort = True
+            try:
+                store.add(self._k("abort-seen"), 1)      # the store's host waits for this before it goes
+            except Exception:   # noqa: BLE001
+                pass
+        return found
 
     def _gave_up(self, by: int, record: dict) -> str:
         missing = record.get("missing") or [by]
@@ -451,6 +476,7 @@ class GroupGuard:
                 try:
                     store.set(self._k("abort", self.rank), record)
                     store.set(self._k("abort"), str(self.rank))
+                    self._linger_if_host(store, missing)
                 except Exception:   # noqa: BLE001
                     pass
                 self._end(msg)
