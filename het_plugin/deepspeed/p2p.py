@@ -39,37 +39,23 @@ def pipeline_group_of(grid):
 
 def _install() -> None:
     from deepspeed.runtime.pipe import p2p
-    if getattr(p2p.send, _WRAPPED, None) is None:
-        p2p.send = _wrap_send(p2p.send)
-    if getattr(p2p.recv, _WRAPPED, None) is None:
-        p2p.recv = _wrap_recv(p2p.recv)
+    for name in ("send", "recv"):
+        if getattr(getattr(p2p, name), _WRAPPED, None) is None:
+            setattr(p2p, name, _wrap(getattr(p2p, name), name))
 
 
-def _wrap_send(original):
+def _wrap(original, name: str):
+    """DeepSpeed's p2p.send / p2p.recv (``name``), over the plan's pipeline group when one is applied."""
     @functools.wraps(original)
-    def send(tensor, dest_stage, async_op=False):
+    def hop(tensor, peer_stage, async_op=False):
         from deepspeed import comm as dist
         from deepspeed.runtime.pipe import p2p
         group = pipeline_group_of(p2p._grid)
         if group is None:
-            return original(tensor, dest_stage, async_op=async_op)
+            return original(tensor, peer_stage, async_op=async_op)
         assert async_op is False, "Doesn't support async_op true"       # DeepSpeed's own restriction
-        p2p._is_valid_send_recv(p2p._grid.get_stage_id(), dest_stage)
-        return dist.send(tensor, p2p._grid.stage_to_global(stage_id=dest_stage), group=group)
-    setattr(send, _WRAPPED, original)
-    return send
-
-
-def _wrap_recv(original):
-    @functools.wraps(original)
-    def recv(tensor, src_stage, async_op=False):
-        from deepspeed import comm as dist
-        from deepspeed.runtime.pipe import p2p
-        group = pipeline_group_of(p2p._grid)
-        if group is None:
-            return original(tensor, src_stage, async_op=async_op)
-        assert async_op is False, "Doesn't support async_op true"
-        p2p._is_valid_send_recv(src_stage, p2p._grid.get_stage_id())
-        return dist.recv(tensor, p2p._grid.stage_to_global(stage_id=src_stage), group=group)
-    setattr(recv, _WRAPPED, original)
-    return recv
+        here = p2p._grid.get_stage_id()
+        p2p._is_valid_send_recv(*((here, peer_stage) if name == "send" else (peer_stage, here)))
+        return getattr(dist, name)(tensor, p2p._grid.stage_to_global(stage_id=peer_stage), group=group)
+    setattr(hop, _WRAPPED, original)
+    return hop
