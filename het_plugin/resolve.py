@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from .cluster import Cluster, load_cluster
 from .errors import ConfigError
@@ -96,15 +96,7 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
     if isinstance(loaded, Plan):
         where = str(source) if isinstance(source, (str, Path)) else "<plan>"
         check_plan_fits(loaded, launch, degrees, model_from_arg(model), where, names)
-        if not loaded.accepts_vpp(vpp):
-            name = names.get("vpp", "vpp")
-            raise ConfigError(f"{name}={vpp} was passed, but the plan was made for {loaded.vpp} virtual stages per "
-                              "pipeline rank", source=where, field=name,
-                              fix=f"pass {loaded.vpp} (or drop it), or re-plan with `het-plugin plan --vpp {vpp}`")
-        if overlap_p2p_comm is not None and loaded.vpp > 1 and overlap_p2p_comm != loaded.overlap_p2p_comm:
-            name = names.get("overlap_p2p_comm", "overlap_p2p_comm")
-            raise ConfigError(f"{name}={overlap_p2p_comm} was passed, but the plan assumed {loaded.overlap_p2p_comm}",
-                              source=where, field=name, fix="re-plan with the same setting, or drop it")
+        check_launch_settings(loaded, {"vpp": vpp, "overlap_p2p_comm": overlap_p2p_comm}, where, names)
         return Resolved(loaded)
     cluster = loaded if loaded is not None else discover()
     from .placement import check_world_size
@@ -131,6 +123,37 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
                           fix=f"{exc.fix + '; ' if exc.fix else ''}degrees this cluster can hold: {listed}") from None
 
 
+LAUNCH_DEGREES = ("tp", "pp", "dp", "cp", "ep", "etp", "order")
+
+
+def check_launch_settings(plan: Plan, given: dict[str, Any], where: Optional[str], names: dict[str, str]) -> None:
+    """What a launch sets (degrees, ``order``, ``vpp``, ``overlap_p2p_comm``; None: not set) must be what
+    ``plan`` was made for: the one check for a plan file (:func:`resolve_launch`) and for Megatron-Core's own
+    arguments (``megatron.core.check_kwargs_fit``). ``names``: the launch's names for the fields."""
+    dims = plan.dims
+    for key in LAUNCH_DEGREES:
+        value, planned = given.get(key), getattr(dims, key)
+        if key == "order" and value is not None:
+            value = "-".join(parse_order(value, given.get("ep") or 1))
+        if value is not None and value != planned:
+            name = names.get(key, key)
+            raise ConfigError(f"{name}={value!r} was passed, but the plan was made for {planned!r}", source=where,
+                              field=name, fix=f"pass {planned!r} (or drop it), or re-plan with `het-plugin plan "
+                                              f"--{key} {value}`")
+    vpp = given.get("vpp")
+    if not plan.accepts_vpp(vpp):
+        name = names.get("vpp", "vpp")
+        raise ConfigError(f"{name}={vpp} was passed, but the plan was made for {plan.vpp} virtual stages per "
+                          "pipeline rank", source=where, field=name,
+                          fix=f"pass {plan.vpp if plan.vpp > 1 else 'none'} (or drop it), or re-plan with "
+                              f"`het-plugin plan --vpp {vpp}`")
+    overlap = given.get("overlap_p2p_comm")
+    if overlap is not None and plan.vpp > 1 and overlap != plan.overlap_p2p_comm:
+        name = names.get("overlap_p2p_comm", "overlap_p2p_comm")
+        raise ConfigError(f"{name}={overlap} was passed, but the plan assumed {plan.overlap_p2p_comm}",
+                          source=where, field=name, fix="re-plan with the same setting, or drop it")
+
+
 def check_plan_fits(plan: Plan, launch: Launch, degrees: Degrees, model: Optional[ModelSpec], where: str,
                     names: dict[str, str]) -> None:
     """A plan file made for another launch would build wrong groups or split layers that do not exist."""
@@ -138,16 +161,7 @@ def check_plan_fits(plan: Plan, launch: Launch, degrees: Degrees, model: Optiona
         raise ConfigError(f"the plan is for {plan.world_size} ranks, but {launch.world_size} were launched",
                           source=where, field="world_size",
                           fix=f"launch {plan.world_size} ranks, or re-plan for the nodes you launch")
-    planned_dims = plan.dims
-    for key in ("tp", "pp", "dp", "cp", "ep", "etp", "order"):
-        given, planned = getattr(degrees, key), getattr(planned_dims, key)
-        if key == "order":
-            given = "-".join(parse_order(given, degrees.ep))
-        if given is not None and given != planned:
-            name = names.get(key, key)
-            raise ConfigError(f"{name}={given} was passed, but the plan was made for {planned}", source=where,
-                              field=name, fix=f"pass {planned} (or drop it), or re-plan with `het-plugin plan "
-                                              f"--{key} {given}`")
+    check_launch_settings(plan, {k: getattr(degrees, k) for k in LAUNCH_DEGREES}, where, names)
     if model is None:
         return
     for name in ("num_layers", "hidden_size", "num_attention_heads"):

@@ -123,9 +123,9 @@ def test_megatron_creates_the_same_groups_with_and_without_het_plugin(tmp_path, 
 
 def test_arguments_that_disagree_with_the_plan_are_refused_by_name(tmp_path):
     plan = _plan(tmp_path, 2, 8, 2, 2, 1, 2, None, DEFAULT)
-    with pytest.raises(Exception, match="expert_model_parallel_size=4, but the plan was made for 2"):
+    with pytest.raises(Exception, match="expert_model_parallel_size=4 was passed, but the plan was made for 2"):
         core.check_kwargs_fit(plan, {"expert_model_parallel_size": 4})
-    with pytest.raises(Exception, match="order='tp-cp-ep-pp-dp', but the plan was made for 'tp-cp-ep-dp-pp'"):
+    with pytest.raises(Exception, match="order='tp-cp-ep-pp-dp' was passed, but the plan was made for 'tp-cp-ep-dp-pp'"):
         core.check_kwargs_fit(plan, {"expert_model_parallel_size": 2, "order": TP_PP_DP})
     core.check_kwargs_fit(plan, {"expert_model_parallel_size": 2, "order": "tp-cp-ep-dp-pp",
                                  "virtual_pipeline_model_parallel_size": 2})      # identity: Megatron's own

@@ -40,7 +40,7 @@ def test_a_virtual_size_the_plan_was_not_made_for_is_refused_with_the_fix(plan_v
     with pytest.raises(ConfigError) as e:
         core.check_kwargs_fit(plan_vpp, {"virtual_pipeline_model_parallel_size": 4})
     assert e.value.field == "virtual_pipeline_model_parallel_size" and "--vpp 4" in e.value.fix
-    with pytest.raises(ConfigError, match="virtual_pipeline_model_parallel_size=2, but the plan was made for 1"):
+    with pytest.raises(ConfigError, match="virtual_pipeline_model_parallel_size=2 was passed, but the plan was made for 1 virtual stages"):
         core.check_kwargs_fit(plan8, {"virtual_pipeline_model_parallel_size": 2})
     # an identity plan with Megatron's own even split: Megatron interleaves it itself, as without het_plugin
     homogeneous = make_plan(load_cluster(DATA / "megatron-homogeneous-4.yaml"), MODEL_16.model_copy(

@@ -120,8 +120,7 @@ def _data_parallel_setup(arguments, section, batch, source, cfg) -> AppliedPlan:
 
     with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
         plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
-        applied = AppliedPlan.start(plan, rank)
-        applied.check_network(resolved[-1].cluster, timeout_s=section.timeout_s)
+        applied = AppliedPlan.begin(plan, rank, cluster=resolved[-1].cluster, timeout_s=section.timeout_s)
         if not plan.is_identity:
             with planned_groups(applied, "het_plugin.deepspeed.initialize (the data-parallel grid)",
                                 section.timeout_s):

@@ -87,8 +87,7 @@ class PipelineModule(_DeepSpeedPipelineModule):
 
         with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
             plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
-            applied = AppliedPlan.start(plan, rank)
-            applied.check_network(resolved[-1].cluster, timeout_s=section.timeout_s)
+            applied = AppliedPlan.begin(plan, rank, cluster=resolved[-1].cluster, timeout_s=section.timeout_s)
         object.__setattr__(self, "_het_parts", plan_parts(len(specs), counted, plan.layers_per_stage, source))
         if rank == 0:
             print(startup_summary(plan, "DeepSpeed pipeline",

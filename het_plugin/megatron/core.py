@@ -20,10 +20,10 @@ from ..errors import ConfigError
 from ..model import ModelSpec
 from ..plan import Plan
 from ..report import startup_summary
-from ..resolve import Launch, Resolved, resolve_launch
+from ..resolve import Launch, Resolved, check_launch_settings, resolve_launch
 from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
-from ..topology import DEFAULT_ORDER, Degrees, parse_order
+from ..topology import DEFAULT_ORDER, Degrees
 
 log = logging.getLogger("het_plugin.megatron")
 
@@ -98,21 +98,9 @@ def plan_degrees(megatron_kwargs: dict) -> dict[str, Any]:
 def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
     """Megatron's own arguments must describe the plan's groups; refuse what the plan cannot express."""
     wanted = plan_degrees(megatron_kwargs)
-    dims = plan.dims
-    for key, name, value, have in (
-            ("ep", "expert_model_parallel_size", wanted["ep"], dims.ep),
-            ("etp", "expert_tensor_parallel_size", wanted["etp"] or plan.tp, dims.etp),
-            ("order", "order", "-".join(parse_order(wanted["order"], wanted["ep"])), dims.order)):
-        if have != value:
-            raise ConfigError(f"{name}={value!r}, but the plan was made for {have!r}", field=name,
-                              fix=f"plan with the same {name} (`het-plugin plan --{key} ...`), or pass {have!r}")
-    vpp = megatron_kwargs.get("virtual_pipeline_model_parallel_size")
-    if not plan.accepts_vpp(vpp):
-        raise ConfigError(f"virtual_pipeline_model_parallel_size={vpp}, but the plan was made for {plan.vpp} "
-                          "virtual stages per pipeline rank", field="virtual_pipeline_model_parallel_size",
-                          fix=f"plan with the same virtual stages (`het-plugin plan --vpp {vpp}`, or "
-                              f"initialize_model_parallel(..., cluster=...) with it), or pass "
-                              f"{plan.vpp if plan.vpp > 1 else None}")
+    # Megatron's expert_tensor_parallel_size None means tp, which build_groups sets to the plan's.
+    check_launch_settings(plan, {"ep": wanted["ep"], "etp": wanted["etp"] or plan.tp, "order": wanted["order"],
+                                 "vpp": wanted["vpp"]}, None, MEGATRON_NAMES)
     if plan.is_identity:
         return            # the framework's own numbering: whatever else Megatron builds is its own
     for key in ("gtp_remat_size", "expert_gtp_remat_size"):
@@ -143,8 +131,7 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
     for key in RANK_CALLBACKS:
         if kwargs.get(key) is not None:
             kwargs[key] = through_plan(plan, kwargs[key])
-    applied = AppliedPlan.start(plan, dist.get_rank())
-    applied.check_network(cluster, timeout_s=timeout_s)
+    applied = AppliedPlan.begin(plan, dist.get_rank(), cluster=cluster, timeout_s=timeout_s)
     if applied.rank == 0:
         print(startup_summary(plan, "Megatron"), flush=True)
         if plan_out:

@@ -1,7 +1,7 @@
 """What one rank applied: the agreed plan, the group policy's inputs, and a record of every group.
 
-Both adapters build one :class:`AppliedPlan` after the ranks agree on a plan, run the network pre-flight
-(:meth:`AppliedPlan.check_network`), create every group
+Both adapters build one :class:`AppliedPlan` after the ranks agree on a plan and run the network pre-flight
+(:meth:`AppliedPlan.begin` does both), create every group
 through :meth:`AppliedPlan.create`, and hand the object to the user (Megatron: returned and kept for
 ``current_plan()``; DeepSpeed: ``module.het_applied`` / ``engine.het_applied``).
 
@@ -41,6 +41,15 @@ class AppliedPlan:
             import torch.distributed as tdist
             default_backend = str(tdist.get_backend())
         return cls(plan, rank, Policy(default_backend, native_network=plan.homogeneous and plan.is_identity))
+
+    @classmethod
+    def begin(cls, plan: Plan, rank: int, *, cluster=None, timeout_s: Optional[float] = None,
+              default_backend: Optional[str] = None) -> "AppliedPlan":
+        """What every adapter does between plan agreement and its first group: :meth:`start` the record, then
+        the network pre-flight (:meth:`check_network`; ``cluster``: the Cluster the plan came from)."""
+        applied = cls.start(plan, rank, default_backend)
+        applied.check_network(cluster, timeout_s=timeout_s)
+        return applied
 
     def check_network(self, cluster=None, *, store=None, timeout_s: Optional[float] = None):
         """The mixed-NIC pre-flight (:mod:`het_plugin.runtime.preflight`), after agreement and before the first
