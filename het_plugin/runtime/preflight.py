@@ -1,7 +1,7 @@
 """The mixed-NIC pre-flight inside the adapters: after the ranks agree on a plan, before any group exists.
 
-Both adapters call :func:`check_network` through :meth:`AppliedPlan.begin`, right after plan agreement. When the world group runs NCCL (or RCCL, torch's ``nccl`` backend), every rank sends
-the NCCL settings of its own environment to rank 0 (a launcher may give each node its own: the per-node lines
+Both adapters call :func:`check_network` through :meth:`AppliedPlan.begin`, right after plan agreement.
+When the world group runs NCCL (or RCCL, torch's ``nccl`` backend), every rank sends the NCCL settings of its own environment to rank 0 (a launcher may give each node its own: the per-node lines
 of ``het-plugin check --format env``), rank 0 runs :func:`het_plugin.preflight.preflight` over the plan's
 groups, the nodes' NICs (the cluster file's ``nics``, or discovery's) and those environments, adds the world
 group's check (:func:`het_plugin.preflight.world_refusal`) and a refusal for ranks of one node whose NCCL
