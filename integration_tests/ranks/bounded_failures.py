@@ -126,23 +126,10 @@ def run_megatron(a) -> dict:
 
 
 def run_deepspeed(a) -> dict:
-    import torch
-    from deepspeed.pipe import LayerSpec
-
-    import het_plugin.deepspeed as hds
-
-    class Block(torch.nn.Module):
-        def __init__(self, h):
-            super().__init__()
-            self.fc = torch.nn.Linear(h, h)
-
-        def forward(self, x):
-            return torch.tanh(self.fc(x))
-
+    from integration_tests.support.deepspeed_layers import block_pipeline
     config = json.loads(Path(a.config).read_text())
-    layers = [LayerSpec(Block, 16) for _ in range(8)]      # integration_tests/data/ds_tiny_model.yaml's 8 blocks
     called()
-    model = hds.PipelineModule(layers=layers, num_stages=a.pp, config=config, loss_fn=torch.nn.MSELoss())
+    model = block_pipeline(config, num_stages=a.pp)
     return {"rank": RANK, "groups": len(model.het_applied.records)}
 
 

@@ -44,19 +44,7 @@ def main() -> None:
     from deepspeed.pipe import LayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    class InProj(torch.nn.Linear):
-        pass
-
-    class Block(torch.nn.Module):
-        def __init__(self, h):
-            super().__init__()
-            self.fc = torch.nn.Linear(h, h)
-
-        def forward(self, x):
-            return torch.tanh(self.fc(x))
-
-    class Head(torch.nn.Linear):
-        pass
+    from integration_tests.support.deepspeed_layers import Block, Head, InProj
 
     world = tdist.get_world_size()
     dp = world // (args.pp * args.mp)

@@ -41,18 +41,13 @@ def main() -> None:
 
     seen: list[torch.Tensor] = []       # the inputs this rank's first layer read, in order
 
-    class InProj(torch.nn.Linear):
+    from integration_tests.support.deepspeed_layers import Block
+    from integration_tests.support.deepspeed_layers import InProj as PlainInProj
+
+    class InProj(PlainInProj):
         def forward(self, x):
             seen.append(x.detach().clone())
             return super().forward(x)
-
-    class Block(torch.nn.Module):
-        def __init__(self, h):
-            super().__init__()
-            self.fc = torch.nn.Linear(h, h)
-
-        def forward(self, x):
-            return torch.tanh(self.fc(x))
 
     class Samples(torch.utils.data.Dataset):
         def __init__(self, n):

@@ -53,22 +53,9 @@ def run_megatron(a) -> int:
 
 
 def run_deepspeed(a) -> int:
-    import torch
-    from deepspeed.pipe import LayerSpec
-
-    import het_plugin.deepspeed as hds
-
-    class Block(torch.nn.Module):
-        def __init__(self, h):
-            super().__init__()
-            self.fc = torch.nn.Linear(h, h)
-
-        def forward(self, x):
-            return torch.tanh(self.fc(x))
-
+    from integration_tests.support.deepspeed_layers import block_pipeline
     config = json.loads(Path(a.config).read_text())
-    model = hds.PipelineModule(layers=[LayerSpec(Block, 16) for _ in range(8)], num_stages=2, config=config,
-                               loss_fn=torch.nn.MSELoss())
+    model = block_pipeline(config, num_stages=2)
     return len(model.het_applied.records)
 
 
