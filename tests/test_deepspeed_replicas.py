@@ -93,6 +93,37 @@ def test_replica_sample_order_reads_each_sample_once_per_iteration(uneven):
         [13, 12, 5, 4]
 
 
+def test_shuffled_order_follows_set_epoch_like_distributed_sampler(even, uneven):
+    """Each epoch's global batches hold the samples DeepSpeed's shuffling DistributedSampler gives the even split
+    in that epoch (set_epoch redraws both), whatever the split."""
+    samples, gbs = 40, 8
+    dp, micro, accum = even.dp, even.micro_batch_size, 2
+
+    def even_split_batches(epoch):
+        per_rank = []
+        for r in range(dp):
+            s = torch.utils.data.DistributedSampler(list(range(samples)), num_replicas=dp, rank=r, shuffle=True, seed=3)
+            s.set_epoch(epoch)
+            per_rank.append(list(s))
+        steps = samples // gbs
+        return [sorted(x for rank in per_rank for x in rank[i * micro * accum:(i + 1) * micro * accum])
+                for i in range(steps)]
+
+    orders = [ReplicaSampleOrder(samples, ReplicaShare.from_plan(uneven, rank_in(uneven, d)), shuffle_seed=3)
+              for d in range(dp)]
+    seen_epochs = []
+    for epoch in (0, 1, 2):
+        for o in orders:
+            o.set_epoch(epoch)
+        reads = [list(o) for o in orders]
+        counts = uneven.replica_counts
+        got = [sorted(reads[0][i * counts[0] * micro:(i + 1) * counts[0] * micro] +
+                      reads[1][i * counts[1] * micro:(i + 1) * counts[1] * micro]) for i in range(samples // gbs)]
+        assert got == even_split_batches(epoch), epoch
+        seen_epochs.append(got)
+    assert seen_epochs[0] != seen_epochs[1], "set_epoch must redraw the order"
+
+
 def test_dry_iterator_names_replica_and_numbers(uneven):
     share = ReplicaShare.from_plan(uneven, rank_in(uneven, 0))
     it = CountedIterator(iter(range(4)), share)

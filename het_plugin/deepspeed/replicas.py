@@ -165,12 +165,23 @@ def _count_true_global_batch(engine, share: ReplicaShare) -> None:
 class ReplicaSampleOrder:
     """Sample indices (a ``sampler`` for DeepSpeed's loader, batch size = micro): the replica's micro-batches
     of every complete global batch of ``total_samples`` (:class:`het_plugin.data.ReplicaSampler`), as
-    positions in ``order`` (the data order; None: 0, 1, 2, ...)."""
+    positions in the data order: ``order`` (None: 0, 1, 2, ...), or with ``shuffle_seed`` the permutation a
+    shuffling DistributedSampler deals out, redrawn by :meth:`set_epoch` as DistributedSampler's is (so each
+    epoch's global batches hold the samples the even split's would)."""
 
     def __init__(self, total_samples: int, share: ReplicaShare, consumed_samples: int = 0,
-                 order: Optional[Sequence[int]] = None):
+                 order: Optional[Sequence[int]] = None, shuffle_seed: Optional[int] = None, epoch: int = 0):
         self.batch_sampler = ReplicaSampler(total_samples, consumed_samples, share.batches, share.replica)
+        self.total_samples = total_samples
+        self.shuffle_seed = shuffle_seed
         self.order = order
+        self.set_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """DistributedSampler's ``set_epoch``: a shuffled order is redrawn with seed + epoch."""
+        self.epoch = epoch
+        if self.shuffle_seed is not None:
+            self.order = shuffled_order(self.shuffle_seed + epoch, self.total_samples)
 
     def __iter__(self) -> Iterator[int]:
         for micro_batch in self.batch_sampler:
@@ -178,6 +189,14 @@ class ReplicaSampleOrder:
 
     def __len__(self) -> int:
         return len(self.batch_sampler) * self.batch_sampler.batches.micro_batch_size
+
+
+def shuffled_order(seed: int, total_samples: int) -> list[int]:
+    """The permutation DistributedSampler(shuffle=True) draws for ``seed`` (its seed + epoch)."""
+    import torch
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return torch.randperm(total_samples, generator=gen).tolist()
 
 
 def replica_batch_sampler(engine, total_samples: int, consumed_samples: int = 0) -> ReplicaSampler:
@@ -200,8 +219,8 @@ def _read_replica_range(engine, share: ReplicaShare, dataset) -> None:
     pipeline = hasattr(engine, "set_dataloader")
     # The even split's data order: DeepSpeed's pipeline loader reads in order; its plain loader deals out a
     # shuffled permutation (DistributedSampler's default). Each global batch keeps the even split's samples.
-    even_order = None if pipeline else _even_split_order(_sampler_of(engine.training_dataloader), len(dataset))
-    order = ReplicaSampleOrder(len(dataset), share, order=even_order)
+    sampler = None if pipeline else _sampler_of(engine.training_dataloader)
+    order = ReplicaSampleOrder(len(dataset), share, **_even_split_shuffle(sampler))
     if len(order) == 0:
         raise ConfigError(f"training_data has {len(dataset)} samples, less than one global batch of "
                           f"{share.global_batch_size}", field="training_data", fix="give at least one global batch")
@@ -211,16 +230,13 @@ def _read_replica_range(engine, share: ReplicaShare, dataset) -> None:
         engine.set_dataloader(RepeatingLoader(engine.deepspeed_io(dataset, data_sampler=order)))
 
 
-def _even_split_order(sampler, total_samples: int) -> Optional[list[int]]:
-    """The permutation a shuffling DistributedSampler deals out round-robin (its global batch ``i`` is
-    positions ``[i*G, (i+1)*G)`` of it); None when it reads in order."""
+def _even_split_shuffle(sampler) -> dict:
+    """How a shuffling DistributedSampler orders the data (its global batch ``i`` is positions
+    ``[i*G, (i+1)*G)`` of its permutation, dealt round-robin): its seed and epoch; {} when it reads in order."""
     from torch.utils.data import DistributedSampler
     if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
-        return None
-    import torch
-    gen = torch.Generator()
-    gen.manual_seed(sampler.seed + sampler.epoch)
-    return torch.randperm(total_samples, generator=gen).tolist()
+        return {}
+    return {"shuffle_seed": sampler.seed, "epoch": sampler.epoch}
 
 
 class CountedIterator:
