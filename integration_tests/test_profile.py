@@ -1,0 +1,71 @@
+"""``het-plugin profile`` on CPU (gloo): 4 ranks on 2 nodes with a cluster file, 2 ranks with discovery; the
+profile loads, holds what the cluster has, and ``het-plugin plan --profile`` takes it. A size that does not fit
+is refused before anything runs."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from het_plugin.profile import load_profile
+from integration_tests.support.launch import run_ranks
+from tests.sysfs_tree import ib_node
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "ranks" / "profile_cli.py"
+CLUSTER = HERE / "data" / "profile_cpu_4.yaml"
+MODEL = HERE / "data" / "profile_tiny_model.yaml"
+LAYER_MODEL = HERE / "data" / "profile_speed_model.yaml"      # layers of milliseconds: their growth shows
+CLI = [sys.executable, "-c", "import sys; from het_plugin.cli import main; sys.exit(main())"]
+
+
+def test_four_ranks_write_a_profile_that_plan_takes(tmp_path):
+    out = tmp_path / "profile.yaml"
+    ranks = run_ranks(SCRIPT, 4, [str(CLUSTER), "--model", str(LAYER_MODEL), "--quick", "--micro-batch-sizes",
+                                  "1,4", "--window", "0.1", "--message-sizes", "64K,1M", "-o", str(out)],
+                      ranks_per_node=2, timeout=120)
+    assert "profile written to" in ranks[0].stderr and "compute 1/12" in ranks[0].stderr
+    prof = load_profile(out)
+    assert prof.format_version == 2 and "plain torch blocks" in prof.description
+    curves = {(c.kind, c.tp, c.micro_batch_size) for c in prof.compute}
+    assert curves == {(k, tp, mb) for k in ("layer", "embedding", "output") for tp in (1, 2) for mb in (1, 4)}
+    assert {c.device for c in prof.compute} == {"A100-80"}
+    for tp, more in ((1, 1.5), (2, 1.1)):     # 4 samples take longer than 1 (real work; TP 2 adds its all-reduces)
+        one, four = prof.compute_time("A100-80", "layer", 1, tp), prof.compute_time("A100-80", "layer", 4, tp)
+        assert four.forward_s + four.backward_s > more * (one.forward_s + one.backward_s), (tp, one, four)
+    assert prof.optimizer_s_per_param("A100-80", 1) > 0 and prof.iteration_overhead_s("A100-80") > 0
+    links = {(link.tier, link.cluster): link for link in prof.links}
+    assert set(links) == {("local", "ib"), ("ib", "ib"), ("socket", "ib")}
+    ib = links[("ib", "ib")]
+    assert [b for b, _ in ib.bandwidth] == [65536, 1 << 20] and ib.latency_us > 0
+    assert [k for k, _ in ib.concurrency] == [2] and [b for b, _ in ib.allreduce] == [65536, 1 << 20]
+    assert all(g > 0 for _, g in ib.bandwidth + ib.allreduce)
+    planned = subprocess.run([*CLI, "plan", str(CLUSTER), "--model", str(LAYER_MODEL), "--profile", str(out)],
+                             capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    assert "iteration" in planned.stdout
+
+
+def test_discovered_nodes_are_profiled(tmp_path):
+    out = tmp_path / "profile.json"
+    env = [{"HET_PLUGIN_SYSFS_ROOT": str(ib_node(tmp_path / name)), "HET_PLUGIN_NODE_NAME": name,
+            "HET_PLUGIN_ACCELERATOR": "H100"} for name in ("n0", "n1")]
+    ranks = run_ranks(SCRIPT, 2, ["discover", "--model", str(MODEL), "--quick", "--window", "0.03",
+                                  "--message-sizes", "64K", "-o", str(out)], rank_env=env, ranks_per_node=1,
+                      timeout=120)
+    assert "profile written to" in ranks[0].stderr
+    prof = load_profile(out)
+    assert {c.device for c in prof.compute} == {"H100"}
+    assert [(link.tier, link.cluster is not None) for link in prof.links] == [("ib", True), ("socket", True)]
+
+
+def test_a_size_that_does_not_fit_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "profile.yaml"
+    cluster = tmp_path / "one.yaml"
+    cluster.write_text("clusters: [{name: c, fabric: {type: ib, gbps: 100}, nodes: [{count: 1, accelerator: A100-80, "
+                       "accelerators_per_node: 1}]}]\n")
+    p = subprocess.run([*CLI, "profile", str(cluster), "--model", "gpt-7.5b", "--micro-batch-sizes", "1,64",
+                        "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "--micro-batch-sizes" in p.stderr and "micro-batch 64 with tp=1" in p.stderr and "fix:" in p.stderr
+    assert not out.exists()
