@@ -104,8 +104,8 @@ def profile_launch(cluster_arg: str, model: ModelSpec, settings: Settings, outpu
         raise ProfileFailed(f"rank {refused.rank} cannot profile: {refused.error['problem']}")
     if rank == 0:
         log(f"{cluster.name}: {world} ranks, device types {[d.name for d in devices]}; {len(rounds)} compute "
-            f"points, {len(ljobs)} links x {len(settings.message_sizes)} message sizes; window {settings.window_s:g} s"
-            f"; layers: {'Megatron-Core' if megatron else 'plain torch'}")
+            f"points ({'Megatron-Core' if megatron else 'plain torch'} layers), {len(ljobs)} links x "
+            f"{len(settings.message_sizes)} message sizes; window {settings.window_s:g} s")
 
     backend = "nccl" if on_gpu else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=wait_s))
