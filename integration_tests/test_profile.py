@@ -69,3 +69,39 @@ def test_a_size_that_does_not_fit_is_refused_before_anything_runs(tmp_path):
     assert p.returncode == 2, p.stderr
     assert "--micro-batch-sizes" in p.stderr and "micro-batch 64 with tp=1" in p.stderr and "fix:" in p.stderr
     assert not out.exists()
+
+
+def test_megatron_cores_own_layers_are_timed(tmp_path):
+    """--layers megatron: Megatron-Core's one-layer GPTModel pieces at TP 1 and 2 (on CPU through the test-only
+    shims the rank script installs; `auto` would take the plain blocks here, as the first test shows)."""
+    out = tmp_path / "profile.yaml"
+    ranks = run_ranks(SCRIPT, 4, ["--megatron-cpu-shims", str(CLUSTER), "--model", str(LAYER_MODEL), "--quick",
+                                  "--layers", "megatron", "--no-links", "--window", "0.1", "-o", str(out)],
+                      ranks_per_node=2, timeout=150)
+    assert "(Megatron-Core layers)" in ranks[0].stderr
+    prof = load_profile(out)
+    assert "layers: Megatron-Core 0." in prof.description and "local spec" in prof.description
+    assert {(c.kind, c.tp, c.micro_batch_size) for c in prof.compute} == {
+        (k, tp, mb) for k in ("layer", "embedding", "output") for tp in (1, 2) for mb in (1, 2)}
+    assert all(c.forward_s > 0 and c.backward_s > 0 for c in prof.compute)
+    assert prof.links == [] and prof.optimizer_s_per_param("A100-80", 1) > 0
+
+
+def test_one_process_without_a_launcher_times_an_moe_model(tmp_path):
+    cluster, model, out = tmp_path / "one.yaml", tmp_path / "moe.yaml", tmp_path / "profile.yaml"
+    cluster.write_text("clusters: [{name: c, fabric: {type: ib, gbps: 100}, nodes: [{count: 1, accelerator: H100, "
+                       "accelerators_per_node: 1}]}]\n")
+    model.write_text("{name: moe-tiny, num_layers: 4, hidden_size: 64, num_attention_heads: 4, vocab_size: 256, "
+                     "seq_length: 32, global_batch_size: 8, dtype: fp32, activation: swiglu, num_moe_experts: 4, "
+                     "moe_router_topk: 2, moe_layer_freq: 2, moe_shared_expert_intermediate_size: 64}\n")
+    p = subprocess.run([*CLI, "profile", str(cluster), "--model", str(model), "--quick", "--window", "0.03",
+                        "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    prof = load_profile(out)
+    assert {(c.kind, c.micro_batch_size) for c in prof.compute} == {
+        (k, mb) for k in ("layer", "moe_layer", "embedding", "output") for mb in (1, 2)}
+    assert prof.links == []                      # one rank: nothing to send to
+    # the average layer of a half-MoE model mixes the two measured curves
+    dense, moe = prof.compute_time("H100", "layer", 2, 1), prof.compute_time("H100", "moe_layer", 2, 1)
+    mixed = prof.compute_time("H100", "layer", 2, 1, moe_fraction=0.5)
+    assert abs(mixed.forward_s - (dense.forward_s + moe.forward_s) / 2) < 1e-12

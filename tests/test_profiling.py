@@ -163,3 +163,10 @@ def test_the_measured_faster_device_gets_more_layers():
     analytic, measured = split(None), split(build_profile(records))
     assert analytic["dev-b"] > analytic["dev-a"]
     assert measured["dev-a"] > measured["dev-b"]
+
+
+def test_megatron_layers_need_its_tp_groups_to_be_the_measuring_ones():
+    from het_plugin.profiling.megatron_layers import aligned
+    assert aligned(8, [(0,), (0, 1), (4, 5), (0, 1, 2, 3)])
+    assert not aligned(6, [(0, 1, 2, 3)])               # Megatron needs tp to divide the world
+    assert not aligned(6, [(3, 4)])                     # a node of 3 ranks: its TP-2 group starts at rank 3

@@ -83,7 +83,11 @@ class _Layer(nn.Module):
         self.gpt = gpt
 
     def forward(self, x):                       # [b, s, h] as the plain layers take it; Megatron's is [s, b, h]
-        out, _ = self.gpt.decoder.layers[0](x.transpose(0, 1), attention_mask=None)
+        s = x.shape[1]
+        if getattr(self, "mask", None) is None or self.mask.shape[-1] != s:
+            # the causal mask Megatron-LM's pretrain_gpt passes (True = masked), made once per sequence length
+            self.mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=x.device), diagonal=1)[None, None]
+        out, _ = self.gpt.decoder.layers[0](x.transpose(0, 1), attention_mask=self.mask)
         return out.transpose(0, 1)
 
 
