@@ -87,13 +87,27 @@ def test_megatron_cores_own_layers_are_timed(tmp_path):
     assert prof.links == [] and prof.optimizer_s_per_param("A100-80", 1) > 0
 
 
-def test_one_process_without_a_launcher_times_an_moe_model(tmp_path):
-    cluster, model, out = tmp_path / "one.yaml", tmp_path / "moe.yaml", tmp_path / "profile.yaml"
+def _one_rank_moe(tmp_path) -> tuple[Path, Path]:
+    cluster, model = tmp_path / "one.yaml", tmp_path / "moe.yaml"
     cluster.write_text("clusters: [{name: c, fabric: {type: ib, gbps: 100}, nodes: [{count: 1, accelerator: H100, "
                        "accelerators_per_node: 1}]}]\n")
     model.write_text("{name: moe-tiny, num_layers: 4, hidden_size: 64, num_attention_heads: 4, vocab_size: 256, "
                      "seq_length: 32, global_batch_size: 8, dtype: fp32, activation: swiglu, num_moe_experts: 4, "
                      "moe_router_topk: 2, moe_layer_freq: 2, moe_shared_expert_intermediate_size: 64}\n")
+    return cluster, model
+
+
+def test_megatron_moe_layer_is_timed(tmp_path):
+    (cluster, model), out = _one_rank_moe(tmp_path), tmp_path / "profile.yaml"
+    run_ranks(SCRIPT, 1, ["--megatron-cpu-shims", str(cluster), "--model", str(model), "--layers", "megatron",
+                          "--micro-batch-sizes", "2", "--window", "0.05", "-o", str(out)], timeout=120)
+    prof = load_profile(out)
+    assert "Megatron-Core" in prof.description
+    assert {c.kind for c in prof.compute} == {"layer", "moe_layer", "embedding", "output"}
+
+
+def test_one_process_without_a_launcher_times_an_moe_model(tmp_path):
+    (cluster, model), out = _one_rank_moe(tmp_path), tmp_path / "profile.yaml"
     p = subprocess.run([*CLI, "profile", str(cluster), "--model", str(model), "--quick", "--window", "0.03",
                         "-o", str(out)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

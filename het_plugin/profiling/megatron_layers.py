@@ -61,7 +61,8 @@ def _gpt(model: ModelSpec, tp: int, moe: bool, dtype, on_cuda: bool):
     swiglu = model.activation == "swiglu"
     kwargs = dict(num_layers=1, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
                   num_query_groups=model.kv_heads, ffn_hidden_size=model.ffn, hidden_dropout=0.0,
-                  attention_dropout=0.0, tensor_model_parallel_size=tp, use_cpu_initialization=not on_cuda,
+                  attention_dropout=0.0, add_bias_linear=False,    # the cost model counts no biases
+                  tensor_model_parallel_size=tp, use_cpu_initialization=not on_cuda,
                   params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
                   fp16=dtype == torch.float16, gated_linear_unit=swiglu,
                   activation_func=F.silu if swiglu else F.gelu)
