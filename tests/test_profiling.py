@@ -95,12 +95,12 @@ def test_bad_options_are_refused_naming_the_flag():
 
 
 def test_rates_from_timings():
-    # 1 MB in 1.01 ms with 10 us latency: 8 Gbit/s beyond the latency
-    assert link_gbps(1e6, 1, 1.01e-3, 10e-6) == pytest.approx(8.0)
+    # 1 MB and its reply in 1.02 ms with 10 us latency each way: 8 Gbit/s beyond the two latencies
+    assert link_gbps(1e6, 1, 1.02e-3, 10e-6) == pytest.approx(8.0)
     # two senders of a node, each 1 MB in 2 ms: the node moved 2 MB -> 8 Gbit/s
     assert link_gbps(1e6, 2, 2e-3, 0.0) == pytest.approx(8.0)
-    # a point the noise put under its latency still gets a finite (floored) rate
-    assert link_gbps(8, 1, 5e-6, 10e-6) == pytest.approx(8 * 8 / (0.05 * 5e-6) / 1e9)
+    # a point the noise put under its latencies still gets a finite (floored) rate
+    assert link_gbps(8, 1, 15e-6, 10e-6) == pytest.approx(8 * 8 / (0.05 * 15e-6) / 1e9)
     # ring all-reduce of 1 MB over 4 members in 1.5 ms: each moved 1.5 MB -> 8 Gbit/s
     assert bus_gbps(1e6, 4, 1.5e-3) == pytest.approx(8.0)
 
@@ -132,15 +132,16 @@ def test_records_become_curves_that_reproduce_the_measured_times(tmp_path):
     assert back.compute_time("dev-a", "layer", 4, 1).forward_s == 0.030
     assert back.compute_time("dev-b", "layer", 1, 1).forward_s == 0.020
     assert back.optimizer_s_per_param("dev-a", 1) == 2e-9 and back.iteration_overhead_s("dev-a") == 0.003
-    # a tier kind keeps the slower direction; the profile's transfer time is the measured one
-    assert back.step_s(["ib"], 1 << 20, 1, "ib") == pytest.approx(2e-3)
-    assert back.step_s(["ib"], 1 << 16, 1, "ib") == pytest.approx(1e-4)
-    assert back.step_s(["ib"], 1 << 20, 2, "ib") == pytest.approx(3e-3)      # two senders at once
+    # a tier kind keeps the slower direction; the profile's transfer time is the measured one without the reply
+    lat = 20e-6
+    assert back.step_s(["ib"], 1 << 20, 1, "ib") == pytest.approx(2e-3 - lat)
+    assert back.step_s(["ib"], 1 << 16, 1, "ib") == pytest.approx(1e-4 - lat)
+    assert back.step_s(["ib"], 1 << 20, 2, "ib") == pytest.approx(3e-3 - lat)      # two senders at once
     link = back.link("ib", "ib")
     assert link.latency_us == pytest.approx(20) and link.allreduce == [(1 << 20, pytest.approx(bus_gbps(1 << 20, 4, 4e-3)))]
     # a named link is written per direction
-    assert back.step_s(["a->b"], 1 << 20) == pytest.approx(4e-3)
-    assert back.step_s(["b->a"], 1 << 20) == pytest.approx(8e-3)
+    assert back.step_s(["a->b"], 1 << 20) == pytest.approx(4e-3 - 50e-6)
+    assert back.step_s(["b->a"], 1 << 20) == pytest.approx(8e-3 - 50e-6)
     assert back.directional
 
 

@@ -70,11 +70,10 @@ def latency_s(rank: int, a: int, b: int, group, device) -> Optional[float]:
     return statistics.median(trips) / 2
 
 
-def transfer_s(rank: int, src: int, dst: int, nbytes: int, group, device, window_s: float,
-               ack_latency_s: float) -> Optional[float]:
-    """Seconds per acknowledged message of ``nbytes`` from ``src`` to ``dst`` (the acknowledgement's latency
-    taken off), measured on the sender over about ``window_s``; the receiver returns None. The sender picks the
-    count from one probe and tells the receiver."""
+def transfer_s(rank: int, src: int, dst: int, nbytes: int, group, device, window_s: float) -> Optional[float]:
+    """Seconds per message of ``nbytes`` from ``src`` to ``dst`` and its one-byte acknowledgement, measured on
+    the sender over about ``window_s`` (records.link_gbps takes the latencies off); the receiver returns None.
+    The sender picks the count from one probe and tells the receiver."""
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     ack = torch.zeros(1, dtype=torch.uint8, device=device)
     count = torch.zeros(1, dtype=torch.int64)
@@ -93,7 +92,7 @@ def transfer_s(rank: int, src: int, dst: int, nbytes: int, group, device, window
             dist.send(buf, dst, group=group)
             dist.recv(ack, dst, group=group)
         _sync(device)
-        return max((time.perf_counter() - t0) / int(count.item()) - ack_latency_s, 1e-9)
+        return (time.perf_counter() - t0) / int(count.item())
     for _ in range(2):
         dist.recv(buf, src, group=group)
         dist.send(ack, src, group=group)
@@ -140,7 +139,6 @@ def measure_links(rank: int, jobs: list[LinkJob], groups: LinkGroups, sizes: tup
             out.append(LatencyRecord(job.key, job.cluster, lat))
             if job.back_key != job.key:
                 out.append(LatencyRecord(job.back_key, job.cluster, lat))
-        lat_all = _shared_latency(lat, rank, job, group, device)
         k = len(job.senders)
         for key, src, dst in ((job.key, job.senders, job.receivers), (job.back_key, job.receivers, job.senders)):
             for c in sender_counts(k, quick):
@@ -148,14 +146,15 @@ def measure_links(rank: int, jobs: list[LinkJob], groups: LinkGroups, sizes: tup
                     barrier()
                     if rank in src[:c]:
                         i = src.index(rank)
-                        t = transfer_s(rank, rank, dst[i], nbytes, group, device, window_s, lat_all)
+                        t = transfer_s(rank, rank, dst[i], nbytes, group, device, window_s)
                         out.append(TransferRecord(key, job.cluster, c, nbytes, t))
                         if c == 1:
-                            report(f"{key}{' in ' + job.cluster if job.cluster else ''}: {nbytes:,} bytes in "
-                                   f"{t * 1e3:.3f} ms ({nbytes * 8 / t / 1e9:.4g} Gbit/s with its latency)")
+                            report(f"{key}{' in ' + job.cluster if job.cluster else ''}: {nbytes:,} bytes and "
+                                   f"the reply in {t * 1e3:.3f} ms ({nbytes * 8 / t / 1e9:.4g} Gbit/s with the "
+                                   "latencies)")
                     elif rank in dst[:c]:
                         i = dst.index(rank)
-                        transfer_s(rank, src[i], rank, nbytes, group, device, window_s, lat_all)
+                        transfer_s(rank, src[i], rank, nbytes, group, device, window_s)
         for nbytes in sizes:
             barrier()
             if rank in job.members:
@@ -164,13 +163,3 @@ def measure_links(rank: int, jobs: list[LinkJob], groups: LinkGroups, sizes: tup
                     for key in dict.fromkeys((job.key, job.back_key)):
                         out.append(AllReduceRecord(key, job.cluster, len(job.members), nbytes, t))
     return out
-
-
-def _shared_latency(lat: Optional[float], rank: int, job: LinkJob, group, device) -> float:
-    """The latency the pair (first sender, first receiver) measured, handed to every member of the job's group:
-    each sender takes it off as its acknowledgement's time (non-members: 0, unused)."""
-    if rank not in job.members:
-        return 0.0
-    t = torch.tensor([lat or 0.0], dtype=torch.float64, device=device)
-    dist.broadcast(t, src=job.senders[0], group=group)
-    return float(t.item())

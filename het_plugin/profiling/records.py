@@ -45,8 +45,8 @@ class LatencyRecord:
 
 @dataclass(frozen=True)
 class TransferRecord:
-    """``senders`` ranks of a node each sent one message of ``nbytes`` at once, acknowledged: ``seconds`` is
-    the slowest sender's time per message, the acknowledgement's latency taken off."""
+    """``senders`` ranks of a node each sent messages of ``nbytes`` at once, each acknowledged by a one-byte
+    reply: ``seconds`` is the slowest sender's time per message and its acknowledgement."""
     key: str
     cluster: Optional[str]
     senders: int
@@ -81,11 +81,13 @@ def from_json(data: dict) -> Record:
 # ---- the measuring math ---------------------------------------------------------------------------
 
 
-def link_gbps(nbytes: float, senders: int, seconds: float, latency_s: float) -> float:
-    """The node's total Gbit/s that makes the profile's transfer time ``latency + senders x bytes / rate``
-    equal the measured ``seconds`` (the part beyond the latency floored at MIN_TRANSFER_SHARE of it, so a
-    latency-bound point whose time the noise put under the latency still gets a finite rate)."""
-    rest = max(seconds - latency_s, MIN_TRANSFER_SHARE * seconds)
+def link_gbps(nbytes: float, senders: int, round_s: float, latency_s: float) -> float:
+    """The node's total Gbit/s from an acknowledged message's ``round_s`` (the message, then a tiny reply):
+    the message alone took ``round_s - latency``, so the profile's transfer time ``latency + senders x bytes /
+    rate`` is that when the rate is ``senders x bytes / (round_s - 2 latency)``. The part beyond the two
+    latencies is floored at MIN_TRANSFER_SHARE of ``round_s``: a latency-bound point whose time the noise put
+    under them still gets a finite rate."""
+    rest = max(round_s - 2 * latency_s, MIN_TRANSFER_SHARE * round_s)
     return senders * nbytes * 8 / rest / 1e9
 
 
