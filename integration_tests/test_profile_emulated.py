@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "ranks" / "profile_cli.py"
 NETWORK = HERE / "data" / "emu_two_clusters.yaml"
 DEVICES = HERE / "data" / "emu_two_devices.yaml"
+SHARED = HERE / "data" / "emu_one_cluster_2x2.yaml"
 TINY = HERE / "data" / "profile_tiny_model.yaml"
 SPEED_MODEL = HERE / "data" / "profile_speed_model.yaml"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
@@ -67,6 +68,27 @@ def test_links_recover_the_shaped_rates(tmp_path):
     assert sorted(w for _, w in measured.values()) == [20, 20, 40, 200, 200]
     for key, (got, want) in measured.items():
         assert 0.8 * want <= got <= 1.2 * want, f"{key}: measured {got:.1f} Mbit/s, shaped {want:g}"
+
+
+def test_two_senders_of_a_node_share_its_shaped_nic(tmp_path):
+    """Two ranks per node: one sender alone and both at once each get the node's shaped fabric rate in total
+    (the concurrency curve), and the profile's transfer time for two senders is about twice one sender's."""
+    _require(cpu=False)
+    out = tmp_path / "profile.yaml"
+    with Emulation(load_cluster(SHARED), scale=1000, log=lambda s: None) as emu:
+        nic = emu.layout.nodes[0].fab.kbit / 1000
+        _profile(emu, [str(SHARED), "--model", str(TINY), "--no-compute", "--message-sizes", "1M", "--window", "0.3",
+                       "-o", str(out)], timeout=150)
+    prof = load_profile(out)
+    link = prof.link("ib", "ib")
+    one = dict(link.bandwidth)[1 << 20] * 1000
+    both = dict(dict(link.concurrency)[2])[1 << 20] * 1000
+    print(f"ib fabric, node total at 1 MiB: one sender {one:.1f}, two senders {both:.1f} of {nic:g} Mbit/s")
+    assert nic == 200
+    for got in (one, both):
+        assert 0.8 * nic <= got <= 1.2 * nic, (one, both, nic)
+    alone, shared = (prof.step_s(["ib"], 1 << 20, k, "ib") for k in (1, 2))
+    assert 1.6 <= shared / alone <= 2.4, (alone, shared)
 
 
 def test_unequal_speeds_make_the_planner_favour_the_faster_device(tmp_path):

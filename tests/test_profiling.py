@@ -171,3 +171,22 @@ def test_megatron_layers_need_its_tp_groups_to_be_the_measuring_ones():
     assert aligned(8, [(0,), (0, 1), (4, 5), (0, 1, 2, 3)])
     assert not aligned(6, [(0, 1, 2, 3)])               # Megatron needs tp to divide the world
     assert not aligned(6, [(3, 4)])                     # a node of 3 ranks: its TP-2 group starts at rank 3
+
+
+def test_a_point_the_device_cannot_hold_now_is_refused_not_crashed(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from het_plugin.profiling import compute
+    from het_plugin.profiling.settings import ComputeJob
+    job = ComputeJob("A100-80", "layer", 2, 8, (0, 1))
+    dev = compute.Device(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(compute, "free_bytes", lambda d: 1.0 * 2**30)
+    with pytest.raises(ConfigError, match=r"layer of tiny at micro-batch 8 with tp=2 on A100-80: needs about 3\.0 GiB "
+                                          r"but this cpu has 1\.0 GiB free") as err:
+        compute.measure_fitting(job, TINY, dev, 5.0 * 2**30, 0, None, 0.1, 1)     # 2 GiB of it is a GPU's slack
+    assert err.value.field == "--micro-batch-sizes"
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(compute, "measure_job", oom)
+    with pytest.raises(ConfigError, match="ran out of memory"):
+        compute.measure_fitting(job, TINY, dev, 0.0, 0, None, 0.1, 1)

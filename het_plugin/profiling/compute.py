@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..cost import FRAMEWORK_OVERHEAD_GIB
 from ..model import ModelSpec
 from . import layers
 from .records import ComputeRecord, OptimizerRecord, OverheadRecord, window_mean
@@ -125,6 +126,57 @@ def measure_job(job: ComputeJob, model: ModelSpec, dev: Device, tp_rank: int, gr
     fwd, bwd = time_fwd_bwd(forward, backward, dev, window_s, warmup, group)
     module.zero_grad(set_to_none=True)
     return ComputeRecord(job.device, job.kind, job.tp, job.micro_batch_size, fwd, bwd)
+
+
+def free_bytes(dev: Device) -> Optional[float]:
+    """What this rank can still allocate: the GPU's free memory, or the host's available memory on a CPU
+    (None where it cannot be read)."""
+    if dev.is_cuda:
+        return float(torch.cuda.mem_get_info(dev.torch_device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def refuse_if_short(job: ComputeJob, model: ModelSpec, dev: Device, need_bytes: float) -> None:
+    """Before building a point: the device must have the estimate free now (the cluster file's memory was
+    checked before the run; another process may hold part of it, or a CPU host has less)."""
+    free = free_bytes(dev)
+    if not dev.is_cuda:                 # the estimate's framework slack is a GPU's (context, communicators)
+        need_bytes -= FRAMEWORK_OVERHEAD_GIB * 2**30
+    if free is not None and need_bytes > free:
+        raise _short(job, model, f"needs about {need_bytes / 2**30:.1f} GiB but this {dev.torch_device.type} has "
+                                 f"{free / 2**30:.1f} GiB free")
+
+
+def _short(job: ComputeJob, model: ModelSpec, what: str):
+    from ..errors import ConfigError
+    return ConfigError(f"{job.kind} of {model.name} at micro-batch {job.micro_batch_size} with tp={job.tp} on "
+                       f"{job.device}: {what}", field="--micro-batch-sizes",
+                       fix="measure smaller micro-batches (--micro-batch-sizes) or larger TP degrees (--tp), or "
+                           "free the device's memory")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
+def measure_fitting(job: ComputeJob, model: ModelSpec, dev: Device, need_bytes: float, *args, **kwargs):
+    """:func:`measure_job`, refused (a ConfigError naming the size) when the memory is not there, before or
+    during the point, instead of an allocator's crash."""
+    refuse_if_short(job, model, dev, need_bytes)
+    try:
+        return measure_job(job, model, dev, *args, **kwargs)
+    except RuntimeError as exc:
+        if not out_of_memory(exc):
+            raise
+        raise _short(job, model, f"ran out of memory ({str(exc).splitlines()[0][:200]})") from None
 
 
 def optimizer_params(model: ModelSpec, tp: int) -> int:

@@ -20,7 +20,8 @@ from ..errors import ConfigError, HetPluginError
 from ..model import ModelSpec
 from ..profile import Profile
 from . import records as rec
-from .settings import (Settings, compute_jobs, check_memory, device_types, link_jobs, run_dtype_bytes)
+from .settings import (Settings, check_memory, compute_jobs, device_types, link_jobs, memory_need_bytes,
+                       run_dtype_bytes)
 
 LOSS_ALLREDUCES = 20        # repetitions of the world's one-number all-reduce (the per-iteration loss)
 
@@ -128,7 +129,8 @@ def profile_launch(cluster_arg: str, model: ModelSpec, settings: Settings, outpu
         if error is not None:
             raise error
         return Outcome(rank, None, time.monotonic() - start)
-    failed = first_error(entries)
+    # a rank's refusal (a ConfigError) is the reason; its peers' broken collectives only follow from it
+    failed = next((e for e in entries if e.error is not None and e.error.get("config")), None) or first_error(entries)
     if failed is not None:
         if failed.error.get("config"):
             failed.raise_error()
@@ -219,8 +221,10 @@ def _measure(cluster: Cluster, model: ModelSpec, settings: Settings, rounds, dev
         barrier()
         job = next((job for job in jobs if rank in job.ranks), None)
         if job is not None:
-            r = compute.measure_job(job, model, dev, job.ranks.index(rank), tp_groups.get((job.device, job.tp)),
-                                    settings.window_s, settings.warmup, modules)
+            need = memory_need_bytes(model, job.kind, job.micro_batch_size, job.tp, run_dtype_bytes(model, dev.is_cuda))
+            r = compute.measure_fitting(job, model, dev, need, job.ranks.index(rank),
+                                        tp_groups.get((job.device, job.tp)), settings.window_s, settings.warmup,
+                                        modules)
             if rank == job.ranks[0]:
                 out.append(r)
                 log(f"{job.device} {job.kind} tp={job.tp} micro-batch {job.micro_batch_size}: forward "
