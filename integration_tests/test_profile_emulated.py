@@ -63,7 +63,8 @@ def test_links_recover_the_shaped_rates(tmp_path):
         link = prof.link(*key)
         assert link is not None, (key, [(l.tier, l.cluster) for l in prof.links])
         measured[key] = (dict(link.bandwidth)[1 << 20] * 1000, want)     # Mbit/s at 1 MiB
-    print({f"{k[0]}{' in ' + k[1] if k[1] else ''}": f"{got:.1f} of {want:g} Mbit/s" for k, (got, want) in measured.items()})
+    print({f"{k[0]}{' in ' + k[1] if k[1] else ''}": f"{got:.1f} of {want:g} Mbit/s"
+           for k, (got, want) in measured.items()})
     # the shaped rates come from the cluster file (fabric 200, Ethernet 40 inside, 20 between, at scale 1000)
     assert sorted(w for _, w in measured.values()) == [20, 20, 40, 200, 200]
     for key, (got, want) in measured.items():
@@ -109,7 +110,8 @@ def test_unequal_speeds_make_the_planner_favour_the_faster_device(tmp_path):
         assert p.returncode == 0, p.stderr
         plan = Plan.load(plan_file)
         cluster = load_cluster(DEVICES)
-        return {cluster.node_of(plan.stage_ranks(s)[0]).accelerator.name: n for s, n in enumerate(plan.layers_per_stage)}
+        return {cluster.node_of(plan.stage_ranks(s)[0]).accelerator.name: n
+                for s, n in enumerate(plan.layers_per_stage)}
     analytic, measured = split(), split("--profile", str(out))
     print(f"layers per device type: catalog {analytic}, profile {measured}")
     assert analytic["dev-b"] > analytic["dev-a"]            # the catalog calls dev-b twice as fast

@@ -82,7 +82,8 @@ def test_a_size_that_does_not_fit_is_refused_naming_it():
 
 
 def test_bad_options_are_refused_naming_the_flag():
-    for kwargs, field in (({"micro_batch_sizes": [0]}, "--micro-batch-sizes"), ({"message_sizes": [2]}, "--message-sizes"),
+    for kwargs, field in (({"micro_batch_sizes": [0]}, "--micro-batch-sizes"),
+                          ({"message_sizes": [2]}, "--message-sizes"),
                           ({"window_s": 0.0}, "--window"), ({"compute": False, "links": False}, "--no-compute")):
         with pytest.raises(ConfigError) as err:
             make_settings(**kwargs)
@@ -138,7 +139,8 @@ def test_records_become_curves_that_reproduce_the_measured_times(tmp_path):
     assert back.step_s(["ib"], 1 << 16, 1, "ib") == pytest.approx(1e-4 - lat)
     assert back.step_s(["ib"], 1 << 20, 2, "ib") == pytest.approx(3e-3 - lat)      # two senders at once
     link = back.link("ib", "ib")
-    assert link.latency_us == pytest.approx(20) and link.allreduce == [(1 << 20, pytest.approx(bus_gbps(1 << 20, 4, 4e-3)))]
+    assert link.latency_us == pytest.approx(20)
+    assert link.allreduce == [(1 << 20, pytest.approx(bus_gbps(1 << 20, 4, 4e-3)))]
     # a named link is written per direction
     assert back.step_s(["a->b"], 1 << 20) == pytest.approx(4e-3 - 50e-6)
     assert back.step_s(["b->a"], 1 << 20) == pytest.approx(8e-3 - 50e-6)

@@ -227,6 +227,3 @@ def loss_allreduce_s(dev: Device, repeats: int) -> float:
 def overhead_record(device_name: str, parts_s: float, allreduce_s: float) -> OverheadRecord:
     return OverheadRecord(device_name, parts_s + allreduce_s)
 
-
-def tp_rank_of(rank: int, job: Optional[ComputeJob]) -> int:
-    return 0 if job is None else job.ranks.index(rank)
