@@ -3,12 +3,15 @@ profile loads, holds what the cluster has, and ``het-plugin plan --profile`` tak
 is refused before anything runs."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from het_plugin.profile import load_profile
-from integration_tests.support.launch import run_ranks
+from integration_tests.support.launch import free_port, run_ranks
 from tests.sysfs_tree import ib_node
 
 HERE = Path(__file__).resolve().parent
@@ -119,3 +122,30 @@ def test_one_process_without_a_launcher_times_an_moe_model(tmp_path):
     dense, moe = prof.compute_time("H100", "layer", 2, 1), prof.compute_time("H100", "moe_layer", 2, 1)
     mixed = prof.compute_time("H100", "layer", 2, 1, moe_fraction=0.5)
     assert abs(mixed.forward_s - (dense.forward_s + moe.forward_s) / 2) < 1e-12
+
+
+def _console(name: str) -> Path:
+    found = Path(sys.executable).parent / name
+    if not found.exists():
+        pytest.skip(f"{name} is not installed next to this python")
+    return found
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_under_the_real_launchers(tmp_path, launcher):
+    """`torchrun --no-python het-plugin profile` and `deepspeed --no_python --no_local_rank het-plugin profile`
+    (the deepspeed launcher would otherwise put --local_rank=N before the subcommand)."""
+    out, cluster = tmp_path / "profile.yaml", tmp_path / "two.yaml"
+    cluster.write_text("clusters: [{name: c, fabric: {type: ib, gbps: 100}, nodes: [{count: 1, accelerator: A100-80, "
+                       "accelerators_per_node: 2}]}]\n")
+    port = str(free_port())
+    head = ([str(_console("torchrun")), "--nproc-per-node", "2", "--master-port", port, "--no-python"]
+            if launcher == "torchrun" else
+            [str(_console("deepspeed")), "--num_gpus", "2", "--master_port", port, "--no_python", "--no_local_rank"])
+    p = subprocess.run([*head, str(_console("het-plugin")), "profile", str(cluster), "--model", str(MODEL), "--quick",
+                        "--window", "0.03", "--message-sizes", "64K", "-o", str(out)],
+                       capture_output=True, text=True, timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    prof = load_profile(out)
+    assert {c.tp for c in prof.compute} == {1, 2}
+    assert [(link.tier, link.cluster) for link in prof.links] == [("local", "c")]
