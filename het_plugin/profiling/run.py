@@ -135,7 +135,9 @@ def profile_launch(cluster_arg: str, model: ModelSpec, settings: Settings, outpu
         if failed.error.get("config"):
             failed.raise_error()
         bad = "; ".join(f"rank {e.rank}: {e.error['problem']}" for e in entries if e.error is not None)
-        raise ProfileFailed(f"profiling failed: {bad}")
+        hint = (" (the layers were Megatron-Core's; --layers torch times plain blocks of the model's shape "
+                "instead)" if megatron else "")
+        raise ProfileFailed(f"profiling failed: {bad}{hint}")
     records = [rec.from_json(d) for e in entries for d in e.value]
     layers_note = (f"Megatron-Core {_megatron_version()} (a one-layer GPTModel, local spec)" if megatron else
                    "plain torch blocks of the model's shape, TP as Megatron-Core splits them (het_plugin.profiling."
