@@ -192,3 +192,42 @@ def test_a_point_the_device_cannot_hold_now_is_refused_not_crashed(monkeypatch):
     monkeypatch.setattr(compute, "measure_job", oom)
     with pytest.raises(ConfigError, match="ran out of memory"):
         compute.measure_fitting(job, TINY, dev, 0.0, 0, None, 0.1, 1)
+
+
+# ---- the command's refusals: one message naming the option, a fix line, exit 2, nothing written ----------
+
+ONE_NODE = ("clusters: [{name: c, fabric: {type: ib, gbps: 100}, nodes: [{count: $count, accelerator: A100-80, "
+            "accelerators_per_node: 1}]}]\n")
+
+
+@pytest.mark.parametrize("args,where,problem", [
+    (["--micro-batch-sizes", "0,2"], "--micro-batch-sizes", "[0] is not a list of whole numbers"),
+    (["--micro-batch-sizes", "two"], "--micro-batch-sizes", "is not comma-separated whole numbers"),
+    (["--message-sizes", "64X"], "--message-sizes", "'64X' is not a size"),
+    (["--window", "0"], "--window", "is not between 0.001 and 600 seconds"),
+    (["--tp", "3"], "--tp", "tp=3 fits no device type"),
+    (["-o", "{tmp}/profile.txt"], "-o/--output", "cannot tell the format"),
+    (["-o", "{tmp}/no-such-folder/p.yaml"], "-o/--output", ""),
+    (["--count", "2"], "cluster", "the cluster has 2 ranks but the launch started 1"),
+    (["--micro-batch-sizes", "1,512"], "--micro-batch-sizes", "at micro-batch 512 with tp=1"),
+])
+def test_profile_refuses_bad_options_before_measuring(args, where, problem, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torch")
+    from string import Template
+
+    from het_plugin.cli import main
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    count = "1"
+    if args[:1] == ["--count"]:
+        count, args = args[1], args[2:]
+    (tmp_path / "c.yaml").write_text(Template(ONE_NODE).substitute(count=count))
+    out = ["-o", str(tmp_path / "p.yaml")] if "-o" not in args else []
+    rc = main(["profile", str(tmp_path / "c.yaml"), "--model", "gpt-7.5b", *args, *out])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in err, err
+    assert len(lines) == 2 and lines[0].startswith("het-plugin profile: error: ") and lines[1].startswith("  fix: ")
+    assert where in lines[0] and problem in lines[0], err
+    assert not (tmp_path / "p.yaml").exists() and not (tmp_path / "profile.txt").exists()
