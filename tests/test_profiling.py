@@ -231,3 +231,9 @@ def test_profile_refuses_bad_options_before_measuring(args, where, problem, tmp_
     assert len(lines) == 2 and lines[0].startswith("het-plugin profile: error: ") and lines[1].startswith("  fix: ")
     assert where in lines[0] and problem in lines[0], err
     assert not (tmp_path / "p.yaml").exists() and not (tmp_path / "profile.txt").exists()
+
+
+def test_the_models_own_micro_batch_is_measured_by_default():
+    assert make_settings(quick=True, model_micro_batch=4).micro_batch_sizes == (1, 2, 4)
+    assert make_settings(model_micro_batch=2).micro_batch_sizes == (1, 2, 4, 8)
+    assert make_settings(micro_batch_sizes=[3], model_micro_batch=4).micro_batch_sizes == (3,)   # given: as given

@@ -20,7 +20,8 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="fewer sizes and short windows: a minute-scale run (micro-batches 1,2; messages 64K,16M; "
                         "0.1 s per point)")
-    p.add_argument("--micro-batch-sizes", metavar="N,N,...", help="micro-batch sizes timed (default 1,2,4,8)")
+    p.add_argument("--micro-batch-sizes", metavar="N,N,...",
+                   help="micro-batch sizes timed (default 1,2,4,8 and the model file's micro_batch_size)")
     p.add_argument("--tp", metavar="N,N,...", help="TP degrees timed (default: every one that fits a node)")
     p.add_argument("--message-sizes", metavar="SIZE,...",
                    help="link message sizes, bytes or with K/M/G (powers of 1024): default 64K,1M,16M,64M")
@@ -66,13 +67,13 @@ def run(args) -> int:
     from .plan import named_by
 
     check_timeout_arg(args)
+    with named_by("--model"):
+        model = model_from_arg(args.model)
     settings = make_settings(quick=args.quick, micro_batch_sizes=int_list(args.micro_batch_sizes,
                                                                           "--micro-batch-sizes"),
                              message_sizes=size_list(args.message_sizes), tp=int_list(args.tp, "--tp"),
                              window_s=args.window, compute=args.compute, links=args.links,
-                             layers=args.layers)
-    with named_by("--model"):
-        model = model_from_arg(args.model)
+                             layers=args.layers, model_micro_batch=model.micro_batch_size)
     from ..profiling.run import profile_launch
     outcome = profile_launch(args.cluster, model, settings, args.output, timeout_s=args.timeout)
     if outcome.profile is not None:

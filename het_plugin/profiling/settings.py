@@ -54,11 +54,15 @@ def _sorted_unique(values: Sequence[int], field: str, lo: int, hi: int, unit: st
 def make_settings(*, quick: bool = False, micro_batch_sizes: Optional[Sequence[int]] = None,
                   message_sizes: Optional[Sequence[int]] = None, tp: Optional[Sequence[int]] = None,
                   window_s: Optional[float] = None, compute: bool = True, links: bool = True,
-                  layers: str = "auto") -> Settings:
-    """Defaults (``quick``: fewer sizes, shorter windows: a minute-scale run) overridden by what is given."""
+                  layers: str = "auto", model_micro_batch: Optional[int] = None) -> Settings:
+    """Defaults (``quick``: fewer sizes, shorter windows: a minute-scale run) overridden by what is given. The
+    default micro-batch sizes include ``model_micro_batch`` (the model file's own), so a plan for that size
+    reads a measured point, not an extrapolation."""
     from ..model import LIMITS
-    mbs = _sorted_unique(list(micro_batch_sizes or (QUICK_MICRO_BATCHES if quick else DEFAULT_MICRO_BATCHES)),
-                         "--micro-batch-sizes", 1, LIMITS["micro_batch_size"], "samples")
+    default = (QUICK_MICRO_BATCHES if quick else DEFAULT_MICRO_BATCHES) + ((model_micro_batch,) if model_micro_batch
+                                                                           else ())
+    mbs = _sorted_unique(list(micro_batch_sizes or default), "--micro-batch-sizes", 1, LIMITS["micro_batch_size"],
+                         "samples")
     sizes = _sorted_unique(list(message_sizes or (QUICK_MESSAGE_SIZES if quick else DEFAULT_MESSAGE_SIZES)),
                            "--message-sizes", 4, MAX_MESSAGE_BYTES, "bytes")
     tps = None if tp is None else _sorted_unique(list(tp), "--tp", 1, 1024, "ranks")
