@@ -237,3 +237,18 @@ def test_the_models_own_micro_batch_is_measured_by_default():
     assert make_settings(quick=True, model_micro_batch=4).micro_batch_sizes == (1, 2, 4)
     assert make_settings(model_micro_batch=2).micro_batch_sizes == (1, 2, 4, 8)
     assert make_settings(micro_batch_sizes=[3], model_micro_batch=4).micro_batch_sizes == (3,)   # given: as given
+
+
+def test_the_allreduce_field_is_format_2_and_checked(tmp_path):
+    link = "links: [{tier: ib, bandwidth: [{bytes: 1024, gbps: 1}], allreduce: [{bytes: 2048, gbps: 2}, " \
+           "{bytes: 1024, gbps: 1}]}]\n"
+    p = tmp_path / "p.yaml"
+    p.write_text(link)
+    with pytest.raises(ConfigError, match=r"format-2 fields \(links\[0\]\.allreduce\)"):
+        load_profile(p)
+    p.write_text("format: het_plugin-profile/2\n" + link)
+    with pytest.raises(ConfigError, match="allreduce sizes"):
+        load_profile(p)
+    p.write_text("format: het_plugin-profile/2\n" + link.replace("2048, gbps: 2}, {bytes: 1024, gbps: 1}",
+                                                                 "1024, gbps: 1}, {bytes: 2048, gbps: 2}"))
+    assert load_profile(p).link("ib").allreduce == [(1024, 1.0), (2048, 2.0)]
