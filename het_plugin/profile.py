@@ -55,6 +55,8 @@ class LinkMeasurement:
     cluster: Optional[str] = None               # format 2: the tier inside this cluster only
     concurrency: list[tuple[int, list[tuple[int, float]]]] = field(default_factory=list)
     # ^ format 2: (senders per node, [(each sender's message bytes, the node's total Gbit/s)])
+    allreduce: list[tuple[int, float]] = field(default_factory=list)
+    # ^ format 2: (message bytes, an all-reduce's bus Gbit/s) over the link, for reference (not predicted from)
 
 
 @dataclass
@@ -95,11 +97,13 @@ class Profile:
 
     def add_link(self, tier: str, bandwidth: list[tuple[int, float]], latency_us: float = 0.0,
                  cluster: Optional[str] = None,
-                 concurrency: Optional[dict[int, list[tuple[int, float]]]] = None) -> None:
-        """``concurrency``: {senders per node: [(each sender's message bytes, the node's total Gbit/s)]}."""
+                 concurrency: Optional[dict[int, list[tuple[int, float]]]] = None,
+                 allreduce: Optional[list[tuple[int, float]]] = None) -> None:
+        """``concurrency``: {senders per node: [(each sender's message bytes, the node's total Gbit/s)]};
+        ``allreduce``: [(message bytes, bus Gbit/s)] of an all-reduce over the link (kept, not predicted from)."""
         curves = [(int(k), sorted((int(b), float(g)) for b, g in pts)) for k, pts in sorted((concurrency or {}).items())]
         self.links.append(LinkMeasurement(tier, latency_us, [(int(b), float(g)) for b, g in bandwidth], cluster,
-                                          curves))
+                                          curves, sorted((int(b), float(g)) for b, g in (allreduce or []))))
 
     def add_optimizer(self, device: str, tp: int, seconds_per_param: float) -> None:
         self.optimizer.append(OptimizerMeasurement(device, tp, seconds_per_param))
@@ -137,7 +141,8 @@ class Profile:
             "links": [{"tier": link.tier, **({"cluster": link.cluster} if link.cluster is not None else {}),
                        "latency_us": link.latency_us, "bandwidth": _points(link.bandwidth),
                        **({"concurrency": [{"senders": k, "bandwidth": _points(pts)} for k, pts in link.concurrency]}
-                          if link.concurrency else {})}
+                          if link.concurrency else {}),
+                       **({"allreduce": _points(link.allreduce)} if link.allreduce else {})}
                       for link in self.links],
         }
         return validate(ProfileFileV2, data, "<profile>")
@@ -146,6 +151,7 @@ class Profile:
         extra = ([f"compute[{i}].layer" for i, c in enumerate(self.compute) if c.layer is not None]
                  + [f"links[{i}].cluster" for i, link in enumerate(self.links) if link.cluster is not None]
                  + [f"links[{i}].concurrency" for i, link in enumerate(self.links) if link.concurrency]
+                 + [f"links[{i}].allreduce" for i, link in enumerate(self.links) if link.allreduce]
                  + (["optimizer"] if self.optimizer else []) + (["overhead"] if self.overhead else []))
         if extra:
             raise ConfigError(f"a format-1 profile cannot hold {', '.join(extra)}", source="<profile>",
@@ -171,7 +177,8 @@ class Profile:
                      for c in spec.compute for p in c.points],
             links=[LinkMeasurement(link.tier, link.latency_us, [(p.bytes, p.gbps) for p in link.bandwidth],
                                    link.cluster, [(c.senders, [(p.bytes, p.gbps) for p in c.bandwidth])
-                                                  for c in link.concurrency])
+                                                  for c in link.concurrency],
+                                   [(p.bytes, p.gbps) for p in link.allreduce])
                    for link in spec.links],
             description=spec.description,
             optimizer=[OptimizerMeasurement(o.device, o.tp, o.seconds_per_param) for o in spec.optimizer],
@@ -376,7 +383,7 @@ def curve_at(sizes: Sequence[int], times: Sequence[float], size: int) -> float:
 
 def _format2_fields(data: dict) -> list[str]:
     found = [k for k in ("optimizer", "iteration_overhead") if k in data]
-    for section, keys in (("compute", ("points", "layer")), ("links", ("cluster", "concurrency"))):
+    for section, keys in (("compute", ("points", "layer")), ("links", ("cluster", "concurrency", "allreduce"))):
         items = data.get(section)
         for i, item in enumerate(items if isinstance(items, list) else []):
             found += [f"{section}[{i}].{k}" for k in keys if isinstance(item, dict) and k in item]

@@ -6,7 +6,9 @@ exactly as it did when it was written.
 
 Format 2 (``het_plugin-profile/2``): compute as curves over the micro-batch size (``points``), an ``moe_layer``
 kind and per-layer-index overrides, the optimizer step per parameter, a fixed per-iteration overhead, and links
-per cluster, per direction (``"a->b"``) and by the number of concurrent senders per node (``concurrency``).
+per cluster, per direction (``"a->b"``) and by the number of concurrent senders per node (``concurrency``);
+optionally the all-reduce bus bandwidth measured over a link (``allreduce``: recorded by ``het-plugin profile``,
+not read by the predictor).
 """
 from __future__ import annotations
 
@@ -144,6 +146,7 @@ class LinkEntryV2(_Strict):
     latency_us: float = Field(default=0.0, ge=0)
     bandwidth: list[BandwidthPoint] = Field(min_length=1)   # one sender per node
     concurrency: list[BandwidthCurve] = []
+    allreduce: list[BandwidthPoint] = []        # a ring all-reduce's bus bandwidth over the link (for reference)
 
     @model_validator(mode="after")
     def _check(self):
@@ -156,6 +159,7 @@ class LinkEntryV2(_Strict):
         _increasing([p.bytes for p in self.bandwidth], "bandwidth sizes", "list each message size once, smallest first")
         _increasing([c.senders for c in self.concurrency], "concurrency senders",
                     "one curve per sender count, smallest first")
+        _increasing([p.bytes for p in self.allreduce], "allreduce sizes", "list each message size once, smallest first")
         return self
 
     @property

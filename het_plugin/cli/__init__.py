@@ -9,7 +9,7 @@ import sys
 from ..errors import HetPluginError
 
 # Modules under het_plugin.cli, each with ``register(subparsers)``; add a name when adding a subcommand.
-SUBCOMMANDS = ["plan", "emulate", "discover", "wrap-config", "patch", "check"]
+SUBCOMMANDS = ["plan", "emulate", "discover", "wrap-config", "patch", "check", "profile"]
 
 
 def build_parser() -> argparse.ArgumentParser:
