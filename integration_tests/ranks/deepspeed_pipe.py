@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -34,6 +35,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--micro", type=int, default=MICRO, help="train_micro_batch_size_per_gpu of the config")
+    p.add_argument("--slow-device", help="ranks the plan puts on this accelerator sleep --layer-delay-ms in each "
+                                         "Block's forward (a slower device; for the measured-profile test)")
+    p.add_argument("--layer-delay-ms", type=float, default=0.0)
     args = p.parse_args()
     hidden, micro = args.hidden, args.micro
 
@@ -47,12 +51,16 @@ def main() -> None:
     class InProj(torch.nn.Linear):
         pass
 
+    delay = [0.0]
+
     class Block(torch.nn.Module):
         def __init__(self, h):
             super().__init__()
             self.fc = torch.nn.Linear(h, h)
 
         def forward(self, x):
+            if delay[0]:
+                time.sleep(delay[0])
             return torch.tanh(self.fc(x))
 
     class Head(torch.nn.Linear):
@@ -74,6 +82,11 @@ def main() -> None:
         config = json.loads(Path(args.config).read_text())
         model = hds.PipelineModule(layers=layers, topology=topo, config=config, **common)
         init = hds.initialize
+    plan = getattr(model, "het_plan", None)
+    if args.slow_device and plan is not None:
+        me = tdist.get_rank()
+        node = next(n for n in plan.nodes if n.first_rank <= me < n.first_rank + n.num_ranks)
+        delay[0] = args.layer_delay_ms / 1e3 if node.accelerator == args.slow_device else 0.0
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
 
