@@ -222,7 +222,9 @@ def comparison_lines(run: MeasuredRun, plan: Plan, repredicted: Optional[Sequenc
                  + (f" (forward-backward schedule {duration(run.schedule_s)})" if run.schedule_s else ""))
     same_shape = (plan.pp == len(run.layers_per_stage) and plan.micro_batch_size == run.micro_batch_size
                   and plan.tp == run.tp)
-    if plan.hash == run.plan_hash or (same_shape and list(plan.layers_per_stage) == list(run.layers_per_stage)):
+    same_devices = same_shape and all(st.device in devices.split("+")
+                                      for st, devices in zip(run.stages, stage_devices(plan)))
+    if plan.hash == run.plan_hash or (same_devices and list(plan.layers_per_stage) == list(run.layers_per_stage)):
         lines.append(f"re-planned with the measured times: the split stays {list(run.layers_per_stage)}")
     elif same_shape:
         new = plan.prediction.stage_compute_s if plan.prediction else []

@@ -304,12 +304,14 @@ def run(args) -> int:
 
 def measured_comparison(plan, cluster, profile) -> list[str]:
     """The report's measured-run section (a profile written by a training run): predicted against measured per
-    stage and, where the new plan has the run's degrees, the run's split predicted with the profile."""
-    from ..measured import comparison_lines
+    stage and, where the new plan has the run's degrees and stage devices, the run's split predicted with the
+    profile on the new plan's placement."""
+    from ..measured import comparison_lines, stage_devices
     run = profile.measured
     repredicted = None
-    if (plan.pp, plan.tp, plan.micro_batch_size, plan.vpp) == (len(run.layers_per_stage), run.tp,
-                                                               run.micro_batch_size, 1):
+    if ((plan.pp, plan.tp, plan.micro_batch_size, plan.vpp) == (len(run.layers_per_stage), run.tp,
+                                                                run.micro_batch_size, 1)
+            and all(st.device in d.split("+") for st, d in zip(run.stages, stage_devices(plan)))):
         from ..timeline import split_costs
         try:
             repredicted = split_costs(plan, cluster, profile).predict(run.layers_per_stage).stage_compute_s
