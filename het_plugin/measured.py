@@ -184,6 +184,8 @@ def duration(seconds: Optional[float]) -> str:
     """Three significant digits in s, ms, us or ns (a tiny model's predicted stages take nanoseconds)."""
     if seconds is None:
         return "-"
+    if seconds == 0:
+        return "0"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if seconds >= scale:
             return f"{seconds / scale:.3g} {unit}"

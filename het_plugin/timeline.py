@@ -287,7 +287,8 @@ def _measured_panel(shapes: list[Shape], tl: Timeline, run: MeasuredRun, x0: flo
         shapes.append(Rect(x0, y + 14, max(0.5, bar * meas / biggest), 10, fill=COLORS["measured"], stroke="none",
                            width=0, title=f"stage {s} measured per micro-batch: {duration(meas)} ({st.layers} layers on "
                                           f"{st.device})"))
-        shapes.append(Text(x0 + bar * meas / biggest + 4, y + 23, f"{duration(meas)} measured ({st.layers} layers)", 9))
+        shapes.append(Text(x0 + bar * meas / biggest + 4, y + 23,
+                           f"{duration(meas)} measured ({st.layers} layers on {st.device})", 9))
     return SIDE_W + 260
 
 
