@@ -192,3 +192,47 @@ def test_deepspeed_pipeline_hooks_time_the_forward_and_backward_instructions(tmp
     assert Engine._INSTRUCTION_MAP is not engine._INSTRUCTION_MAP      # DeepSpeed's class map untouched
     t = rec.timer.totals()
     assert (t.iterations, t.micro_batches) == (2, 8) and ran.count("F") == 9
+
+
+def test_hds_initialize_times_the_engine_it_returns(monkeypatch, tmp_path):
+    """profile_out= of hds.initialize (over the section's): the engine DeepSpeed returns gets the hooks and
+    ``engine.het_profile``; without a section the argument is refused (there is no plan to measure)."""
+    deepspeed = pytest.importorskip("deepspeed")
+    import inspect
+
+    import het_plugin.deepspeed as hds
+    from het_plugin.cluster import cluster_from_dict
+    from het_plugin.placement import place
+    from het_plugin.planner import assemble_plan
+    from het_plugin.runtime.applied import AppliedPlan
+    from het_plugin.topology import ParallelDims
+    from test_deepspeed_config import hetero_cluster
+    engine = FakeEngine(accumulation=2)
+
+    def fake_initialize(*args, **kwargs):
+        return (engine, None, None, None)
+
+    fake_initialize.__signature__ = inspect.signature(deepspeed.initialize)
+    monkeypatch.setattr(deepspeed, "initialize", fake_initialize)
+    with pytest.raises(ConfigError) as exc:
+        hds.initialize(model=object(), config=dict(DS), profile_out=str(tmp_path / "m.yaml"))
+    assert exc.value.field == "profile_out"
+
+    cluster = cluster_from_dict(hetero_cluster())
+    plan = assemble_plan(cluster, TINY, place(cluster, ParallelDims(pp=2, dp=2)), [5, 3], 2)
+    model = object.__new__(hds.PipelineModule)
+    object.__setattr__(model, "het_plan", plan)
+    object.__setattr__(model, "het_applied", AppliedPlan.start(plan, 0, "gloo"))
+    config = hds.wrap(DS, plan, profile_out=str(tmp_path / "section.yaml"))
+    out = tmp_path / "m.yaml"
+    got, *_ = hds.initialize(model=model, config=config, profile_out=str(out))
+    rec = got.het_profile
+    try:
+        assert got is engine and rec.settings.path == str(out) and rec.framework == "DeepSpeed"
+        for _ in range(4):
+            engine.backward(engine.forward(1.0))
+            engine.step()
+        assert rec.timer.seen == 2
+    finally:
+        rec.close()
+    assert not out.exists(), "one rank (stage 0) only: no profile until every stage has reported"

@@ -175,3 +175,20 @@ def test_an_interleaved_plan_is_refused(cluster):
 
 def test_rank_times_for_a_plan_helper_is_consistent(plan):
     assert all(isinstance(t, RankTimes) for t in times_for(plan, {0: (1, 1), 1: (1, 1)}))
+
+
+def test_uneven_replicas_draw_the_slowest_replica_groups_pipeline():
+    """Data parallelism across H100 and A100 replicas with uneven micro-batch counts: the picture is the
+    pipeline that finishes last (its own count), and its iteration is the plan's."""
+    from het_plugin.cluster import cluster_from_dict
+    from het_plugin.model import preset_model
+    from test_planner_hetdp import _node
+    mixed = cluster_from_dict({"name": "mixed", "clusters": [
+        {"name": "a", "fabric": {"type": "ib", "gbps": 1600}, "nodes": [_node("H100"), _node("A100-80")]}]})
+    plan = make_plan(mixed, preset_model("gpt-7.5b"), pp=2, replica_split="uneven")
+    assert plan.uneven_replicas
+    tl = plan_timeline(plan, mixed)
+    assert tl.iteration_s == pytest.approx(plan.prediction.iteration_s, rel=1e-9)
+    assert tl.pipeline_s == pytest.approx(plan.prediction.pipeline_s, rel=1e-9)
+    assert tl.num_micro_batches in set(plan.replica_counts) and "slowest replica group" in tl.note
+    assert sum(o.kind == "forward" and o.stage == 0 for o in tl.ops) == tl.num_micro_batches
