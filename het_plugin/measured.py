@@ -66,6 +66,24 @@ def rank_devices(plan: Plan) -> list[str]:
     return out
 
 
+#: ranks per (stage, device type) that report their times (rank 0 reads them all every N iterations: bounded)
+REPORTERS_PER_GROUP = 8
+
+
+def reporting_ranks(plan: Plan, per_group: int = REPORTERS_PER_GROUP) -> list[int]:
+    """The ranks whose times the profile uses: rank 0 and, of each (stage, device type), its first ``per_group``
+    ranks in data-parallel order (so a 16,384-rank job has rank 0 read a few dozen entries, not 16,384)."""
+    devices = rank_devices(plan)
+    chosen = {0}
+    for s in range(plan.pp):
+        taken: dict[str, int] = {}
+        for r in sorted(plan.stage_ranks(s), key=lambda r: (plan.replica_of(r), r)):
+            if taken.get(devices[r], 0) < per_group:
+                taken[devices[r]] = taken.get(devices[r], 0) + 1
+                chosen.add(r)
+    return sorted(chosen)
+
+
 def _slowest_by_stage_and_device(plan: Plan, ranks: Sequence[RankTimes]) -> dict[tuple[int, str], RankTimes]:
     devices = rank_devices(plan)
     out: dict[tuple[int, str], RankTimes] = {}

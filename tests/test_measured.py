@@ -326,3 +326,24 @@ def test_profile_settings_refuse_bad_names_and_intervals(tmp_path):
         ProfileSettings(str(tmp_path / "run.yaml"), every=0)
     assert exc.value.field == "profile_every"
     assert ProfileSettings("m.yaml").replan == "het-plugin plan CLUSTER --profile m.yaml"
+
+
+def test_reporting_ranks_are_bounded_per_stage_and_device():
+    """Rank 0 reads at most 8 ranks per (stage, device type): a large job's store reads stay few."""
+    from het_plugin.cluster import cluster_from_dict
+    from het_plugin.measured import reporting_ranks
+
+    def node(acc):
+        return {"count": 8, "accelerator": acc, "accelerators_per_node": 8}
+    big = cluster_from_dict({"name": "big", "clusters": [
+        {"name": "a", "fabric": {"type": "ib", "gbps": 1600}, "nodes": [node("H100"), node("A100-80")]}]})
+    plan = make_plan(big, tiny_model(num_layers=4, global_batch_size=64, micro_batch_size=1), tp=1, pp=2)
+    chosen = reporting_ranks(plan)
+    devices = rank_devices(plan)
+    groups = {}
+    for r in chosen:
+        groups.setdefault((plan.stage_of(r), devices[r]), []).append(r)
+    assert 0 in chosen and len(chosen) <= 1 + 8 * len(groups)
+    assert {(s, d) for s in range(plan.pp) for d in {devices[r] for r in plan.stage_ranks(s)}} == set(groups)
+    assert all(len(v) <= 8 + (0 in v) for v in groups.values())
+    assert reporting_ranks(plan, per_group=1000) == list(range(plan.world_size))

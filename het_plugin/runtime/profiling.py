@@ -9,10 +9,12 @@ The adapters hold only the framework hooks: they wrap one micro-batch's forward 
 * **Cheap.** On a GPU each span is a pair of CUDA events on the current stream; they are read one iteration
   later (by then finished: no stall of the stream), and when writing. On a CPU the wall clock. The first
   ``warmup`` iterations (allocation, autotuning) are not counted.
-* **No collective.** Every ``every`` iterations and at exit each rank puts its sums (a few numbers) into the
-  job's key-value store (torch.distributed's default store, which rank 0 hosts); rank 0 reads what is there
-  and writes the profile (:func:`het_plugin.measured.measured_profile`). Nothing waits on another rank, except
-  rank 0 at exit, at most ``exit_wait_s``, for the others' final sums: a rank that is gone cannot hang it.
+* **No collective.** Every ``every`` iterations and at exit each reporting rank
+  (:func:`het_plugin.measured.reporting_ranks`: up to 8 per stage and device type) puts its sums (a few numbers)
+  into the job's key-value store (torch.distributed's default store, which rank 0 hosts); rank 0 reads what is
+  there and writes the profile (:func:`het_plugin.measured.measured_profile`). Nothing waits on another rank,
+  except rank 0 at exit, at most ``exit_wait_s``, for the others' final sums: a rank that is gone cannot hang
+  it.
 * **Warning.** When rank 0 writes and the measured stage imbalance exceeds the plan's predicted one by more
   than ``warn_above``, it logs one warning naming the command that re-plans.
 """
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from ..measured import DEFAULT_IMBALANCE_THRESHOLD, RankTimes, imbalance_warning, measured_profile
+from ..measured import DEFAULT_IMBALANCE_THRESHOLD, RankTimes, imbalance_warning, measured_profile, reporting_ranks
 from ..plan import Plan
 
 log = logging.getLogger("het_plugin")
@@ -214,6 +216,8 @@ class ProfileRecorder:
         self.warned = False
         self.closed = False
         self._key = f"{KEY}/{plan.hash}"
+        self.reporters = reporting_ranks(plan)
+        self.reports = rank in self.reporters
         if exit_handler:
             atexit.register(self.close)
 
@@ -224,7 +228,7 @@ class ProfileRecorder:
     def publish(self, final: bool = False) -> RankTimes:
         times = self.timer.totals()
         times.final = final
-        if self.store is not None:
+        if self.store is not None and self.reports:
             try:
                 self.store.set(f"{self._key}/{self.rank}", json.dumps(times.to_dict()))
             except Exception as exc:      # noqa: BLE001 -- rank 0 (the store) gone: its profile is written or lost
@@ -239,7 +243,7 @@ class ProfileRecorder:
         deadline = time.monotonic() + wait_final_s
         found: dict[int, RankTimes] = {self.rank: own}
         while True:
-            for r in range(self.plan.world_size):
+            for r in self.reporters:
                 if r == self.rank or (r in found and found[r].final):
                     continue
                 key = f"{self._key}/{r}"
@@ -248,7 +252,7 @@ class ProfileRecorder:
                         found[r] = RankTimes.from_dict(json.loads(self.store.get(key)))
                 except Exception:         # noqa: BLE001 -- a store that cannot answer: write what we have
                     return list(found.values())
-            missing = [r for r in range(self.plan.world_size) if r not in found or not found[r].final]
+            missing = [r for r in self.reporters if r not in found or not found[r].final]
             if not missing or time.monotonic() >= deadline:
                 return [found[r] for r in sorted(found)]
             time.sleep(0.05)
