@@ -12,8 +12,9 @@ process group):
   compute curves derived from it, so that ``het-plugin plan --profile`` predicts each measured stage's time:
   a stage's time is shared between its decoder layers and its embedding / output layer in proportion to their
   forward FLOPs (the analytic model's shares: a run times whole stages, not layers), and a device type's
-  ``layer`` curve is the mean over its stages, weighted by their layers. Curves are at the run's micro-batch
-  size and TP only.
+  ``layer`` curve is the mean over its stages, weighted by their layers; a device type that held neither end of
+  the pipeline gets ``embedding`` and ``output`` from its layer by the same shares. Curves are at the run's
+  micro-batch size and TP only.
 * :func:`comparison_lines` and :func:`imbalance_warning`: predicted against measured, for the report and for the
   rank-0 warning during training.
 """
@@ -164,6 +165,12 @@ def measured_profile(plan: Plan, ranks: Sequence[RankTimes], framework: str = ""
         if (dev.lower(), kind) not in seen:          # one curve per (device, kind): the first stage's
             seen.add((dev.lower(), kind))
             prof.add_compute(dev, kind, mb, tp, f, b)
+    # A device type that held neither end of the pipeline gets its embedding and output from its own layer by the
+    # same FLOP shares (a re-plan may put the first or last stage on it).
+    for dev, (f, b, n) in sorted(layer_sum.items()):
+        for kind, weight in (("embedding", emb_w), ("output", out_w)):
+            if (dev.lower(), kind) not in seen and layer_w > 0:
+                prof.add_compute(dev, kind, mb, tp, f / n * weight / layer_w, b / n * weight / layer_w)
     return prof
 
 
@@ -216,6 +223,10 @@ def stage_devices(plan: Plan) -> list[str]:
     return ["+".join(sorted({devices[r] for r in plan.stage_ranks(s)})) for s in range(plan.pp)]
 
 
+def _ratio(x: float) -> str:
+    return f"{x:.2f}x" if x < 100 else f"{x:,.0f}x"
+
+
 def comparison_lines(run: MeasuredRun, plan: Plan, repredicted: Optional[Sequence[float]] = None) -> list[str]:
     """The report's section: per stage of the measured plan, its predicted (when planned) and measured forward
     + backward of one micro-batch, ``repredicted`` (the same split predicted with this profile, when the new plan
@@ -223,15 +234,15 @@ def comparison_lines(run: MeasuredRun, plan: Plan, repredicted: Optional[Sequenc
     lines = [f"measured run of plan {run.plan_hash}{f' ({run.framework})' if run.framework else ''}: "
              f"{run.iterations} iterations, micro-batch {run.micro_batch_size} x {run.num_micro_batches}, "
              f"tp={run.tp}; forward + backward of one micro-batch per stage (its slowest rank):"]
-    head = f"  {'stage':>5s} {'layers':>6s}  {'device':<14s} {'predicted':>10s} {'measured':>10s} {'ratio':>7s}"
+    head = f"  {'stage':>5s} {'layers':>6s}  {'device':<14s} {'predicted':>10s} {'measured':>10s} {'ratio':>12s}"
     if repredicted is not None:
         head += f" {'with profile':>12s}"
     lines.append(head)
     for st in run.stages:
         total = st.forward_s + st.backward_s
-        ratio = f"{total / st.predicted_s:.2f}x" if st.predicted_s else "-"
+        ratio = _ratio(total / st.predicted_s) if st.predicted_s else "-"
         row = (f"  {st.stage:>5d} {st.layers:>6d}  {st.device:<14s} {duration(st.predicted_s):>10s} {duration(total):>10s} "
-               f"{ratio:>7s}")
+               f"{ratio:>12s}")
         if repredicted is not None:
             row += f" {duration(repredicted[st.stage]):>12s}"
         lines.append(row)

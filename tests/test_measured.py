@@ -144,7 +144,15 @@ def test_the_profile_predicts_each_measured_stage(plan, cluster):
     measured = {0: (0.012, 0.025), 1: (0.031, 0.058)}
     prof = measured_profile(plan, times_for(plan, measured), "Megatron")
     kinds = {(c.device, c.kind) for c in prof.compute}
-    assert {k for _, k in kinds} == {"layer", "embedding", "output"}
+    devices = set(rank_devices(plan))
+    assert kinds == {(d, k) for d in devices for k in ("layer", "embedding", "output")}   # every kind on each
+    # the embedding of the device that did not hold stage 0 follows from its layer by the FLOP shares
+    from het_plugin.measured import flop_shares
+    layer_w, emb_w, _ = flop_shares(tiny_model(), plan.micro_batch_size)
+    other = next(d for d in devices if d != prof.measured.stages[0].device)
+    layer = prof.compute_time(other, "layer", plan.micro_batch_size, 1)
+    emb = prof.compute_time(other, "embedding", plan.micro_batch_size, 1)
+    assert emb.forward_s == pytest.approx(layer.forward_s * emb_w / layer_w)
     assert all(c.micro_batch_size == plan.micro_batch_size and c.tp == plan.tp for c in prof.compute)
     predicted = split_costs(plan, cluster, prof).predict(plan.layers_per_stage).stage_compute_s
     assert predicted == pytest.approx([f + b for f, b in measured.values()], rel=1e-9)
