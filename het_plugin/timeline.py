@@ -10,7 +10,7 @@ through matplotlib).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -56,7 +56,6 @@ class Timeline:
     note: str = ""
     title: str = ""
     stages: int = 0
-    extra: list[str] = field(default_factory=list)
 
 
 def simulate_1f1b_ops(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float], m: int,

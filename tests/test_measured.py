@@ -355,3 +355,40 @@ def test_reporting_ranks_are_bounded_per_stage_and_device():
     assert {(s, d) for s in range(plan.pp) for d in {devices[r] for r in plan.stage_ranks(s)}} == set(groups)
     assert all(len(v) <= 8 + (0 in v) for v in groups.values())
     assert reporting_ranks(plan, per_group=1000) == list(range(plan.world_size))
+
+
+def test_cuda_event_clock_reads_event_pairs_in_seconds(monkeypatch):
+    """On a GPU a span is two CUDA events on the current stream; reading one synchronises on its end event only
+    (stand-in events: this machine has no GPU)."""
+    torch = pytest.importorskip("torch")
+    from het_plugin.runtime.profiling import CudaEventClock
+    log = []
+
+    class Event:
+        count = 0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            Event.count += 1
+            self.at = Event.count * 5.0          # ms
+
+        def record(self):
+            log.append(("record", self.at))
+
+        def synchronize(self):
+            log.append(("sync", self.at))
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = CudaEventClock()
+    timer = StageTimer(rank=0, clock=clock, warmup=0)
+    run_iteration(timer, FakeClock(), [])                  # no spans
+    timer.begin_iteration()
+    with timer.timing("forward"):
+        pass
+    timer.end_iteration()
+    assert [k for k, _ in log] == ["record", "record"]     # recorded, not read: no synchronisation yet
+    t = timer.totals()
+    assert log[-1] == ("sync", 10.0) and t.forward_s == pytest.approx(0.005) and t.micro_batches == 1
