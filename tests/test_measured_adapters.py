@@ -36,7 +36,16 @@ def test_megatron_lm_flags_parse_and_are_checked_before_planning():
     with pytest.raises(ConfigError) as exc:
         hargs.check_compatible(a)
     assert exc.value.field == "--heterogeneous-profile-interval"
+    a.heterogeneous_profile_out, a.heterogeneous_profile_interval = None, 5
+    with pytest.raises(ConfigError) as exc:
+        hargs.check_compatible(a)
+    assert exc.value.field == "--heterogeneous-profile-interval" and "--heterogeneous-profile-out" in exc.value.fix
     assert parser().parse_args([]).heterogeneous_profile_out is None
+    from het_plugin.megatron.core import profile_settings
+    with pytest.raises(ConfigError) as exc:
+        profile_settings(None, 10)
+    assert exc.value.field == "profile_every"
+    assert profile_settings(None, None) is None
 
 
 # ---- the DeepSpeed section -----------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class HetSection:
             return ProfileSettings(str(path), every=DEFAULT_EVERY if every is None else every,
                                    replan=f"het-plugin plan {cluster} --profile {path}")
         except ConfigError as exc:
-            key = "profile_every" if "interval" in exc.problem else "profile_out"
+            key = "profile_every" if exc.field == "profile_every" else "profile_out"
             raise ConfigError(exc.problem, source=source, field=f"{SECTION}.{key}", fix=exc.fix) from None
 
 

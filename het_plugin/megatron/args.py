@@ -87,7 +87,8 @@ def check_compatible(args: Any) -> None:
     if getattr(args, "heterogeneous_timeout", None) is not None:
         from ..runtime.exchange import check_timeout
         check_timeout(args.heterogeneous_timeout, TIMEOUT_FLAG, "command line")
-    if getattr(args, "heterogeneous_profile_out", None) is not None:
+    if (getattr(args, "heterogeneous_profile_out", None) is not None
+            or getattr(args, "heterogeneous_profile_interval", None) is not None):
         from .lm import launch_profile_settings
         launch_profile_settings(args)         # a bad name or interval stops every rank alike, before planning
 

@@ -264,10 +264,15 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
 
 
 def profile_settings(profile_out: Optional[PathLike], every: Optional[int], cluster: Any = None,
-                     field: str = "profile_out") -> Optional["ProfileSettings"]:
+                     field: str = "profile_out", every_field: str = "profile_every") -> Optional["ProfileSettings"]:
     """The measured-profile settings (None without a path); checked before any group exists. ``cluster``: the
-    cluster file, named in the re-plan command of the imbalance warning."""
+    cluster file, named in the re-plan command of the imbalance warning; ``field``/``every_field``: the names
+    errors give the two settings."""
     if profile_out is None:
+        if every is not None:
+            raise ConfigError(f"a profile interval ({every}) was given without a file to write the profile to",
+                              field=every_field,
+                              fix=f"add {field} FILE, or drop the interval")
         return None
     from ..runtime.profiling import DEFAULT_EVERY, ProfileSettings
     source = cluster if isinstance(cluster, (str, Path)) and str(cluster) != "discover" else "CLUSTER"
@@ -275,4 +280,5 @@ def profile_settings(profile_out: Optional[PathLike], every: Optional[int], clus
         return ProfileSettings(str(profile_out), every=DEFAULT_EVERY if every is None else every,
                                replan=f"het-plugin plan {source} --profile {profile_out}")
     except ConfigError as exc:
-        raise ConfigError(exc.problem, source=exc.source, field=field, fix=exc.fix) from None
+        name = every_field if exc.field == "profile_every" else field
+        raise ConfigError(exc.problem, source=exc.source, field=name, fix=exc.fix) from None

@@ -273,11 +273,8 @@ def launch_profile_settings(args: Any):
     from .args import PROFILE_INTERVAL_FLAG, PROFILE_OUT_FLAG
     from .core import profile_settings
     path = getattr(args, "heterogeneous_profile_out", None)
-    if path is None:
-        return None
     every = getattr(args, "heterogeneous_profile_interval", None)
     try:
-        return profile_settings(path, every, state.source, field=PROFILE_OUT_FLAG)
+        return profile_settings(path, every, state.source, field=PROFILE_OUT_FLAG, every_field=PROFILE_INTERVAL_FLAG)
     except ConfigError as exc:
-        field = PROFILE_INTERVAL_FLAG if exc.field == PROFILE_OUT_FLAG and "interval" in exc.problem else exc.field
-        raise ConfigError(exc.problem, source="command line", field=field, fix=exc.fix) from None
+        raise ConfigError(exc.problem, source="command line", field=exc.field, fix=exc.fix) from None
