@@ -8,6 +8,8 @@ A profile (file format in docs/planner.md; schemas in :mod:`het_plugin.profile_f
   micro-batch on one rank at several micro-batch sizes; optionally per decoder layer index. A ``layer`` entry
   measured with TP > 1 includes its TP all-reduces.
 * ``optimizer`` (seconds per parameter per device type and TP) and ``overhead`` (seconds per iteration).
+* ``measured`` (optional): the stage times a training run of one plan measured (:mod:`het_plugin.measured`
+  writes it together with compute curves derived from them), for ``het-plugin plan --profile`` to compare.
 * ``links``: per link tier (``local``, ``ib``, ``roce``, ``ethernet``, ``socket``, ``host-staged``), optionally
   inside one cluster, or a named link between two clusters (``"east/west"``, or one direction ``"east->west"``):
   the latency and the bandwidth by message size, and by the number of ranks of a node sending at once.
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 from .errors import ConfigError
-from .profile_format import (FORMAT_V1, FORMAT_V2, FORMATS, LINK_TIERS, ProfileFile, ProfileFileV2)
+from .profile_format import (FORMAT_V1, FORMAT_V2, FORMATS, LINK_TIERS, MeasuredRun, ProfileFile, ProfileFileV2)
 from .yamlio import dump_data, read_data, read_text, validate
 
 FORMAT = FORMAT_V2                    # what ``save`` writes for a new profile
@@ -90,6 +92,7 @@ class Profile:
     optimizer: list[OptimizerMeasurement] = field(default_factory=list)
     overhead: list[OverheadMeasurement] = field(default_factory=list)
     format_version: int = 2                     # 1: read from a format-1 file, answers as format 1 did
+    measured: Optional[MeasuredRun] = None      # format 2: what a training run of one plan measured per stage
 
     def add_compute(self, device: str, kind: str, micro_batch_size: int, tp: int, forward_s: float,
                     backward_s: float, layer: Optional[int] = None) -> None:
@@ -145,6 +148,8 @@ class Profile:
                        **({"allreduce": _points(link.allreduce)} if link.allreduce else {})}
                       for link in self.links],
         }
+        if self.measured is not None:
+            data["measured"] = self.measured.model_dump(exclude_none=True)
         return validate(ProfileFileV2, data, "<profile>")
 
     def _format1_data(self) -> dict:
@@ -152,7 +157,8 @@ class Profile:
                  + [f"links[{i}].cluster" for i, link in enumerate(self.links) if link.cluster is not None]
                  + [f"links[{i}].concurrency" for i, link in enumerate(self.links) if link.concurrency]
                  + [f"links[{i}].allreduce" for i, link in enumerate(self.links) if link.allreduce]
-                 + (["optimizer"] if self.optimizer else []) + (["overhead"] if self.overhead else []))
+                 + (["optimizer"] if self.optimizer else []) + (["overhead"] if self.overhead else [])
+                 + (["measured"] if self.measured is not None else []))
         if extra:
             raise ConfigError(f"a format-1 profile cannot hold {', '.join(extra)}", source="<profile>",
                               field="format_version", fix="set format_version = 2 (format 2 holds them)")
@@ -183,7 +189,7 @@ class Profile:
             description=spec.description,
             optimizer=[OptimizerMeasurement(o.device, o.tp, o.seconds_per_param) for o in spec.optimizer],
             overhead=[OverheadMeasurement(o.device, o.seconds) for o in spec.iteration_overhead],
-            format_version=2)
+            format_version=2, measured=spec.measured)
 
     # ---- compute --------------------------------------------------------------------------------
     def _curve(self, device: str, kind: str, tp: int, layer: Optional[int] = None) -> list[ComputeMeasurement]:
@@ -382,7 +388,7 @@ def curve_at(sizes: Sequence[int], times: Sequence[float], size: int) -> float:
 
 
 def _format2_fields(data: dict) -> list[str]:
-    found = [k for k in ("optimizer", "iteration_overhead") if k in data]
+    found = [k for k in ("optimizer", "iteration_overhead", "measured") if k in data]
     for section, keys in (("compute", ("points", "layer")), ("links", ("cluster", "concurrency", "allreduce"))):
         items = data.get(section)
         for i, item in enumerate(items if isinstance(items, list) else []):

@@ -8,7 +8,9 @@ Format 2 (``het_plugin-profile/2``): compute as curves over the micro-batch size
 kind and per-layer-index overrides, the optimizer step per parameter, a fixed per-iteration overhead, and links
 per cluster, per direction (``"a->b"``) and by the number of concurrent senders per node (``concurrency``);
 optionally the all-reduce bus bandwidth measured over a link (``allreduce``: recorded by ``het-plugin profile``,
-not read by the predictor).
+not read by the predictor). Optional ``measured`` (added to format 2; a file without it reads as before): the
+stage times a training run of one plan measured (:mod:`het_plugin.measured`), which ``het-plugin plan --profile``
+compares with its prediction.
 """
 from __future__ import annotations
 
@@ -176,6 +178,40 @@ def _pair(tier: str, sep: str) -> bool:
     return len(parts) == 2 and all(parts) and all("/" not in p and "->" not in p for p in parts)
 
 
+class MeasuredStage(_Strict):
+    """One pipeline stage of a measured run: its slowest rank's mean forward and backward of one micro-batch."""
+    stage: NonNegativeInt
+    layers: NonNegativeInt
+    device: str                                 # the device type of that slowest rank
+    forward_s: float = Field(ge=0)
+    backward_s: float = Field(ge=0)
+    predicted_s: Optional[float] = Field(default=None, ge=0)   # the plan's forward + backward for this stage
+    ranks: PositiveInt = 1                      # ranks of the stage that reported
+
+
+class MeasuredRun(_Strict):
+    """What a training run of plan ``plan_hash`` measured (the adapters' ``--heterogeneous-profile-out``)."""
+    plan_hash: str
+    framework: str = ""
+    micro_batch_size: PositiveInt
+    tp: PositiveInt = 1
+    num_micro_batches: PositiveInt
+    layers_per_stage: list[NonNegativeInt] = Field(min_length=1)
+    iterations: PositiveInt                     # iterations averaged (after the warm-up ones)
+    iteration_s: float = Field(ge=0)            # mean wall time from one iteration's end to the next
+    schedule_s: Optional[float] = Field(default=None, ge=0)    # mean forward-backward schedule call, slowest rank
+    predicted_iteration_s: Optional[float] = Field(default=None, ge=0)
+    stages: list[MeasuredStage] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self):
+        numbers = [st.stage for st in self.stages]
+        if numbers != list(range(len(self.layers_per_stage))):
+            raise ValueError(f"measured stages {numbers} are not 0..{len(self.layers_per_stage) - 1}, one each in "
+                             f"order (layers_per_stage has {len(self.layers_per_stage)}) | fix: one entry per stage")
+        return self
+
+
 class ProfileFileV2(_Strict):
     format: Literal["het_plugin-profile/2"]
     description: str = ""
@@ -183,6 +219,7 @@ class ProfileFileV2(_Strict):
     optimizer: list[OptimizerEntry] = []
     iteration_overhead: list[OverheadEntry] = []
     links: list[LinkEntryV2] = []
+    measured: Optional[MeasuredRun] = None      # added to format 2: the stage times of one measured run
 
     @model_validator(mode="after")
     def _unique(self):

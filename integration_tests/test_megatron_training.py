@@ -108,10 +108,16 @@ def check_groups_and_layers(outs, plan: Plan) -> None:
 
 
 @pytest.fixture(scope="module")
-def hetero(tmp_path_factory):
-    plan_out = tmp_path_factory.mktemp("hetero") / "plan.json"
-    outs = train(["--heterogeneous-nic", str(IB_ROCE_4), "--heterogeneous-plan-out", str(plan_out)],
-                 layers=5, ranks_per_node=1)
+def hetero_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hetero")
+
+
+@pytest.fixture(scope="module")
+def hetero(hetero_dir):
+    plan_out = hetero_dir / "plan.json"
+    outs = train(["--heterogeneous-nic", str(IB_ROCE_4), "--heterogeneous-plan-out", str(plan_out),
+                  "--heterogeneous-profile-out", str(hetero_dir / "measured.yaml"),
+                  "--heterogeneous-profile-interval", "1"], layers=5, ranks_per_node=1)
     return outs, Plan.load(plan_out)
 
 
@@ -129,6 +135,25 @@ def test_megatron_builds_the_plans_groups_and_stages_on_a_heterogeneous_cluster(
     assert len(losses(outs)) == ITERATIONS, "it trained"
     assert len(SUMMARY.findall(outs[0].stdout)) == 1, "rank 0 prints the plan summary once"
     assert not any(SUMMARY.findall(o.stdout) for o in outs[1:])
+
+
+def test_the_profile_flag_writes_the_runs_measured_profile(hetero, hetero_dir, capsys):
+    """--heterogeneous-profile-out: rank 0 writes each stage's measured times (every iteration here, and at
+    exit), and `het-plugin plan --profile` reads them back next to its prediction."""
+    from het_plugin.cli import main
+    from het_plugin.profile import load_profile
+    outs, plan = hetero
+    path = hetero_dir / "measured.yaml"
+    run = load_profile(path).measured
+    assert run.plan_hash == plan.hash and run.framework == "Megatron"
+    assert run.iterations == ITERATIONS - 1 and run.layers_per_stage == plan.layers_per_stage
+    assert all(st.forward_s > 0 and st.backward_s > 0 and st.ranks == 2 for st in run.stages)
+    assert f"het_plugin: measured profile written to {path}" in outs[0].stdout
+    model = hetero_dir / "model.yaml"
+    model.write_text(__import__("yaml").safe_dump(plan.model))
+    assert main(["plan", str(IB_ROCE_4), "--model", str(model), "--pp", "2", "--tp", "1", "--micro-batch-size", "2",
+                 "--profile", str(path)]) == 0
+    assert f"measured run of plan {plan.hash} (Megatron): {ITERATIONS - 1} iterations" in capsys.readouterr().out
 
 
 def test_on_a_homogeneous_cluster_the_flag_changes_no_loss():

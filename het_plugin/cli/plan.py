@@ -53,6 +53,10 @@ def register(sub) -> None:
     p.add_argument("--svg", metavar="FILE",
                    help="also draw the placement (clusters, nodes, ranks coloured by stage, slow links) "
                         "into FILE: .svg, or .png (needs matplotlib)")
+    p.add_argument("--timeline", metavar="FILE",
+                   help="also draw the predicted 1F1B schedule per stage (forward, backward, sends, gradient "
+                        "reduction, bubbles; with a measured --profile the measured stage times beside it) into "
+                        "FILE: .svg, or .png (needs matplotlib)")
     p.set_defaults(func=run)
 
 
@@ -106,7 +110,8 @@ def check_files(args) -> None:
     """No output may overwrite an input, and every output must be writable: both checked before planning."""
     from ..yamlio import check_writable, same_file
     inputs = [("CLUSTER", args.cluster), ("--model", args.model), ("--profile", args.profile)]
-    for out_flag, out in (("-o/--output", args.output), ("--svg", args.svg)):
+    for out_flag, out in (("-o/--output", args.output), ("--svg", args.svg),
+                          ("--timeline", getattr(args, "timeline", None))):
         if not out:
             continue
         for in_flag, given in inputs:
@@ -114,6 +119,9 @@ def check_files(args) -> None:
                 raise ConfigError(f"{out} is also the input ({in_flag}); writing it would destroy that file",
                                   source=out, field=out_flag, fix=f"write {out_flag.split('/')[0]} to another file")
         check_writable(out, out_flag, "plan" if out_flag.startswith("-o") else "picture")
+    if getattr(args, "timeline", None) and args.svg and same_file(args.timeline, args.svg):
+        raise ConfigError(f"--timeline and --svg both name {args.svg}", source=args.svg, field="--timeline",
+                          fix="give the two pictures different files")
 
 
 def replica_split_arg(text: str | None):
@@ -158,6 +166,11 @@ def check_saved_plan(args, plan) -> None:
         raise ConfigError("--no-overlap-p2p-comm was passed, but the saved plan assumed p2p overlap; a saved plan is "
                           "shown as it is", source=args.cluster, field="--no-overlap-p2p-comm",
                           fix="drop it, or re-plan from the cluster file with --no-overlap-p2p-comm -o PLAN")
+    if getattr(args, "timeline", None):
+        raise ConfigError("--timeline needs the cluster file (the predictor works out the schedule on it), but "
+                          "a saved plan was given", source=args.cluster, field="--timeline",
+                          fix="re-plan from the cluster file: het-plugin plan CLUSTER --timeline FILE (with the "
+                              "saved plan's options)")
     if args.profile:
         raise ConfigError("--profile was passed, but a saved plan is shown as it is (nothing is planned)",
                           source=args.cluster, field="--profile",
@@ -181,9 +194,10 @@ def check_output_names(args) -> None:
     if args.output and Path(args.output).suffix not in (".json", ".yaml", ".yml"):
         raise ConfigError(f"cannot tell the format of {args.output!r}", field="-o/--output",
                           fix="use a name ending in .json or .yaml")
-    if args.svg and Path(args.svg).suffix.lower() not in (".svg", ".png"):
-        raise ConfigError(f"cannot draw into {Path(args.svg).name!r}", field="--svg",
-                          fix="give a file name ending in .svg or .png")
+    for flag, out in (("--svg", args.svg), ("--timeline", getattr(args, "timeline", None))):
+        if out and Path(out).suffix.lower() not in (".svg", ".png"):
+            raise ConfigError(f"cannot draw into {Path(out).name!r}", field=flag,
+                              fix="give a file name ending in .svg or .png")
 
 
 class ProgressLine:
@@ -226,6 +240,7 @@ def run(args) -> int:
         raise ConfigError(f"{args.cluster!r} means discovery, which runs inside a launch", field="cluster",
                           fix="pass a cluster file; `het-plugin discover --gather` under torchrun writes one")
     cluster = None
+    profile = None
     if isinstance(loaded, Plan):
         # A saved plan: show (or convert, or draw) it without planning again.
         plan = loaded
@@ -236,7 +251,6 @@ def run(args) -> int:
         args.vpp = 1 if args.vpp is None else args.vpp
         with named_by("--model"):
             model = model_from_arg(DEFAULT_MODEL if args.model is None else args.model)
-        profile = None
         if args.profile:
             from ..profile import load_profile
             with named_by("--profile"):
@@ -263,13 +277,44 @@ def run(args) -> int:
         except OSError as exc:
             raise ConfigError(f"cannot write the picture: {exc.strerror or exc}", source=args.svg, field="--svg",
                               fix="choose a folder you can write to (and that has space)") from None
+    timeline = getattr(args, "timeline", None)
+    if timeline:
+        from ..timeline import draw_timeline
+        try:
+            draw_timeline(plan, timeline, cluster, profile)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the picture: {exc.strerror or exc}", source=timeline, field="--timeline",
+                              fix="choose a folder you can write to (and that has space)") from None
     if args.format == "json":
         json.dump(plan.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         print(render_text(plan, cluster))
+        if profile is not None and profile.measured is not None:
+            print()
+            print("\n".join(measured_comparison(plan, cluster, profile)))
         if args.output:
             print(f"\nplan written to {args.output} (hash {plan.hash})")
         if args.svg:
             print(f"placement picture written to {args.svg}")
+        if timeline:
+            print(f"schedule picture written to {timeline}")
     return 0
+
+
+def measured_comparison(plan, cluster, profile) -> list[str]:
+    """The report's measured-run section (a profile written by a training run): predicted against measured per
+    stage and, where the new plan has the run's degrees and stage devices, the run's split predicted with the
+    profile on the new plan's placement."""
+    from ..measured import comparison_lines, stage_devices
+    run = profile.measured
+    repredicted = None
+    if ((plan.pp, plan.tp, plan.micro_batch_size, plan.vpp) == (len(run.layers_per_stage), run.tp,
+                                                                run.micro_batch_size, 1)
+            and all(st.device in d.split("+") for st, d in zip(run.stages, stage_devices(plan)))):
+        from ..timeline import split_costs
+        try:
+            repredicted = split_costs(plan, cluster, profile).predict(run.layers_per_stage).stage_compute_s
+        except (ValueError, ConfigError):
+            repredicted = None
+    return comparison_lines(run, plan, repredicted)

@@ -18,6 +18,10 @@ def register(sub) -> None:
                                            "(default: every entry of the layer list)")
     p.add_argument("--no-embed-plan", action="store_true",
                    help="store only the plan's hash; every rank recomputes the plan from the cluster file")
+    p.add_argument("--profile-out", metavar="FILE",
+                   help="time each pipeline stage while training; rank 0 writes the measured profile to FILE (.yaml "
+                        "or .json) every --profile-every iterations and at exit, for `het-plugin plan --profile`")
+    p.add_argument("--profile-every", type=int, metavar="N", help="iterations between writes (default 100)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
     p.set_defaults(func=run)
 
@@ -54,7 +58,8 @@ def run(args) -> int:
 
     check_args(args)
     wrapped = wrap(args.config, cluster=args.cluster, model=args.model, pp=args.pp, tp=args.tp,
-                   layer_pattern=args.layer_pattern, embed_plan=not args.no_embed_plan)
+                   layer_pattern=args.layer_pattern, embed_plan=not args.no_embed_plan,
+                   profile_out=args.profile_out, profile_every=args.profile_every)
     section = wrapped[SECTION]
     if args.output:
         write_atomic(args.output, json.dumps(wrapped, indent=2) + "\n", "wrapped config")

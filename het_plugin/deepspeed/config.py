@@ -29,6 +29,9 @@ DEEPSPEED_NAMES = {"tp": "tp (the topology's model axis)", "pp": "pp (num_stages
                    "dp": "train_batch_size / (micro * accumulation)"}
 
 
+OPTIONAL_KEYS = ("profile_out", "profile_every")     # written only when set
+
+
 @dataclass
 class HetSection:
     """What a wrapped config carries; enough to load (``plan``) or recompute (cluster + model) the plan."""
@@ -42,10 +45,15 @@ class HetSection:
     plan_hash: Optional[str] = None
     plan: Optional[dict[str, Any]] = None    # the plan itself (wrap's default), so ranks need no cluster file
     timeout_s: Optional[float] = None   # bound on every wait of het_plugin at start-up (None: HET_PLUGIN_TIMEOUT / 300)
+    # Measured profile: rank 0 writes each stage's measured forward/backward and the iteration time here every
+    # profile_every iterations (default 100) and at exit (None: not timed). Added to version 1: optional keys.
+    profile_out: Optional[str] = None
+    profile_every: Optional[int] = None
     version: int = SECTION_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The section's keys; the profile keys only when set (a section without them reads as before)."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in OPTIONAL_KEYS}
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<config>") -> "HetSection":
@@ -63,7 +71,30 @@ class HetSection:
         if data.get("timeout_s") is not None:
             from ..runtime.exchange import check_timeout
             check_timeout(data["timeout_s"], f"{SECTION}.timeout_s", source)
-        return cls(**data)
+        section = cls(**data)
+        section.profile_settings(source)          # a bad profile_out / profile_every is refused here
+        return section
+
+    def profile_settings(self, source: str = "<config>", profile_out: Optional[str] = None):
+        """The measured-profile settings (``profile_out`` overrides the section's), or None."""
+        path = profile_out if profile_out is not None else self.profile_out
+        every = self.profile_every
+        if path is None:
+            if every is not None:
+                raise ConfigError("profile_every is set without profile_out", source=source,
+                                  field=f"{SECTION}.profile_every", fix="add profile_out: FILE, or drop profile_every")
+            return None
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool)):
+            raise ConfigError(f"profile_every must be a whole number of iterations, got {every!r}", source=source,
+                              field=f"{SECTION}.profile_every", fix="e.g. 100")
+        from ..runtime.profiling import DEFAULT_EVERY, ProfileSettings
+        cluster = self.cluster if self.cluster not in (None, AUTO) else "CLUSTER"
+        try:
+            return ProfileSettings(str(path), every=DEFAULT_EVERY if every is None else every,
+                                   replan=f"het-plugin plan {cluster} --profile {path}")
+        except ConfigError as exc:
+            key = "profile_every" if exc.field == "profile_every" else "profile_out"
+            raise ConfigError(exc.problem, source=source, field=f"{SECTION}.{key}", fix=exc.fix) from None
 
 
 # ---- reading DeepSpeed configs --------------------------------------------------------------------
@@ -182,7 +213,8 @@ def check_plan(plan: Plan, *, world_size: Optional[int] = None, pp: Optional[int
 
 def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO, model: ModelArg = None, *,
          pp: Optional[int] = None, tp: Optional[int] = None, layer_pattern: Optional[str] = None,
-         embed_plan: bool = True, timeout_s: Optional[float] = None) -> dict:
+         embed_plan: bool = True, timeout_s: Optional[float] = None, profile_out: Optional[str] = None,
+         profile_every: Optional[int] = None) -> dict:
     """Return ``config`` with a ``"heterogeneous"`` section (the input is not modified).
 
     ``cluster``: a cluster file, a plan file, a :class:`Plan`, or ``"auto"`` (every rank discovers the
@@ -193,7 +225,8 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
     ``embed_plan``: store the plan in the config (default) or only its hash (ranks then recompute it
     from the cluster file and must get the same hash). ``timeout_s``: the bound on every wait of het_plugin
     at start-up (plan check, group creation; stored in the section; None: ``HET_PLUGIN_TIMEOUT`` or 300 s
-    on each rank).
+    on each rank). ``profile_out``: rank 0 writes the run's measured profile there every ``profile_every``
+    iterations (default 100) and at exit, for ``het-plugin plan --profile``.
     """
     cfg, source = load_ds_config(config)
     if timeout_s is not None:
@@ -209,7 +242,9 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
 
     plan: Optional[Plan] = None
     section = HetSection(cluster=None, model=spec.model_dump() if spec else None, tp=tp, pp=pp, dp=batch.dp,
-                         layer_pattern=layer_pattern, timeout_s=timeout_s)
+                         layer_pattern=layer_pattern, timeout_s=timeout_s, profile_out=profile_out,
+                         profile_every=profile_every)
+    section.profile_settings(source)
     if isinstance(cluster, Plan):
         plan = cluster
     elif str(cluster) == AUTO:

@@ -28,8 +28,9 @@ from .replicas import ReplicaShare, apply_replica_split, check_batch_settings, r
 from .resolve import RunShape, resolve_section
 
 
-def initialize(*args, **kwargs):
-    """Same signature and return value as ``deepspeed.initialize``."""
+def initialize(*args, profile_out=None, **kwargs):
+    """Same signature and return value as ``deepspeed.initialize``; ``profile_out`` (or the section's): rank 0
+    writes the run's measured profile there (:mod:`het_plugin.deepspeed.timing`)."""
     import deepspeed
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     arguments = bound.arguments
@@ -43,7 +44,11 @@ def initialize(*args, **kwargs):
     cfg, source = load_ds_config(config)
     section = section_of(cfg, source)
     if section is None:
+        if profile_out is not None:
+            raise ConfigError("profile_out needs a plan: the config has no heterogeneous section", source=source,
+                              field="profile_out", fix="wrap the config (het-plugin wrap-config), or drop profile_out")
         return deepspeed.initialize(*args, **kwargs)
+    profile = section.profile_settings(source, profile_out)
 
     arguments.pop("config_params", None)
     arguments["config"] = strip_section(cfg)
@@ -72,6 +77,9 @@ def initialize(*args, **kwargs):
     if share is not None:
         apply_replica_split(engine, share, arguments.get("training_data"))
         result = (engine, result[1], engine.training_dataloader, *result[3:])
+    if profile is not None:
+        from .timing import install as time_engine
+        time_engine(engine, applied.plan, applied.rank, profile)
     return result
 
 

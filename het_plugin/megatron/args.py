@@ -15,6 +15,8 @@ from ..plan import Plan
 FLAG = "--heterogeneous-nic"
 PLAN_OUT_FLAG = "--heterogeneous-plan-out"
 TIMEOUT_FLAG = "--heterogeneous-timeout"
+PROFILE_OUT_FLAG = "--heterogeneous-profile-out"
+PROFILE_INTERVAL_FLAG = "--heterogeneous-profile-interval"
 DISCOVER = "discover"          # the value of a bare --heterogeneous-nic
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -35,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="bound on every wait of het_plugin at start-up (plan check, discovery, group creation): "
                             "a rank that fails or disappears stops every rank within it (default: "
                             "HET_PLUGIN_TIMEOUT, else 300)")
+    group.add_argument(PROFILE_OUT_FLAG, default=None, metavar="FILE",
+                       help="time each pipeline stage's forward and backward per micro-batch and the iteration "
+                            "while training; rank 0 writes them as a measured profile to FILE (.yaml or .json) every "
+                            f"{PROFILE_INTERVAL_FLAG} iterations and at exit, for `het-plugin plan --profile FILE`")
+    group.add_argument(PROFILE_INTERVAL_FLAG, type=int, default=None, metavar="N",
+                       help=f"iterations between writes of {PROFILE_OUT_FLAG} (default 100)")
     return parser
 
 
@@ -79,6 +87,10 @@ def check_compatible(args: Any) -> None:
     if getattr(args, "heterogeneous_timeout", None) is not None:
         from ..runtime.exchange import check_timeout
         check_timeout(args.heterogeneous_timeout, TIMEOUT_FLAG, "command line")
+    if (getattr(args, "heterogeneous_profile_out", None) is not None
+            or getattr(args, "heterogeneous_profile_interval", None) is not None):
+        from .lm import launch_profile_settings
+        launch_profile_settings(args)         # a bad name or interval stops every rank alike, before planning
 
 
 def order_of(args: Any) -> str:

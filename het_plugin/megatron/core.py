@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ..agreement import agree_on_plan
 from ..cluster import Cluster
@@ -24,6 +24,9 @@ from ..resolve import Launch, Resolved, check_launch_settings, resolve_launch
 from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from ..topology import DEFAULT_ORDER, Degrees
+
+if TYPE_CHECKING:
+    from ..runtime.profiling import ProfileSettings
 
 log = logging.getLogger("het_plugin.megatron")
 
@@ -111,11 +114,14 @@ def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
 
 
 def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLike] = None,
-                 timeout_s: Optional[float] = None, cluster: Optional[Cluster] = None) -> AppliedPlan:
+                 timeout_s: Optional[float] = None, cluster: Optional[Cluster] = None,
+                 profile: Optional["ProfileSettings"] = None) -> AppliedPlan:
     """Create every Megatron-Core group on the (agreed) plan's placement; rank 0 logs the summary once.
     First, under NCCL, the network pre-flight (``cluster``: the Cluster the plan came from, for the nodes'
     NICs; runtime.preflight). A rank that fails or disappears meanwhile stops every rank within ``timeout_s``
-    (None: ``HET_PLUGIN_TIMEOUT`` or 300 s) with a GroupCreationTimeout naming it (runtime.guard)."""
+    (None: ``HET_PLUGIN_TIMEOUT`` or 300 s) with a GroupCreationTimeout naming it (runtime.guard).
+    ``profile``: time each stage's forward and backward while training and write the measured profile
+    (:mod:`het_plugin.megatron.timing`)."""
     global _current
     import torch.distributed as dist
     from .groups import planned_groups
@@ -139,8 +145,12 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
             print(f"het_plugin: plan written to {plan_out}", flush=True)
     with planned_groups(applied, timeout_s=timeout_s):
         original_initialize_model_parallel()(**kwargs)
+    from . import timing
     from .replicas import install as install_replicas
+    timing.uninstall()            # a plan applied before in this process: its timing ends here
     install_replicas(plan)        # uneven replicas: per-rank counts, weights and samples; even: Megatron's own
+    if profile is not None:
+        timing.install(plan, applied.rank, profile)
     note = embedding_note(plan, applied.records)
     if note and applied.rank == 0:
         log.warning("het_plugin: %s", note)
@@ -194,6 +204,8 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
                               micro_batch_size: Optional[int] = None,
                               plan_out: Optional[PathLike] = None,
                               timeout_s: Optional[float] = None,
+                              profile_out: Optional[PathLike] = None,
+                              profile_every: Optional[int] = None,
                               **megatron_kwargs: Any) -> Plan:
     """Drop-in for ``megatron.core.parallel_state.initialize_model_parallel`` on a heterogeneous cluster.
 
@@ -206,6 +218,9 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     ``timeout_s`` bounds every wait of het_plugin in this call (the plan check, group creation; default
     ``HET_PLUGIN_TIMEOUT`` or 300 s): a rank that fails or disappears stops every rank within it, naming
     the rank and the phase (PlanMismatchError before the groups, GroupCreationTimeout while they are built).
+    ``profile_out``: rank 0 writes the measured profile there (each stage's forward and backward per micro-batch
+    and the iteration time) every ``profile_every`` iterations (default 100) and at exit, for
+    ``het-plugin plan --profile`` (docs/planner.md, "Plans that learn from the run").
     """
     import torch.distributed as dist
     from .version import check_megatron_version
@@ -218,6 +233,7 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     rank, world = dist.get_rank(), dist.get_world_size()
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     cp = megatron_kwargs.pop("context_parallel_size", None)
+    settings = profile_settings(profile_out, profile_every, cluster)
     resolved: list[Resolved] = []
 
     def make() -> Plan:
@@ -229,5 +245,27 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
 
     with configured_timeout(timeout_s):
         agreed = agree_on_plan(make, rank=rank, world_size=world, timeout_s=timeout_s)
-        build_groups(agreed, megatron_kwargs, plan_out=plan_out, timeout_s=timeout_s, cluster=resolved[-1].cluster)
+        build_groups(agreed, megatron_kwargs, plan_out=plan_out, timeout_s=timeout_s, cluster=resolved[-1].cluster,
+                     profile=settings)
     return agreed
+
+
+def profile_settings(profile_out: Optional[PathLike], every: Optional[int], cluster: Any = None,
+                     field: str = "profile_out", every_field: str = "profile_every") -> Optional["ProfileSettings"]:
+    """The measured-profile settings (None without a path); checked before any group exists. ``cluster``: the
+    cluster file, named in the re-plan command of the imbalance warning; ``field``/``every_field``: the names
+    errors give the two settings."""
+    if profile_out is None:
+        if every is not None:
+            raise ConfigError(f"a profile interval ({every}) was given without a file to write the profile to",
+                              field=every_field,
+                              fix=f"add {field} FILE, or drop the interval")
+        return None
+    from ..runtime.profiling import DEFAULT_EVERY, ProfileSettings
+    source = cluster if isinstance(cluster, (str, Path)) and str(cluster) != "discover" else "CLUSTER"
+    try:
+        return ProfileSettings(str(profile_out), every=DEFAULT_EVERY if every is None else every,
+                               replan=f"het-plugin plan {source} --profile {profile_out}")
+    except ConfigError as exc:
+        name = every_field if exc.field == "profile_every" else field
+        raise ConfigError(exc.problem, source=exc.source, field=name, fix=exc.fix) from None

@@ -265,4 +265,16 @@ def planned_initialize_model_parallel(*args, **kwargs):
         if rank == 0 and state.changes:
             print("het_plugin: Megatron arguments set from the plan: " + ", ".join(state.changes), flush=True)
         return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None, timeout_s=timeout_s,
-                            cluster=state.cluster)
+                            cluster=state.cluster, profile=launch_profile_settings(margs))
+
+
+def launch_profile_settings(args: Any):
+    """``--heterogeneous-profile-out`` / ``--heterogeneous-profile-interval`` as ProfileSettings (None without)."""
+    from .args import PROFILE_INTERVAL_FLAG, PROFILE_OUT_FLAG
+    from .core import profile_settings
+    path = getattr(args, "heterogeneous_profile_out", None)
+    every = getattr(args, "heterogeneous_profile_interval", None)
+    try:
+        return profile_settings(path, every, state.source, field=PROFILE_OUT_FLAG, every_field=PROFILE_INTERVAL_FLAG)
+    except ConfigError as exc:
+        raise ConfigError(exc.problem, source="command line", field=exc.field, fix=exc.fix) from None

@@ -34,6 +34,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--micro", type=int, default=MICRO, help="train_micro_batch_size_per_gpu of the config")
+    p.add_argument("--slow-device", help="ranks the plan puts on this accelerator sleep --layer-delay-ms in each "
+                                         "Block's forward (a slower device; for the measured-profile test)")
+    p.add_argument("--layer-delay-ms", type=float, default=0.0)
     args = p.parse_args()
     hidden, micro = args.hidden, args.micro
 
@@ -62,6 +65,11 @@ def main() -> None:
         config = json.loads(Path(args.config).read_text())
         model = hds.PipelineModule(layers=layers, topology=topo, config=config, **common)
         init = hds.initialize
+    plan = getattr(model, "het_plan", None)
+    if args.slow_device and plan is not None:
+        me = tdist.get_rank()
+        node = next(n for n in plan.nodes if n.first_rank <= me < n.first_rank + n.num_ranks)
+        Block.delay_s = args.layer_delay_ms / 1e3 if node.accelerator == args.slow_device else 0.0
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
 

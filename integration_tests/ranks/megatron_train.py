@@ -29,6 +29,9 @@ def main() -> int:
     p.add_argument("--even-data", action="store_true",
                    help="read the even split's samples whatever the plan (a script that ignores replica_share)")
     p.add_argument("--groups-only", action="store_true", help="initialise the groups, report them, stop")
+    p.add_argument("--profile-out", help="het_plugin's measured profile (initialize_model_parallel(profile_out=))")
+    p.add_argument("--slow-device", help="ranks on this accelerator sleep --layer-delay-ms in each layer's forward")
+    p.add_argument("--layer-delay-ms", type=float, default=0.0)
     a = p.parse_args()
 
     from integration_tests.support.megatron_tiny import (TinyGPT, init_distributed, my_groups, process_group_ranks,
@@ -50,7 +53,8 @@ def main() -> int:
                 "created": [dataclasses.asdict(r) for r in applied.records]})
     else:
         result = train(cfg, tp=a.tp or 1, pp=a.pp or 1, steps=a.steps, cluster=a.cluster, plan=a.plan,
-                       use_plugin=not a.baseline, replica_data=not a.even_data)
+                       use_plugin=not a.baseline, replica_data=not a.even_data, profile_out=a.profile_out,
+                       slow_device=a.slow_device, layer_delay_s=a.layer_delay_ms / 1e3)
         report(result.to_dict())
     shutdown()
     return 0

@@ -6,6 +6,8 @@ set (``deepspeed_cpu.init_gloo``); only torch is imported here.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -14,13 +16,17 @@ class InProj(torch.nn.Linear):
 
 
 class Block(torch.nn.Module):
-    """One counted layer: tanh(Wx + b)."""
+    """One counted layer: tanh(Wx + b). ``delay_s``: a sleep in each forward, set by a rank script to act as a
+    slower device (the measured-profile tests)."""
+    delay_s = 0.0
 
     def __init__(self, hidden: int):
         super().__init__()
         self.fc = torch.nn.Linear(hidden, hidden)
 
     def forward(self, x):
+        if self.delay_s:
+            time.sleep(self.delay_s)
         return torch.tanh(self.fc(x))
 
 

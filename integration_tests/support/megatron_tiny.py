@@ -214,7 +214,8 @@ def _forward_step(data_iterator, model):
 def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=None, plan=None,
           use_plugin: bool = True, layers_per_stage: Optional[Sequence[int]] = None,
           overlap_grad_reduce: Optional[bool] = None, ep: int = 1, vpp: Optional[int] = None,
-          config_overrides: Optional[dict] = None, replica_data: bool = True) -> TrainResult:
+          config_overrides: Optional[dict] = None, replica_data: bool = True, profile_out: Optional[str] = None,
+          slow_device: Optional[str] = None, layer_delay_s: float = 0.0) -> TrainResult:
     """Initialise groups (through het_plugin or plain Megatron-Core), build the model, train ``steps`` steps.
 
     ``use_plugin=False`` is the reference run: Megatron-Core's own groups; ``layers_per_stage`` then
@@ -225,6 +226,9 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
     Megatron's own keyword arguments, through het_plugin or not. ``config_overrides``: TransformerConfig fields
     set last (e.g. Megatron's ``overlap_p2p_comm`` for a reference run without het_plugin). ``replica_data=False``:
     read the even split's samples whatever the plan (a script that ignores het_plugin's replica share).
+    ``profile_out``: het_plugin's measured profile (initialize_model_parallel(profile_out=...)). ``slow_device``,
+    ``layer_delay_s``: on ranks the plan puts on that accelerator, every transformer layer's forward sleeps this
+    long first (a slower device, for tests of the measured profile; test code only).
     """
     import torch
     import torch.distributed as dist
@@ -260,8 +264,9 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
     plan_hash = None
     if use_plugin:
         from het_plugin.megatron import apply_plan_to_config, initialize_model_parallel
+        extra = {"profile_out": profile_out} if profile_out else {}
         the_plan = initialize_model_parallel(tp, pp, cluster=cluster, plan=plan, model=cfg.model_spec(),
-                                             micro_batch_size=cfg.micro_batch_size, **megatron_kwargs)
+                                             micro_batch_size=cfg.micro_batch_size, **megatron_kwargs, **extra)
         plan_hash = the_plan.hash
         tp, pp = the_plan.tp, the_plan.pp
         config_kwargs = apply_plan_to_config(dict(config_kwargs, tensor_model_parallel_size=tp,
@@ -289,6 +294,13 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
         deterministic_init(model, cfg.seed)
         chunks.append(model)
     chunk_layer_numbers = [[layer.layer_number for layer in m.decoder.layers] for m in chunks]
+    if slow_device and use_plugin and layer_delay_s > 0:
+        me = dist.get_rank()
+        node = next(n for n in the_plan.nodes if n.first_rank <= me < n.first_rank + n.num_ranks)
+        if node.accelerator == slow_device:
+            for m in chunks:
+                for layer in m.decoder.layers:
+                    layer.register_forward_pre_hook(lambda *_: time.sleep(layer_delay_s))
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=ddp_overlap, use_distributed_optimizer=False,
                                                bucket_size=cfg.bucket_size if ddp_overlap else None)
     # Megatron-LM's get_model: bucketing only in the first chunk.

@@ -1,0 +1,83 @@
+"""DeepSpeed's hooks for the measured profile (:mod:`het_plugin.runtime.profiling`): applied by
+:func:`het_plugin.deepspeed.initialize` when the wrapped config's section has ``profile_out`` (or
+``initialize(..., profile_out=...)``).
+
+* ``PipelineEngine``: a training iteration is one ``train_batch`` call; each micro-batch's forward and backward are
+  the ``ForwardPass`` and ``BackwardPass`` instructions, which the engine looks up in ``_INSTRUCTION_MAP`` at each
+  step: the engine gets its own copy of that map with the two timed (sends and receives are other
+  instructions). ``eval_batch`` runs outside an iteration: not timed.
+* Any other engine (data parallelism, ZeRO): ``forward`` and ``backward`` in training mode are timed; an
+  iteration ends with the ``step`` at a gradient-accumulation boundary.
+"""
+from __future__ import annotations
+
+import functools
+
+from ..runtime.profiling import ProfileRecorder, ProfileSettings, default_store
+
+
+def install(engine, plan, rank: int, settings: ProfileSettings) -> ProfileRecorder:
+    """Time ``engine``'s micro-batches and iterations; returns the recorder (also ``engine.het_profile``)."""
+    recorder = ProfileRecorder(plan, rank, settings, "DeepSpeed", store=default_store())
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    if isinstance(engine, PipelineEngine):
+        _pipeline_hooks(engine, recorder)
+    else:
+        _engine_hooks(engine, recorder)
+    engine.het_profile = recorder
+    return recorder
+
+
+def _pipeline_hooks(engine, recorder: ProfileRecorder) -> None:
+    from deepspeed.runtime.pipe import schedule
+    timer = recorder.timer
+    table = dict(engine._INSTRUCTION_MAP)
+    for instruction, kind in ((schedule.ForwardPass, "forward"), (schedule.BackwardPass, "backward")):
+        run = table[instruction]
+
+        def timed(self, *args, _run=run, _kind=kind, **kwargs):
+            with timer.timing(_kind):
+                return _run(self, *args, **kwargs)
+
+        table[instruction] = timed
+    engine._INSTRUCTION_MAP = table          # the instance's map; the class keeps DeepSpeed's own
+    train_batch = engine.train_batch
+
+    @functools.wraps(train_batch)
+    def timed_train_batch(*args, **kwargs):
+        with timer.iteration():
+            out = train_batch(*args, **kwargs)
+        recorder.after_iteration()
+        return out
+
+    engine.train_batch = timed_train_batch
+
+
+def _engine_hooks(engine, recorder: ProfileRecorder) -> None:
+    timer = recorder.timer
+    forward, backward, step = engine.forward, engine.backward, engine.step
+
+    @functools.wraps(forward)
+    def timed_forward(*args, **kwargs):
+        if not engine.training:
+            return forward(*args, **kwargs)
+        if not timer.active:
+            timer.begin_iteration()
+        with timer.timing("forward"):
+            return forward(*args, **kwargs)
+
+    @functools.wraps(backward)
+    def timed_backward(*args, **kwargs):
+        with timer.timing("backward"):
+            return backward(*args, **kwargs)
+
+    @functools.wraps(step)
+    def timed_step(*args, **kwargs):
+        boundary = engine.is_gradient_accumulation_boundary()
+        out = step(*args, **kwargs)
+        if boundary and timer.active:
+            timer.end_iteration()
+            recorder.after_iteration()
+        return out
+
+    engine.forward, engine.backward, engine.step = timed_forward, timed_backward, timed_step

@@ -1,0 +1,113 @@
+"""Plans that learn from the run, end to end: a training run through each adapter writes a measured profile, and
+`het-plugin plan --profile` on it moves layers off the stage that measured slow.
+
+The test rank scripts make one device type slower on purpose: on the ranks the plan puts on H100 (which the
+analytic model thinks is ~3x an A100, so the plan gives it more layers) every layer's forward sleeps first.
+CPU and gloo, 4 ranks, pp = 2 x dp = 2, a few iterations.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from het_plugin.cli import main
+from het_plugin.measured import rank_devices
+from het_plugin.plan import Plan
+from het_plugin.profile import load_profile
+from integration_tests.support.launch import run_ranks
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "data"
+IB_ROCE_4 = DATA / "megatron-ib-roce-4.yaml"      # H100 on IB, A100-80 on RoCE, one rank per node, interleaved
+STEPS = 4                                          # the first is the warm-up: 3 counted
+
+
+def h100_layers(layers: list[int], plan: Plan) -> int:
+    """The layers of the plan's H100 stage in ``layers`` (a split of the plan's stages)."""
+    devices = rank_devices(plan)
+    return next(n for s, n in enumerate(layers) if devices[plan.stage_ranks(s)[0]] == "H100")
+
+
+def replan(capsys, cluster: Path, model: Path, profile: Path) -> str:
+    rc = main(["plan", str(cluster), "--model", str(model), "--pp", "2", "--tp", "1", "--micro-batch-size", "2",
+               "--profile", str(profile)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    return out
+
+
+def check_replan(out: str, plan: Plan) -> list[int]:
+    """The report compares the run with its prediction and names a new split with fewer H100 layers."""
+    assert f"measured run of plan {plan.hash}" in out
+    found = re.search(r"new split (\[[\d, ]+\]) over ([^(]+) \(was (\[[\d, ]+\]) over ([^)]+)\)", out)
+    assert found, out[-3000:]
+    assert found.group(3) == str(plan.layers_per_stage)
+    new, devices = yaml.safe_load(found.group(1)), found.group(2).split(", ")
+    assert dict(zip(devices, new))["H100"] < h100_layers(plan.layers_per_stage, plan), out[-3000:]
+    return new
+
+
+def check_run(path: Path, plan: Plan, framework: str, delay_s: float) -> None:
+    prof = load_profile(path)
+    run = prof.measured
+    assert run.plan_hash == plan.hash and run.framework == framework
+    assert run.iterations == STEPS - 1 and run.layers_per_stage == plan.layers_per_stage
+    for st in run.stages:
+        assert st.ranks == 2 and st.predicted_s == plan.prediction.stage_compute_s[st.stage]
+    h100 = next(st for st in run.stages if st.device == "H100")
+    a100 = next(st for st in run.stages if st.device == "A100-80")
+    assert h100.forward_s >= h100.layers * delay_s           # every H100 layer's forward slept first
+    assert h100.forward_s / h100.layers > a100.forward_s / a100.layers
+    assert run.iteration_s > 0 and {c.kind for c in prof.compute} == {"layer", "embedding", "output"}
+
+
+def test_megatron_core_training_writes_a_profile_that_replans(tmp_path, capsys):
+    from integration_tests.support.megatron_tiny import TinyGPT
+    out = tmp_path / "measured.yaml"
+    delay = 0.02
+    outs = run_ranks(HERE / "ranks" / "megatron_train.py", 4,
+                     ["--tp", "1", "--pp", "2", "--cluster", str(IB_ROCE_4), "--steps", str(STEPS),
+                      "--profile-out", str(out), "--slow-device", "H100", "--layer-delay-ms", str(delay * 1e3)],
+                     ranks_per_node=1, timeout=120)
+    from het_plugin.megatron.core import resolve_megatron_plan
+    spec = TinyGPT().model_spec()
+    plan = resolve_megatron_plan(str(IB_ROCE_4), model=spec, world_size=4, tp=1, pp=2, micro_batch_size=2)
+    assert {o.result["plan_hash"] for o in outs} == {plan.hash}
+    assert f"het_plugin: measured profile written to {out}" in outs[0].stdout
+    assert not any("measured profile written" in o.stdout for o in outs[1:])
+    check_run(out, plan, "Megatron", delay)
+    assert f"re-plan with the measured times: het-plugin plan {IB_ROCE_4} --profile {out}" in outs[0].stderr
+    capsys.readouterr()
+    check_replan(replan(capsys, IB_ROCE_4, model_file(tmp_path, spec), out), plan)
+
+
+def model_file(tmp_path: Path, spec) -> Path:
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(exclude_none=True)))
+    return path
+
+
+def test_deepspeed_pipeline_training_writes_a_profile_that_replans(tmp_path, capsys):
+    pytest.importorskip("deepspeed")
+    from het_plugin.deepspeed import wrap, write_config
+    from integration_tests.support.deepspeed_cpu import cpu_environment
+    cluster = DATA / "ds_hetero_4.yaml"
+    model = DATA / "ds_tiny_model.yaml"
+    out = tmp_path / "measured.json"
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 8,
+              "steps_per_print": 10 ** 6}
+    cfg = wrap(config, cluster, str(model), pp=2, layer_pattern="Block", profile_out=str(out))
+    plan = Plan.from_dict(cfg["heterogeneous"]["plan"])
+    write_config(cfg, tmp_path / "cfg.json")
+    delay = 0.01
+    env = dict(cpu_environment(), HET_PLUGIN_GLOO_IFNAMES="local=lo,ib=lo,roce=lo,socket=lo")
+    outs = run_ranks(HERE / "ranks" / "deepspeed_pipe.py", 4,
+                     ["--config", str(tmp_path / "cfg.json"), "--pp", "2", "--steps", str(STEPS),
+                      "--slow-device", "H100", "--layer-delay-ms", str(delay * 1e3)], env=env, timeout=150)
+    assert {o.result["plan_hash"] for o in outs} == {plan.hash}
+    assert f"het_plugin: measured profile written to {out}" in outs[0].stdout
+    check_run(out, plan, "DeepSpeed", delay)
+    check_replan(replan(capsys, cluster, model, out), plan)
