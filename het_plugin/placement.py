@@ -38,6 +38,7 @@ class Placement:
     # crosses domains, DP stays inside) or "replica" (a replica's whole pipeline after another: each pipeline
     # inside a domain, DP groups across domains; see place_replicas).
     dealing: str = "stage"
+    together: int = 1                    # "replica" dealing: replicas dealt together (a node: one stage of each)
 
     @property
     def framework_rank_of_logical(self) -> tuple[int, ...]:
@@ -192,7 +193,7 @@ def place_replicas(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[
                 first = s * S + d * tc
                 out[first:first + tc] = seq[i:i + tc]
                 i += tc
-    return Placement(dims, tuple(out), stage_dealt.domain_order, "replica")
+    return Placement(dims, tuple(out), stage_dealt.domain_order, "replica", together)
 
 
 def default_placement(cluster: Cluster, dims: ParallelDims) -> Placement:

@@ -158,6 +158,8 @@ class Candidate:
                     "tokens_per_s": round(p.tokens_per_s, 1), "distributed_optimizer": self.distributed_optimizer})
         if shapes:
             out.update(shape=self.shape, replica_split=self.split_text())
+            if self.placement.together > 1:      # how the replicas were dealt, where two dealings compete
+                out["replicas_per_node"] = self.placement.together
         return out
 
 
@@ -524,7 +526,9 @@ def _describe(cand: Candidate, what: str, shape: bool = False) -> str:
     return (f"{what}: tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp}{experts} micro-batch {cand.micro_batch_size}, "
             f"domain order {order}, layers {cand.layers}"
             + (", distributed optimizer" if cand.distributed_optimizer else "")
-            + (f"; shape: {cand.shape}, replica split {cand.split_text()}" if shape else ""))
+            + (f"; shape: {cand.shape}, replica split {cand.split_text()}" if shape else "")
+            + (f", stages of {cand.placement.together} replicas per node" if shape and cand.placement.together > 1
+               else ""))
 
 
 def _replica_request(cluster: Cluster, model: ModelSpec, replica_split, dp: Optional[int], fixed_mb: Optional[int],

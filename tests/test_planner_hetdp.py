@@ -229,6 +229,7 @@ def test_whole_pipelines_per_vendor_are_weighed_on_the_hethub_mix():
     best = make_plan(cl, model)
     dealt = [a for a in best.alternatives if a["shape"] == SHAPE_DATA and a["pp"] > 1]
     assert dealt and dealt[0]["replica_split"] != "even"
+    assert {a.get("replicas_per_node", 1) for a in dealt} == {1, 2}       # both dealings, named where they differ
     assert dealt[0]["iteration_s"] >= best.prediction.iteration_s
 
 
