@@ -38,6 +38,7 @@ class Placement:
     # crosses domains, DP stays inside) or "replica" (a replica's whole pipeline after another: each pipeline
     # inside a domain, DP groups across domains; see place_replicas).
     dealing: str = "stage"
+    together: int = 1                    # "replica" dealing: replicas dealt together (a node: one stage of each)
 
     @property
     def framework_rank_of_logical(self) -> tuple[int, ...]:
@@ -170,22 +171,29 @@ def place(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[Domain] |
     return Placement(dims, tuple(seq), order)
 
 
-def place_replicas(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[Domain] | None = None) -> Placement:
-    """Deal whole pipelines domain by domain: replica ``d``'s ``pp`` stages of ``tp*cp`` ranks take the next
-    ``pp*tp*cp`` launch ranks. Each pipeline (and its TP and CP groups) stays inside one domain when the domain
-    sizes allow; every stage's DP groups span the domains instead (heterogeneous data parallelism: replicas on
-    faster devices take more micro-batches). With pp == 1 it is :func:`place`'s dealing."""
+def place_replicas(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[Domain] | None = None,
+                   together: int = 1) -> Placement:
+    """Deal whole pipelines domain by domain, ``together`` replicas at a time: stage ``s`` of the next
+    ``together`` replicas (their ``tp*cp`` ranks each) takes the next ``together*tp*cp`` launch ranks, stage after
+    stage. Each pipeline (and its TP and CP groups) stays inside one domain when the domain sizes allow; every
+    stage's DP groups span the domains instead (heterogeneous data parallelism: replicas on faster devices take
+    more micro-batches). ``together = 1``: a node holds consecutive stages of one replica (pipeline sends inside
+    it); ``together`` = a node's ranks / (tp*cp): a node holds one stage of that many replicas, so every DP group
+    has that many members on each node and reduces inside it first. With pp == 1 it is :func:`place`'s dealing."""
+    if together < 1 or dims.dp % together:
+        raise ValueError(f"together={together} must divide dp={dims.dp}")
     stage_dealt = place(cluster, dims, domain_order)
     seq = stage_dealt.rank_of_logical            # launch ranks in domain order
     S, tc = dims.stage_size, dims.tp * dims.cp
     out = [0] * dims.world_size
     i = 0
-    for d in range(dims.dp):
+    for block in range(0, dims.dp, together):
         for s in range(dims.pp):
-            first = s * S + d * tc
-            out[first:first + tc] = seq[i:i + tc]
-            i += tc
-    return Placement(dims, tuple(out), stage_dealt.domain_order, "replica")
+            for d in range(block, block + together):
+                first = s * S + d * tc
+                out[first:first + tc] = seq[i:i + tc]
+                i += tc
+    return Placement(dims, tuple(out), stage_dealt.domain_order, "replica", together)
 
 
 def default_placement(cluster: Cluster, dims: ParallelDims) -> Placement:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .errors import ConfigError
 from .topology import DEFAULT_ORDER, ParallelDims
@@ -389,12 +390,34 @@ def replica_split_conflict(dims: ParallelDims, counts: Sequence[int]) -> Optiona
     different counts; None when the split keeps every such group on one count."""
     if len(set(counts)) <= 1:
         return None
+    for kind, members, replicas in _joining_groups(dims):
+        if len({counts[d] for d in replicas}) > 1:
+            dp_of = _dp_coordinate(dims)
+            return kind, list(members), [counts[dp_of(r)] for r in members]
+    return None
+
+
+def _dp_coordinate(dims: ParallelDims) -> Callable[[int], int]:
+    """A logical rank's dp coordinate (``dims.coord(r)["dp"]`` without the dict)."""
+    names, sizes = dims.names, dims.sizes()
+    stride = math.prod(sizes[:names.index("dp")])
+    return lambda r: (r // stride) % dims.dp
+
+
+@lru_cache(maxsize=64)
+def _joining_groups(dims: ParallelDims) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
+    """The per-micro-batch groups that join more than one replica, as (kind, logical members, the replicas'
+    dp coordinates), in :data:`PER_MICRO_BATCH_KINDS` and Megatron's group order; of groups joining the same
+    replicas only the first (it conflicts exactly when they do). The planner asks once per degree combination."""
+    dp_of = _dp_coordinate(dims)
+    out, seen = [], set()
     for kind in PER_MICRO_BATCH_KINDS:
         for members in dims.groups(kind):
-            have = [counts[dims.coord(r)["dp"]] for r in members]
-            if len(set(have)) > 1:
-                return kind, list(members), have
-    return None
+            replicas = tuple(sorted({dp_of(r) for r in members}))
+            if len(replicas) > 1 and replicas not in seen:
+                seen.add(replicas)
+                out.append((kind, tuple(members), replicas))
+    return tuple(out)
 
 
 def check_replica_split(replica_micro_batches: Sequence[int], dp: int, num_micro_batches: int,

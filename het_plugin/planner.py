@@ -158,6 +158,8 @@ class Candidate:
                     "tokens_per_s": round(p.tokens_per_s, 1), "distributed_optimizer": self.distributed_optimizer})
         if shapes:
             out.update(shape=self.shape, replica_split=self.split_text())
+            if self.placement.together > 1:      # how the replicas were dealt, where two dealings compete
+                out["replicas_per_node"] = self.placement.together
         return out
 
 
@@ -369,18 +371,19 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                     overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None,
                     sched: tuple = (1, None), replica_split: "str | list[int]" = "auto") -> _Search:
     """Het-aware search: every domain order, the exact partition, with and without the distributed
-    optimizer, for each degree combination. Where devices of one fabric and vendor differ in speed, also each
-    pipeline inside one domain and data parallelism across domains (:func:`placement.place_replicas`, the file's
-    domain order: the order only renumbers the replicas), with speed-proportional replica shares (see
-    :func:`_evaluate_split`)."""
+    optimizer, for each degree combination. Where devices differ in speed (:func:`_replica_dealing`: on one
+    fabric and vendor, or across vendors), also each pipeline inside one domain and data parallelism across
+    domains (:func:`placement.place_replicas`, the file's domain order: the order only renumbers the replicas;
+    replicas dealt one at a time and as many together as a node holds stages of), with speed-proportional
+    replica shares (see :func:`_evaluate_split`)."""
     found = _Search(keep=NUM_ALTERNATIVES + 1)
     orders = list(domain_orders(cluster))
-    # Whole pipelines per domain where every domain shares one fabric and one vendor: the DP groups that dealing
-    # makes stay on that fabric and vendor (the placement rule); across clusters or vendors DP spans them only
-    # when nothing else fits the degrees (pp = 1), through sockets or the shim as before.
-    speeds = (len({n.accelerator.name for n in cluster.nodes}) > 1 and len({n.cluster for n in cluster.nodes}) == 1
-              and len({n.vendor for n in cluster.nodes}) == 1)
+    # Whole pipelines per domain where the DP groups that dealing makes stay on one fabric and vendor, or cross
+    # vendors through the shim (reduced inside each vendor's fabric first); across clusters of one vendor DP spans
+    # them only when nothing else fits the degrees (pp = 1), on sockets as before.
+    speeds = _replica_dealing(cluster)
     least_memory = min(n.accelerator.memory_gib for n in cluster.nodes)
+    per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])
     net = cost.Network(cluster, transport)
     most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
     dense_key = lambda d: (d.tp, d.cp, d.pp, d.dp, d.order)      # noqa: E731 -- what the placement depends on
@@ -403,11 +406,14 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                 seen.add(placement.rank_of_logical)
                 placed.append((k, cost.analyze(cluster, placement, transport, net)))
             # each domain holds whole pipelines, so the smallest devices must hold a pipeline's stages
-            if (speeds and dims.pp > 1 and dims.dp > 1 and _whole_pipelines(cluster, dims)
-                    and cost.params_memory_gib(model, dims, True) <= least_memory):
-                placement = place_replicas(cluster, dims, orders[0])
-                if placement.rank_of_logical not in seen:
-                    placed.append((len(orders), cost.analyze(cluster, placement, transport, net)))
+            if speeds and dims.pp > 1 and dims.dp > 1 and cost.params_memory_gib(model, dims, True) <= least_memory:
+                for j, together in enumerate(_replicas_together(dims, per_node)):
+                    if not _whole_pipelines(cluster, dims, together):
+                        continue
+                    placement = place_replicas(cluster, dims, orders[0], together)
+                    if placement.rank_of_logical not in seen:
+                        seen.add(placement.rank_of_logical)
+                        placed.append((len(orders) + j, cost.analyze(cluster, placement, transport, net)))
             analyses[key] = placed
         for k, dense in analyses[key]:
             analysis = cost.analyze_experts(cluster, dense, dims, net)
@@ -426,9 +432,39 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
     return found
 
 
-def _whole_pipelines(cluster: Cluster, dims: ParallelDims) -> bool:
-    """Every domain holds whole pipelines (pp*tp*cp ranks): the premise of data parallelism across domains."""
-    size = dims.pp * dims.tp * dims.cp
+def _replica_dealing(cluster: Cluster) -> bool:
+    """Whole pipelines per domain are worth trying: the devices differ in type, and every data-parallel group the
+    dealing makes across domains either stays on one fabric of one vendor, or crosses vendors -- the shim then
+    reduces it inside each vendor's fabric first and stripes only the rest between them (charged so). Not where
+    two clusters of one vendor meet: such a group is one NCCL communicator on sockets, a flat ring over Ethernet."""
+    if len({n.accelerator.name for n in cluster.nodes}) < 2:
+        return False
+    vendors: dict[str, set] = {}
+    for n in cluster.nodes:
+        vendors.setdefault(n.cluster, set()).add(n.vendor)
+    seen: set = set()
+    for vs in vendors.values():
+        if vs & seen:
+            return False
+        seen |= vs
+    return True
+
+
+def _replicas_together(dims: ParallelDims, per_node: int) -> list[int]:
+    """How many replicas :func:`placement.place_replicas` deals together: 1 (a node holds consecutive stages of one
+    replica: its pipeline sends stay inside the node), and as many as a node holds stages of (``per_node /
+    (tp*cp)``: each DP group has that many members per node and reduces inside it first). The cost model picks."""
+    tc = dims.tp * dims.cp
+    out = [1]
+    if tc < per_node and per_node % tc == 0 and dims.dp % (per_node // tc) == 0:
+        out.append(per_node // tc)
+    return out
+
+
+def _whole_pipelines(cluster: Cluster, dims: ParallelDims, together: int = 1) -> bool:
+    """Every domain holds whole pipelines (``together`` x pp*tp*cp ranks): the premise of data parallelism across
+    domains."""
+    size = together * dims.pp * dims.tp * dims.cp
     per_domain: dict = {}
     for n in cluster.nodes:
         per_domain[n.domain] = per_domain.get(n.domain, 0) + n.num_accelerators
@@ -490,7 +526,9 @@ def _describe(cand: Candidate, what: str, shape: bool = False) -> str:
     return (f"{what}: tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp}{experts} micro-batch {cand.micro_batch_size}, "
             f"domain order {order}, layers {cand.layers}"
             + (", distributed optimizer" if cand.distributed_optimizer else "")
-            + (f"; shape: {cand.shape}, replica split {cand.split_text()}" if shape else ""))
+            + (f"; shape: {cand.shape}, replica split {cand.split_text()}" if shape else "")
+            + (f", stages of {cand.placement.together} replicas per node" if shape and cand.placement.together > 1
+               else ""))
 
 
 def _replica_request(cluster: Cluster, model: ModelSpec, replica_split, dp: Optional[int], fixed_mb: Optional[int],

@@ -309,3 +309,31 @@ def test_uneven_replicas_refused_where_they_would_hang():
     with pytest.raises(ConfigError) as info:
         check_replica_split([3, 1], 2, 2, vpp=2)
     assert info.value.field == "replica_micro_batches" and "vpp=2" in str(info.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tp=st.sampled_from([1, 2]), ep=st.sampled_from([1, 2, 4]), dp=st.sampled_from([2, 4, 8]),
+       pp=st.sampled_from([1, 2]), order=st.sampled_from(["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"]),
+       seed=st.integers(0, 10 ** 6))
+def test_replica_split_conflict_is_the_first_group_joining_two_counts(tp, ep, dp, pp, order, seed):
+    """The planner's cached check names the same group as walking every per-micro-batch group member by member."""
+    import random
+
+    from het_plugin.plan import PER_MICRO_BATCH_KINDS, replica_split_conflict
+    from het_plugin.topology import ParallelDims
+    try:
+        dims = ParallelDims(tp=tp, pp=pp, dp=dp, ep=ep, order=order)
+    except ValueError:
+        return                                       # not a layout Megatron accepts
+    rng = random.Random(seed)
+    counts = [rng.choice([1, 2, 3]) for _ in range(dp)]
+    expected = None
+    for kind in PER_MICRO_BATCH_KINDS:
+        for members in dims.groups(kind):
+            have = [counts[dims.coord(r)["dp"]] for r in members]
+            if len(set(have)) > 1:
+                expected = (kind, list(members), have)
+                break
+        if expected:
+            break
+    assert replica_split_conflict(dims, counts) == expected

@@ -190,6 +190,56 @@ def test_replica_dealing_keeps_each_pipeline_in_one_domain(two_clusters):
         assert len({two_clusters.node_of(r).cluster for r in p.stage_ranks(s)}) == 2
 
 
+def _stages_per_node(cluster, p):
+    S = p.dims.stage_size
+    out: dict = {}
+    for logical, rank in enumerate(p.rank_of_logical):
+        out.setdefault(cluster.rank_node[rank], set()).add(logical // S)
+    return out
+
+
+def test_replicas_dealt_together_hold_one_stage_of_several_replicas_per_node(mixed):
+    dims = ParallelDims(tp=4, pp=2, dp=4)
+    apart, together = place_replicas(mixed, dims), place_replicas(mixed, dims, together=2)
+    for p in (apart, together):
+        assert sorted(p.rank_of_logical) == list(range(dims.world_size)) and p.dealing == "replica"
+        for d in range(4):                       # each pipeline inside one domain
+            ranks = [p.rank_of_logical[s * dims.stage_size + d * 4 + j] for s in range(2) for j in range(4)]
+            assert len({mixed.node_of(r).domain for r in ranks}) == 1
+    assert all(len(s) == 2 for s in _stages_per_node(mixed, apart).values())      # a replica's two stages
+    assert all(len(s) == 1 for s in _stages_per_node(mixed, together).values())   # one stage of two replicas
+    for p, k in ((apart, 1), (together, 2)):     # so each DP group has k members on each node ...
+        for g in p.physical_groups("dp"):
+            assert sorted({sum(mixed.rank_node[r] == n for r in g) for n in {mixed.rank_node[r] for r in g}}) == [k]
+    path = cost.analyze(mixed, together, transport).stages[0].dp_paths[0]
+    assert path.levels[0].tier.kind == "local" and path.levels[0].members == 2     # ... and reduces inside it first
+    with pytest.raises(ValueError, match="together=3 must divide dp=4"):
+        place_replicas(mixed, dims, together=3)
+
+
+def test_whole_pipelines_per_vendor_are_weighed_on_the_hethub_mix():
+    """Across vendors the shim reduces a DP group inside each vendor's fabric first: the search deals whole
+    pipelines per vendor there too, with speed-proportional shares (the report lists the shape's best)."""
+    cl = load_cluster(EXAMPLES / "clusters" / "hethub-mix.yaml")
+    model = preset_model("llama-140b")
+    plan = make_plan(cl, model, tp=4, pp=8, replica_split="uneven")
+    assert plan.prediction.shape == SHAPE_DATA and {g.transport for g in plan.groups["dp"]} == {"host-staged"}
+    counts = {r.devices: r.count for r in replica_rows(plan)}
+    assert max(c for d, c in counts.items() if "MI250X" in d) < min(c for d, c in counts.items() if "other" in d)
+    best = make_plan(cl, model)
+    dealt = [a for a in best.alternatives if a["shape"] == SHAPE_DATA and a["pp"] > 1]
+    assert dealt and dealt[0]["replica_split"] != "even"
+    assert {a.get("replicas_per_node", 1) for a in dealt} == {1, 2}       # both dealings, named where they differ
+    assert dealt[0]["iteration_s"] >= best.prediction.iteration_s
+
+
+def test_whole_pipelines_are_not_dealt_across_clusters_of_one_vendor(two_clusters, gpt7):
+    """Such a DP group would be one NCCL communicator on sockets (a flat ring over Ethernet): not searched."""
+    plan = make_plan(two_clusters, gpt7)
+    assert not [a for a in plan.alternatives if a["shape"] == SHAPE_DATA and a["pp"] > 1]
+    assert plan.prediction.shape != SHAPE_DATA or plan.pp == 1
+
+
 def test_search_gives_faster_replicas_more_micro_batches(mixed, gpt7):
     plan = make_plan(mixed, gpt7, pp=1)
     assert plan.uneven_replicas and sum(plan.replica_counts) == plan.dp * plan.num_micro_batches
