@@ -36,6 +36,10 @@ from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster
 from het_plugin.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
 
 CALIBRATION_MBIT = 20_000      # the reference network "unshaped" for the calibration run
+# The emulated Ethernet rate, fixed so that runs compare (derived from each run's measured compute it moved
+# between 68 and 122 Mbit/s over four runs, and the ratios with it); --derive-eth-rate derives it instead.
+# The rate that would give the real job's proportions is printed beside it either way.
+FIXED_ETH_MBIT = 100.0
 GOALS = {"4/3": 0.60, "4/1": 1.15, "4/2": 0.55, "5v/1": 1.05}
 PAIRS = {"4/3": ("4-het_plugin", "3-mixed-today"), "4/1": ("4-het_plugin", "1-all-fast"),
          "4/2": ("4-het_plugin", "2-all-eth"), "4p/3": ("4p-placement", "3-mixed-today"),
@@ -59,7 +63,11 @@ class Parent:
 
     def __init__(self, emu: Emulation, args, shape: TinyShape, results_dir: Path, compute: dict, scale: dict):
         self.emu, self.args, self.shape, self.results_dir = emu, args, shape, results_dir
-        self.ratios = list(args.ratios)
+        # Rounds outermost, the ratios rotated in each: a drift over the run (load, anything that builds up in
+        # the ranks) spreads over every ratio instead of growing with the ratio that happens to run last.
+        self.visits = [(rnd, ratio) for rnd in range(args.rounds)
+                       for ratio in args.ratios[rnd % len(args.ratios):] + args.ratios[:rnd % len(args.ratios)]]
+        self.round = 0
         self.compute = compute
         self.scale = scale
         self.eth_links = None
@@ -85,22 +93,28 @@ class Parent:
             self.compute["calibration_step_s"] = measured
             log(f"calibration step {measured * 1e3:.0f} ms -> pipelined code path costs {x * 1e3:+.1f} ms per "
                 "micro-batch and stage beyond the single-rank profile")
-            if not self.args.eth_mbit:        # the proportions hold for the compute the pipeline really has
-                self.scale = scale_for(self.shape, self.compute)
-                self.emu.set_rate("eth0", self.scale["eth_mbit"])
-                log(f"Ethernet -> {self.scale['eth_mbit']:.1f} Mbit/s (scale 1/{self.scale['scale']:.0f})")
+            # the proportions as the pipeline's compute really is (a fixed rate stays, its proportions follow)
+            self.scale = scale_for(self.shape, self.compute, self.args.eth_mbit)
+            self.emu.set_rate("eth0", self.scale["eth_mbit"])
+            log(f"Ethernet -> {self.scale['eth_mbit']:.1f} Mbit/s (scale 1/{self.scale['scale']:.0f}; the real job's "
+                f"proportions would need {self.scale['derived_eth_mbit']:.1f})")
             return {}
         if name == "next":
-            if not self.ratios:
+            if not self.visits:
                 return {"done": True}
-            self.current = self.ratios.pop(0)
+            self.round, self.current = self.visits.pop(0)
             fast = self.current * self.scale["eth_mbit"]
             self.emu.set_rate("fab0", fast)
             self.emu.set_rate("ref0", fast)
-            log(f"ratio {self.current:g}:1: fabric {fast:.0f} Mbit/s, Ethernet {self.scale['eth_mbit']:.0f} Mbit/s")
+            log(f"round {self.round}, ratio {self.current:g}:1: fabric {fast:.0f} Mbit/s, Ethernet "
+                f"{self.scale['eth_mbit']:.0f} Mbit/s")
+            if self.current in self.setups:          # set up on its first visit: links measured, plans made
+                return {"measure": [], "round": self.round}
             measure = FAST_LINKS + ([] if self.eth_links else ["eth", "inter"])
-            return {"measure": measure}
+            return {"measure": measure, "round": self.round}
         if name == "links":
+            if self.current in self.setups:
+                return {"configs": [c for c in self.setups[self.current].configs if c["name"] in self.args.configs]}
             if "eth" in payload:
                 self.eth_links = {k: payload[k] for k in ("eth", "inter")}
             links = dict(payload, **self.eth_links)
@@ -114,9 +128,12 @@ class Parent:
             configs = [c for c in st.configs if c["name"] in self.args.configs]
             return {"configs": configs}
         if name == "results":
-            self.measured[self.current] = payload["step_times"]
+            measured = self.measured.setdefault(self.current, {})
+            for cfg, rounds in payload["step_times"].items():
+                measured.setdefault(cfg, []).extend(rounds)
             self.losses[self.current] = payload["losses"]
-            self.report_ratio(self.current)
+            if len(next(iter(measured.values()))) == self.args.rounds:
+                self.report_ratio(self.current)
             return {}
         raise RuntimeError(f"unknown request {name}")
 
@@ -138,18 +155,21 @@ def summarize(ratio: float, measured: dict, setup, warmup: int) -> dict:
         pred = setup.predictions[name]
         configs.append({"name": name, "median_s": med, "rounds_s": per_round[name], "predicted_s": pred,
                         "error": (pred - med) / med, "compute_share": setup.compute_share[name]})
-    ratios = {}
+    ratios, spread = {}, {}
     for key, (a, b) in PAIRS.items():
         if a in per_round and b in per_round:
-            ratios[key] = statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
-    return {"ratio": ratio, "configs": configs, "ratios": ratios}
+            each = [x / y for x, y in zip(per_round[a], per_round[b])]
+            ratios[key] = statistics.median(each)
+            spread[key] = [min(each), max(each)]
+    return {"ratio": ratio, "configs": configs, "ratios": ratios, "ratio_spread": spread}
 
 
-def scale_for(shape: TinyShape, compute: dict) -> dict:
-    """The emulated Ethernet rate that gives the tiny job the real job's dp_eth (see e2e_setup)."""
+def scale_for(shape: TinyShape, compute: dict, eth_mbit: float | None = None) -> dict:
+    """The emulated Ethernet rate: ``eth_mbit``, or (None) the one that gives the tiny job the real job's dp_eth
+    (see e2e_setup); the proportions at that rate, and the derived rate beside it."""
     stage_mb = (shape.num_layers // 2) * sum(compute["layer"]) + \
         max(sum(compute["embedding"]), sum(compute["output"]))
-    return derive_scale(shape, stage_mb)
+    return derive_scale(shape, stage_mb, eth_mbit)
 
 
 def run(args) -> dict:
@@ -171,10 +191,7 @@ def run(args) -> dict:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     log("compute profile: 4 single-rank trainings at once (no communication) ...")
     compute = e2e_compute.measure(shape.to_dict(), procs=4, rounds=args.compute_rounds, steps=3)
-    scale = scale_for(shape, compute)
-    if args.eth_mbit:
-        scale["eth_mbit"] = args.eth_mbit
-        scale["scale"] = ETH_GBPS * 1e3 / args.eth_mbit
+    scale = scale_for(shape, compute, args.eth_mbit)
     log(f"compute: {sum(compute['layer']) * 1e3:.1f} ms per layer fwd+bwd, framework overhead "
         f"{compute['overhead_per_micro_batch'] * 1e3:.1f} ms per micro-batch and "
         f"{compute['overhead_per_step'] * 1e3:.0f} ms per step; Ethernet -> {scale['eth_mbit']:.1f} Mbit/s "
@@ -256,12 +273,18 @@ def main(argv=None) -> int:
     p.add_argument("--calibration-rounds", type=int, default=2)
     p.add_argument("--no-calibration", action="store_true",
                    help="predict from the single-rank compute profile alone (no calibration run)")
-    p.add_argument("--eth-mbit", type=float, help="override the derived emulated Ethernet rate (Mbit/s)")
+    p.add_argument("--eth-mbit", type=float, default=FIXED_ETH_MBIT,
+                   help=f"emulated Ethernet rate in Mbit/s (default {FIXED_ETH_MBIT:g}, fixed so that runs compare)")
+    p.add_argument("--derive-eth-rate", action="store_true",
+                   help="derive the Ethernet rate from the compute measured at the start (the real job's proportions; "
+                        "it moves with the machine's speed between runs)")
     p.add_argument("--results", help="raw results folder (default benchmarks/results, quick: a temp folder)")
     p.add_argument("--docs", help="docs folder for the table and chart (default docs/, quick: the results folder)")
     p.add_argument("--timeout", type=float, default=1500)
     args = p.parse_args(argv)
     args.configs = args.configs or FRAMEWORK_CONFIGS[args.framework]
+    if args.derive_eth_rate:
+        args.eth_mbit = None
     if args.quick:
         args.ratios, args.rounds, args.warmup, args.steps, args.compute_rounds = [10], 1, 1, 2, 1
         args.calibration_rounds = 1

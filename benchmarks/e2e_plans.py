@@ -155,10 +155,9 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
     placed_vpp = Placement(dims, tuple(plan_vpp.rank_of_logical), tuple(mixed.domains))
     uniform = uniform_layers(spec.num_layers, PP)
 
+    # Placement only: the plan as is (a plan file must keep the transports its nodes give); its run maps every
+    # transport onto Ethernet (eth_only below) and its prediction uses the framework's transports.
     only_place = assemble_plan(mixed, spec, placed, uniform, mb, overlap_grad_reduce=True)
-    for groups in only_place.groups.values():
-        for g in groups:
-            g.transport = "socket" if g.transport in ("ib", "roce") else g.transport
     only_place_path = out_dir / f"plan-{tag}-placement-only.json"
     only_place.save(only_place_path)
     place_transport = assemble_plan(mixed, spec, placed, uniform, mb, overlap_grad_reduce=True)

@@ -28,7 +28,11 @@ def results_markdown(out: dict, chart: Path | None) -> str:
                 if (out.get("others_runnable_start") or 0) > (out.get("cores") or 1) else "")
              + (" (a `--quick` smoke run)" if out.get("quick") else "") + ".",
              "",
-             f"**Scale**: real 25 GbE -> emulated {s['eth_mbit']:.1f} Mbit/s, i.e. 1/{s['scale']:.0f}. "
+             f"**Scale**: real 25 GbE -> emulated {s['eth_mbit']:.1f} Mbit/s, i.e. 1/{s['scale']:.0f}"
+             + (f" (fixed; the real job's gradient proportion dp_eth would need {s['derived_eth_mbit']:.1f} Mbit/s "
+                "with this run's compute)" if s.get("fixed") else
+                " (derived from this run's compute: the real job's dp_eth)" if "derived_eth_mbit" in s else "")
+             + ". "
              f"Measured compute: {sum(out['compute']['layer']) * 1e3:.1f} ms per layer fwd+bwd "
              f"(micro-batch {out['compute']['micro_batch_size']}, all ranks computing at once), framework overhead "
              f"{out['compute'].get('overhead_per_micro_batch', 0) * 1e3:.1f} ms per micro-batch and "
@@ -43,11 +47,13 @@ def results_markdown(out: dict, chart: Path | None) -> str:
              f"| pipeline traffic on Ethernet / compute (pp_eth) | {s['real']['pp_eth']:.3f} | {s['tiny']['pp_eth']:.3f} |",
              f"| activation : gradient bytes (act_grad) | {s['real']['act_grad']:.3f} | {s['tiny']['act_grad']:.3f} |",
              ""]
-    lines += ["| fast:slow | 4/3 (goal <= 0.60) | 4/1 (goal <= 1.15) | 4/2 (goal <= 0.55) | 4p/3 | 4t/3 |",
+    lines += ["Each ratio: the median over rounds of the per-round ratio, [lowest-highest round] beside it.", "",
+              "| fast:slow | 4/3 (goal <= 0.60) | 4/1 (goal <= 1.15) | 4/2 (goal <= 0.55) | 4p/3 | 4t/3 |",
               "|---|---|---|---|---|---|"]
     for row in _rows(out):
-        r = row["ratios"]
-        cell = lambda k: f"{r[k]:.2f}" if k in r else "-"   # noqa: E731
+        r, spread = row["ratios"], row.get("ratio_spread", {})
+        cell = lambda k: (f"{r[k]:.2f}" + (f" [{spread[k][0]:.2f}-{spread[k][1]:.2f}]" if k in spread else "")  # noqa: E731
+                          if k in r else "-")
         lines.append(f"| {row['ratio']:g}:1 | {cell('4/3')} | {cell('4/1')} | {cell('4/2')} | {cell('4p/3')} "
                      f"| {cell('4t/3')} |")
     lines.append("")
@@ -151,7 +157,9 @@ def side_by_side(out: dict) -> str:
         for c in row["configs"]:
             rounds = ", ".join(f"{t * 1e3:.0f}" for t in c["rounds_s"])
             lines.append(f"  {c['name']:<20} {c['median_s'] * 1e3:10.1f} {rounds:>24} {c['predicted_s'] * 1e3:13.1f}")
-        lines.append("  " + "  ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items()))
+        spread = row.get("ratio_spread", {})
+        lines.append("  " + "  ".join(f"{k} {v:.2f}" + (f" [{spread[k][0]:.2f}-{spread[k][1]:.2f}]" if k in spread else "")
+                                      for k, v in row["ratios"].items()))
         for name, loss in row["losses"].items():
             values = loss["losses"] if isinstance(loss, dict) else loss
             lines.append(f"  {name:<20} losses {', '.join(f'{v:.3f}' for v in values)}")

@@ -140,16 +140,20 @@ def tiny_job(shape: TinyShape, stage_s_per_micro_batch: float) -> tuple[float, f
     return dp_bytes, pp_bytes
 
 
-def derive_scale(shape: TinyShape, stage_s_per_micro_batch: float) -> dict:
-    """Emulated Ethernet rate (Mbit/s) that gives the tiny job the real job's dp_eth; the scale factor."""
+def derive_scale(shape: TinyShape, stage_s_per_micro_batch: float, eth_mbit: float | None = None) -> dict:
+    """Emulated Ethernet rate (Mbit/s) that gives the tiny job the real job's dp_eth, and the scale factor; with
+    ``eth_mbit`` the rate is that one (a fixed operating point) and the tiny job's proportions follow from it.
+    ``derived_eth_mbit`` is always the rate that would give the real job's dp_eth."""
     real = real_job()
     micro_batches = shape.global_batch_size // (DP * shape.micro_batch_size)
     compute = micro_batches * stage_s_per_micro_batch
     dp_bytes, pp_bytes = tiny_job(shape, stage_s_per_micro_batch)
-    eth_bytes_per_s = dp_bytes / (real.dp_eth * compute)
+    derived_bytes_per_s = dp_bytes / (real.dp_eth * compute)
+    eth_bytes_per_s = derived_bytes_per_s if eth_mbit is None else eth_mbit * 1e6 / 8
     tiny = Proportions(compute, dp_bytes, pp_bytes, eth_bytes_per_s)
     eth_mbit = eth_bytes_per_s * 8 / 1e6
-    return {"eth_mbit": eth_mbit, "scale": ETH_GBPS * 1e3 / eth_mbit,
+    return {"eth_mbit": eth_mbit, "scale": ETH_GBPS * 1e3 / eth_mbit, "derived_eth_mbit": derived_bytes_per_s * 8 / 1e6,
+            "fixed": eth_bytes_per_s != derived_bytes_per_s,
             "real": {"compute_s": real.compute_s, "dp_eth": real.dp_eth, "pp_eth": real.pp_eth,
                      "act_grad": real.act_grad, "dp_bytes": real.dp_bytes, "pp_bytes": real.pp_bytes},
             "tiny": {"compute_s": tiny.compute_s, "dp_eth": tiny.dp_eth, "pp_eth": tiny.pp_eth,

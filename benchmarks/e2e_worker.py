@@ -190,7 +190,8 @@ def main() -> int:
         configs = hs.ask("links", links)["configs"]
         results = {c["name"]: [] for c in configs}
         losses = {}
-        for rnd in range(job["rounds"]):
+        # the parent visits each ratio once per round (its "round"); an older parent: every round at once
+        for rnd in ([step["round"]] if "round" in step else range(job["rounds"])):
             order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
             for cfg in order:
                 times, loss = run_config(shape, cfg, job["warmup"] + job["steps"])
