@@ -226,7 +226,10 @@ def plan_summary(cluster: Cluster, plan: Plan) -> dict:
             "stages": ["+".join(sorted({cluster.node_of(r).cluster for r in plan.stage_ranks(s)})) for s in range(plan.pp)],
             "replica_micro_batches": plan.replica_counts, "rank_of_logical": plan.rank_of_logical,
             "transports": {k: sorted({g.transport for g in plan.groups[k]}) for k in ("dp", "pp") if plan.groups.get(k)},
-            "hash": plan.hash}
+            "hash": plan.hash,
+            # the planner's own estimate: with the optimizer it chose (the runs use the plain one) and overlap on
+            "planner_predicted_s": plan.prediction.iteration_s if plan.prediction is not None else None,
+            "planner_distributed_optimizer": plan.distributed_optimizer}
 
 
 def predict_plan(cluster: Cluster, spec, plan: Plan, profile: Profile | None = None,
