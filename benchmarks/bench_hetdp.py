@@ -383,6 +383,55 @@ def measure_profiles(emu: Emulation, cluster: Cluster, shape: TinyShape, framewo
     return profiles, compute, links
 
 
+class MachineLoad:
+    """The whole machine's busy share of its cores (/proc/stat) every ``interval`` s while a launch runs, and each
+    node cgroup's cpu throttling (cpu.stat) over it: what else ran beside the benchmark, and whether the quotas
+    were what bound the nodes."""
+
+    def __init__(self, emu: Emulation, interval: float = 2.0):
+        import threading
+        self.emu, self.interval, self.samples = emu, interval, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _busy_total() -> tuple[int, int]:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = f[3] + (f[4] if len(f) > 4 else 0)
+        return sum(f) - idle, sum(f)
+
+    def _throttled(self) -> list[float]:
+        out = []
+        for node in self.emu.layout.nodes:
+            path = self.emu.cgroup_path(node.index)
+            stat = dict(line.split() for line in (path / "cpu.stat").read_text().splitlines()) if path else {}
+            out.append(int(stat.get("throttled_time", 0)) / 1e9)
+        return out
+
+    def _run(self) -> None:
+        last = self._busy_total()
+        while not self._stop.wait(self.interval):
+            now = self._busy_total()
+            total = now[1] - last[1]
+            self.samples.append((time.strftime("%H:%M:%S"), (now[0] - last[0]) / total if total else 0.0))
+            last = now
+
+    def __enter__(self) -> "MachineLoad":
+        self.throttled_start = self._throttled()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.throttled_s = [b - a for a, b in zip(self.throttled_start, self._throttled())]
+
+    def summary(self) -> dict:
+        busy = [b for _, b in self.samples]
+        return {"busy_share": {"median": statistics.median(busy) if busy else None, "max": max(busy, default=None)},
+                "samples": self.samples, "throttled_s": self.throttled_s}
+
+
 def run_job(emu: Emulation, job: dict, work: Path, tag: str, env: dict, timeout: float, port: int) -> dict:
     """One 4-rank launch of hetdp_worker.py with ``job``; rank 0's results (the ranks' logs on failure)."""
     job = dict(job, results=str(work / f"{tag}.results.json"))
@@ -442,7 +491,13 @@ def run(args) -> dict:
                         if c["name"].removesuffix("-ds") in args.configs]
         job = {"shape": shape.to_dict(), "configs": configs, "rounds": args.rounds, "warmup": args.warmup,
                "steps": args.steps}
-        raw = run_job(emu, job, work, "train", env, args.timeout, 29500)
+        with MachineLoad(emu) as load:
+            raw = run_job(emu, job, work, "train", env, args.timeout, 29500)
+        busy = load.summary()
+        log(f"machine busy during training (all {os.cpu_count()} cores; the nodes' quotas alone are "
+            f"{sum(n.cpu.cores for n in emu.layout.nodes) / os.cpu_count():.0%}): median "
+            f"{busy['busy_share']['median']:.0%}, max {busy['busy_share']['max']:.0%}; cpu throttled per node: "
+            + ", ".join(f"{n.name} {t:.0f} s" for n, t in zip(emu.layout.nodes, busy["throttled_s"])))
         after = emu.compute_rates(1.0)
         log(f"compute rate per node after training: {speed_line(cluster, after)}")
     print((work / "train.rank0.log").read_text(), file=sys.stderr)
@@ -453,6 +508,7 @@ def run(args) -> dict:
            "cpu": [{"node": n.name, "speed": n.cpu.speed, "quota_us": n.cpu.quota_us, "period_us": n.cpu.period_us,
                     "shares": n.cpu.shares} for n in emu.layout.nodes],
            "compute_rates": {"before": before, "after": after}, "compute": compute, "links": links,
+           "machine_during_training": busy,
            "frameworks": {}}
     for fw in frameworks:
         names = {run_name(fw, c): c for c in CONFIGS}
@@ -522,6 +578,11 @@ def table(out: dict) -> str:
              speed_check(out), f"global batch {out['shape']['global_batch_size']} for every configuration; "
              + ("predictions and plans: het_plugin.cost with the catalog's numbers (no profile)" if predictor == "catalog"
                 else "predictions and plans: het_plugin.cost with the profile measured in the emulated nodes")]
+    busy = out.get("machine_during_training")
+    if busy and busy["busy_share"]["median"] is not None:
+        lines.append(f"machine busy during training (all cores): median {busy['busy_share']['median']:.0%}, max "
+                     f"{busy['busy_share']['max']:.0%}; cpu throttled per node: "
+                     + ", ".join(f"{c['node']} {t:.0f} s" for c, t in zip(out["cpu"], busy["throttled_s"])))
     for fw, comp in (out.get("compute") or {}).items():
         for dev, c in comp.items():
             lines.append(f"profile {FRAMEWORKS[fw]} {compute_line(dev, c)}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,8 +45,8 @@ def train_all(job: dict) -> dict:
             results[cfg["name"]].append(times)
             losses[cfg["name"]] = loss
             if dist.get_rank() == 0:
-                print(f"round {rnd}: {cfg['name']}: " + " ".join(f"{t * 1e3:.0f}" for t in times) + " ms",
-                      flush=True)
+                print(f"round {rnd}: {cfg['name']}: " + " ".join(f"{t * 1e3:.0f}" for t in times) + " ms "
+                      f"(ended {time.strftime('%H:%M:%S')})", flush=True)
     return {"step_times": results, "losses": losses, "layouts": layouts}
 
 

@@ -287,6 +287,10 @@ def test_the_table_shows_predictions_losses_ratios_and_goals():
     assert "| 2000 | 2000 | not modelled | match (max rel. diff 1.0e-07) |" in text
     assert "ratio ii/i: median 0.667" in text and "goal (ii)/(i) <= 0.75 (ideal 0.67): met (0.67)" in text
     assert f"global batch {bench_hetdp.GLOBAL_BATCH} for every configuration" in text
+    busy = dict(_run_out(), machine_during_training={"busy_share": {"median": 0.8, "max": 0.95},
+                                                      "throttled_s": [1.0, 2.0, 30.0, 31.0]})
+    assert ("machine busy during training (all cores): median 80%, max 95%; cpu throttled per node: fast-0 1 s, "
+            "fast-1 2 s, slow-0 30 s, slow-1 31 s") in bench_hetdp.table(busy)
     both = bench_hetdp.table(_run_out(("megatron", "deepspeed")))
     assert both.index("Megatron-Core:") < both.index("DeepSpeed:") and both.count("goal (ii)/(i)") == 2
 
