@@ -643,7 +643,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="measured steps per configuration and round")
-    p.add_argument("--profile-rounds", type=int, default=2, help="rounds of the compute profile")
+    p.add_argument("--profile-rounds", type=int, default=3, help="rounds of the compute profile")
     p.add_argument("--profile-steps", type=int, default=3, help="measured steps of each profile run")
     p.add_argument("--catalog", action="store_true",
                    help="measure no profile: plan and predict from the catalog's numbers (the first runs' way)")

@@ -5,8 +5,9 @@ measured between them with gloo, written as a het_plugin profile (format 2) with
 Compute, per node (``python hetdp_profile.py ...`` started in every node at once by bench_hetdp): single-rank
 trainings of the benchmark's tiny GPT with 2 and 6 layers, each at PROFILE_MICRO_BATCHES micro-batches per step
 and twice that (the four runs lined up across the nodes by a TCPStore barrier on the master node, so every node
-computes while the others do, as in training); the embedding and the output layer + loss timed directly; one
-SGD update timed directly (seconds per parameter). Per device type (the median of its nodes' numbers) a
+computes while the others do, as in training); the embedding and the output layer + loss timed directly; the
+SGD update timed directly (seconds per parameter). Direct timings run in blocks of many calls (:func:`_block_times`):
+under a cpu quota a single short call mostly runs unthrottled, faster than the node's average rate. Per device type (the median of its nodes' numbers) a
 least-squares fit of t(L, m) = per_step + m (per_micro_batch + L per_layer) to the four step times, less the
 update (seconds per parameter x the run's parameters), gives the profile's entries:
 
@@ -149,19 +150,43 @@ def build_profile(cluster, compute: dict[str, DeviceCompute], links: dict[str, d
 
 # ---- in each node -------------------------------------------------------------------------------------------
 
-def _timed_update(params, lr: float, reps: int = 20) -> float:
+BLOCK = 30          # direct timings: operations per timed block (see _block_times)
+
+
+def _block_times(step, reps: int = 3, block: int = BLOCK) -> tuple[float, float]:
+    """(forward, backward) seconds of one call of ``step`` (which returns a scalar to differentiate), timed as
+    blocks of ``block`` calls (all forwards, then all backwards), the median block over ``reps``. Not one call at
+    a time: under a cpu quota (the emulated nodes' cgroups) a short operation often runs unthrottled at the
+    core's full speed, and its median would miss the throttled periods that training, running long, goes
+    through; a block of a few quota periods gets the node's average rate, as training does."""
+    fwd, bwd = [], []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        outs = [step() for _ in range(block)]
+        t1 = time.perf_counter()
+        for y in outs:
+            y.backward()
+        t2 = time.perf_counter()
+        if r:                                  # the first block warms up
+            fwd.append((t1 - t0) / block)
+            bwd.append((t2 - t1) / block)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _timed_update(params, lr: float, reps: int = 3, block: int = 100) -> float:
     """Seconds per parameter of the benchmark's plain SGD update (as megatron_tiny applies it; DeepSpeed's runs
-    step a torch SGD optimizer, whose loop is the same add per tensor)."""
+    step a torch SGD optimizer, whose loop is the same add per tensor), in blocks as :func:`_block_times`."""
     import torch
     grads = [torch.randn_like(p) for p in params]
     times = []
     with torch.no_grad():
-        for _ in range(reps + 2):
+        for _ in range(reps + 1):
             t0 = time.perf_counter()
-            for p, g in zip(params, grads):
-                p.add_(g, alpha=-lr)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:]) / sum(p.numel() for p in params)
+            for _ in range(block):
+                for p, g in zip(params, grads):
+                    p.add_(g, alpha=-lr)
+            times.append((time.perf_counter() - t0) / block)
+    return statistics.median(times[1:]) / sum(p.numel() for p in params)
 
 
 def _megatron_runs(shape: dict, rounds: int, steps: int, barrier) -> dict:
@@ -180,27 +205,40 @@ def _megatron_runs(shape: dict, rounds: int, steps: int, barrier) -> dict:
                                       overlap_grad_reduce=True)
             times[key] += res.step_times[1:]
             ps.destroy_model_parallel()
-    from e2e_compute import direct_times
     out = {k: statistics.median(v) for k, v in times.items()}
-    out.update(direct_times(shape, 10))
-    out["optimizer_s_per_param"] = _megatron_update(shape)
+    out.update(_megatron_direct(shape))
     return out
 
 
-def _megatron_update(shape: dict) -> float:
+def _megatron_direct(shape: dict) -> dict:
+    """Megatron's embedding and output layer + loss timed directly (as e2e_compute.direct_times, in blocks), and
+    the update of a 6-layer model."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     ps.initialize_model_parallel(1, 1)
-    cfg = TransformerConfig(num_layers=6, hidden_size=shape["hidden_size"], num_attention_heads=shape["num_attention_heads"],
+    mb, s, h = shape["micro_batch_size"], shape["seq_length"], shape["hidden_size"]
+    cfg = TransformerConfig(num_layers=6, hidden_size=h, num_attention_heads=shape["num_attention_heads"],
                             ffn_hidden_size=shape["ffn_hidden_size"], hidden_dropout=0.0, attention_dropout=0.0,
                             use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=shape["vocab_size"],
-                     max_sequence_length=shape["seq_length"], share_embeddings_and_output_weights=True)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=shape["vocab_size"], max_sequence_length=s,
+                     share_embeddings_and_output_weights=True)
+    tokens = torch.randint(0, shape["vocab_size"], (mb, s))
+    pos = torch.arange(s).unsqueeze(0).expand(mb, -1)
+
+    def head():
+        hidden = torch.randn(s, mb, h, requires_grad=True)
+        logits, _ = model.output_layer(model.decoder.final_layernorm(hidden),
+                                       weight=model.shared_embedding_or_output_weight())
+        return model.compute_language_model_loss(tokens, logits).float().mean()
+
     try:
-        return _timed_update(list(model.parameters()), shape["lr"])
+        ef, eb = _block_times(lambda: model.embedding(input_ids=tokens, position_ids=pos).float().sum())
+        of, ob = _block_times(head)
+        return {"ef": ef, "eb": eb, "of": of, "ob": ob,
+                "optimizer_s_per_param": _timed_update(list(model.parameters()), shape["lr"])}
     finally:
         ps.destroy_model_parallel()
 
@@ -216,12 +254,12 @@ def _deepspeed_runs(shape: dict, rounds: int, steps: int, barrier) -> dict:
             run = dict(shape, num_layers=layers, global_batch_size=shape["global_batch_size"] * mult)
             times[key] += e2e_deepspeed.train(run, cfg, steps + 1)[0][1:]
     out = {k: statistics.median(v) for k, v in times.items()}
-    out.update(_deepspeed_direct(shape, 10))
+    out.update(_deepspeed_direct(shape))
     return out
 
 
-def _deepspeed_direct(shape: dict, reps: int) -> dict:
-    """The DeepSpeed model's embedding and output layer + loss timed directly, and its SGD update."""
+def _deepspeed_direct(shape: dict) -> dict:
+    """The DeepSpeed model's embedding and output layer + loss timed directly (in blocks), and its SGD update."""
     import torch
     import e2e_deepspeed
     specs, loss_fn = e2e_deepspeed._layers(shape)
@@ -229,19 +267,9 @@ def _deepspeed_direct(shape: dict, reps: int) -> dict:
     mb, s, h = shape["micro_batch_size"], shape["seq_length"], shape["hidden_size"]
     tokens = torch.randint(0, shape["vocab_size"], (mb, s))
     labels = torch.randint(0, shape["vocab_size"], (mb, s))
-    res = {"ef": [], "eb": [], "of": [], "ob": []}
-    for i in range(reps + 2):
-        for tag, fwd in (("e", lambda: emb(tokens).sum()),
-                         ("o", lambda: loss_fn(out_layer(torch.randn(mb, s, h, requires_grad=True)), labels))):
-            t0 = time.perf_counter()
-            y = fwd()
-            t1 = time.perf_counter()
-            y.backward()
-            t2 = time.perf_counter()
-            if i >= 2:
-                res[tag + "f"].append(t1 - t0)
-                res[tag + "b"].append(t2 - t1)
-    out = {k: statistics.median(v) for k, v in res.items()}
+    out = dict(zip(("ef", "eb"), _block_times(lambda: emb(tokens).sum())))
+    out.update(zip(("of", "ob"), _block_times(
+        lambda: loss_fn(out_layer(torch.randn(mb, s, h, requires_grad=True)), labels))))
     full = torch.nn.Sequential(*(spec.build() for spec in e2e_deepspeed._layers(dict(shape, num_layers=6))[0]))
     out["optimizer_s_per_param"] = _timed_update(list(full.parameters()), shape["lr"])
     return out

@@ -305,3 +305,18 @@ def test_a_global_batch_that_does_not_split_two_to_one_is_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_hetdp.main(["--global-batch", "16"])
     assert exc.value.code == 2 and "--global-batch 16: needs a positive multiple of 12" in capsys.readouterr().err
+
+
+def test_direct_timings_run_in_blocks_of_many_calls():
+    torch = pytest.importorskip("torch")
+    w = torch.ones(3, requires_grad=True)
+    calls = []
+
+    def step():
+        calls.append(1)
+        return (w * 2).sum()
+
+    fwd, bwd = hetdp_profile._block_times(step, reps=2, block=5)
+    assert len(calls) == 3 * 5 and fwd > 0 and bwd > 0
+    assert w.grad.tolist() == [2.0 * 15] * 3                  # every call's backward ran
+    assert hetdp_profile._timed_update([torch.zeros(1000)], 0.1, reps=1, block=3) > 0
