@@ -363,7 +363,7 @@ def measure_profiles(emu: Emulation, cluster: Cluster, shape: TinyShape, framewo
     log(f"compute profile: {', '.join(frameworks)}: single-rank trainings in every node at once, under the nodes' "
         f"quotas ({args.profile_rounds} round(s) x {args.profile_steps} steps) ...")
     per_node = measure_compute(emu, frameworks, spec_shape, args.profile_rounds, args.profile_steps, PROFILE_PORT,
-                               timeout=args.timeout, log=log)
+                               timeout=args.timeout)
     log("links: gloo send/recv between node pairs ...")
     links = run_job(emu, {"links": link_pairs(cluster), "link_sizes": LINK_SIZES, "link_reps": LINK_REPS}, work,
                     "links", env, args.timeout, LINK_PORT)["links"]

@@ -292,7 +292,7 @@ def main() -> None:
 
 
 def measure_compute(emu, frameworks: list[str], shape: dict, rounds: int, steps: int, port: int = 29611,
-                    timeout: float = 900, log=print) -> dict[str, list[dict]]:
+                    timeout: float = 900) -> dict[str, list[dict]]:
     """Run the profile in every node of the emulation at once; per framework, per node, its measurements."""
     import subprocess
     env = {"PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
