@@ -1,41 +1,52 @@
 """Heterogeneous data parallelism (issue 12): the benchmark harness, on two emulated clusters whose
 accelerators differ in speed 2:1.
 
-    sudo .venv/bin/python benchmarks/bench_hetdp.py              # 3 rounds
-    sudo .venv/bin/python benchmarks/bench_hetdp.py --quick      # smoke run: 1 round, short steps
+    sudo .venv/bin/python benchmarks/bench_hetdp.py                      # Megatron-Core, 3 rounds
+    sudo .venv/bin/python benchmarks/bench_hetdp.py --framework both     # + the same four through DeepSpeed
+    sudo .venv/bin/python benchmarks/bench_hetdp.py --quick              # smoke run: 1 round, short steps
 
 The cluster: "fast" (2 nodes x 1 rank, IB fabric) and "slow" (2 nodes x 1 rank of a part with half the
-sustained TFLOPS, RoCE fabric), 25 GbE per node and between the clusters. The emulator shapes the
+sustained TFLOPS, "A100-half", RoCE fabric), 25 GbE per node and between the clusters. The emulator shapes the
 bandwidths (``--scale``) and the compute: each node's ranks run in a cpu cgroup whose quota and weight
 follow the accelerators' sustained FLOP/s (``Emulation(speeds="catalog")``, docs/emulator.md "Compute
 speed"), so the slow cluster's ranks compute at about half the rate; the harness measures and prints the
 rate each node really got, before and after training.
 
-Configurations, trained side by side in one launch, several rounds, order rotated each round (the tiny
-Megatron-Core GPT of the end-to-end benchmark, benchmarks/e2e_setup.py TinyShape, through e2e_worker):
+A measured profile, as a user would make one (hetdp_profile.py): in the emulated nodes themselves, all at once
+and each under its quota, single-rank trainings through each framework's training code give per device type
+(A100-80 and A100-half) the layer, embedding and output times, the update's seconds per parameter and the
+per-step overhead; a 4-rank launch measures the links (each cluster's fabric and Ethernet, Ethernet between
+the clusters each way). Written as a format-2 profile per framework (benchmarks/results/profile-hetdp-*.yaml),
+it feeds every plan (the planner's picks and layer splits) and every prediction. ``--catalog``: no profile
+(the catalog's A100 numbers, as the first runs).
 
-  (i)   ``i-even-dp``         DP=4 across both clusters, every replica global_batch/4 samples: Megatron-Core's
-                              own groups, gradients over Ethernet (the even split, as run today).
-  (ii)  ``ii-proportional-dp``  DP=4 as (i), through het_plugin with a plan whose replica_micro_batches are
-                              proportional to the replicas' speeds (fast replicas 2x the slow ones' micro-batches).
+Configurations, per framework, trained side by side in one launch, several rounds, order rotated each round
+(the tiny GPT of the end-to-end benchmark, benchmarks/e2e_setup.py TinyShape, through e2e_worker):
+
+  (i)   ``i-even-dp``         DP=4 across both clusters, every replica global_batch/4 samples: the framework's
+                              own groups and even split, gradients over Ethernet.
+  (ii)  ``ii-proportional-dp``  DP=4 as (i), through het_plugin with a plan whose replica_micro_batches follow
+                              the replicas' measured speeds (make_plan(dp=4, replica_split="uneven")).
   (iii) ``iii-pipeline``      PP=2 across the clusters x DP=2 inside each: het_plugin's placement and
                               per-group transports (DP on each cluster's fabric, the pipeline on Ethernet), the
-                              layers split by the stages' speeds (``--layers`` to override).
-  (iv)  ``iv-planner``        whatever het_plugin.planner.make_plan picks for this cluster and model, run as is
-                              (placement, layers, and replica_micro_batches when the planner sets them).
+                              planner's layer split for it (``--layers`` to override).
+  (iv)  ``iv-planner``        whatever het_plugin.planner.make_plan picks for this cluster and model, run as is.
 
-Every configuration trains the same global batch (GLOBAL_BATCH, which splits 2:1 over the replicas), so
-step times compare and the losses must match (i)'s. Prints per configuration the median step time (all
-rounds, after warm-up), per-round medians and the predictor's estimate; the ratios within each round
-((ii)/(i), (iii)/(i), (iv)/(i), (iv)/best measured, predicted/measured) and their median, against the
-issue's goals; writes the raw numbers to benchmarks/results/hetdp.json
-(quick: a temporary folder). It writes nothing into docs/. Needs root and the cgroup-v1 cpu controller.
+DeepSpeed's are the same four (names ending in ``-ds``): its PipelineModule (one stage for DP=4), (i) through
+DeepSpeed alone, the others through het_plugin.deepspeed (wrapped config, hds.PipelineModule, hds.initialize;
+an uneven plan gives each rank its replica's gradient_accumulation_steps and loss weight), ZeRO stage 0.
+
+Every configuration trains the same global batch (GLOBAL_BATCH, which splits 2:1 over the replicas), each
+replica its share of the same samples, so step times compare and the losses must match (i)'s of the same
+framework. Prints per framework and configuration the median step time (all rounds, after warm-up), per-round
+medians and the predictor's estimate; the ratios within each round ((ii)/(i), (iii)/(i), (iv)/(i), (iv)/best
+measured, predicted/measured) and their median, against the issue's goals. Writes the raw numbers, profiles
+and plans to benchmarks/results/ (quick: a temporary folder) and the chart to docs/img/hetdp.png (quick: the
+results folder). Needs root and the cgroup-v1 cpu controller.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import json
 import os
 import statistics
@@ -51,12 +62,16 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 from e2e_setup import TinyShape  # noqa: E402
+from hetdp_profile import (LINK_REPS, LINK_SIZES, PROFILE_MICRO_BATCHES, build_profile, by_device,  # noqa: E402
+                           fit_device, link_pairs, measure_compute)
 from het_plugin.cluster import Cluster, cluster_from_dict  # noqa: E402
+from het_plugin.cost import SplitCosts, analyze  # noqa: E402
 from het_plugin.emulate import Emulation, EmulatorUnavailable  # noqa: E402
-from het_plugin.cost import predict  # noqa: E402
+from het_plugin.errors import ConfigError  # noqa: E402
 from het_plugin.placement import Placement  # noqa: E402
-from het_plugin.plan import Plan  # noqa: E402
+from het_plugin.plan import Plan, Prediction  # noqa: E402
 from het_plugin.planner import assemble_plan, make_plan  # noqa: E402
+from het_plugin.profile import Profile  # noqa: E402
 from het_plugin.topology import ParallelDims  # noqa: E402
 
 ETH_GBPS = 25.0
@@ -73,12 +88,13 @@ DEFAULT_SCALE = 25.0       # 25 GbE -> 1000 Mbit/s, fabric -> 8000 Mbit/s: the t
 # micro-batches per replica.
 GLOBAL_BATCH = 48
 
+FRAMEWORKS = {"megatron": "Megatron-Core", "deepspeed": "DeepSpeed"}
 CONFIGS = {
     "i-even-dp": "(i) DP=4 across both clusters, even split (global_batch/4 per replica); gradients over Ethernet",
     "ii-proportional-dp": "(ii) DP=4 across both clusters, het_plugin's split: micro-batches per replica "
-                          "proportional to speed",
-    "iii-pipeline": "(iii) PP=2 across the clusters x DP=2 inside each, het_plugin's placement and transports, "
-                    "layers split by stage speed",
+                          "by measured speed",
+    "iii-pipeline": "(iii) PP=2 across the clusters x DP=2 inside each, het_plugin's placement, transports and "
+                    "layer split",
     "iv-planner": "(iv) the planner's pick (make_plan as is)",
 }
 PAIRS = {"ii/i": ("ii-proportional-dp", "i-even-dp"), "iii/i": ("iii-pipeline", "i-even-dp"),
@@ -87,10 +103,17 @@ PAIRS = {"ii/i": ("ii-proportional-dp", "i-even-dp"), "iii/i": ("iii-pipeline", 
 # configuration; the predictor within 10% of each measured step.
 GOALS = {"ii/i": 0.75, "iv/best": 1.05, "predictor": 0.10}
 LOSS_TOLERANCE = 1e-4       # relative: the same global batch and model give (i)'s losses up to float reordering
+LINK_PORT = 29650
+PROFILE_PORT = 29611
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_name(framework: str, config: str) -> str:
+    """The name a configuration runs under: Megatron's as in CONFIGS, DeepSpeed's with ``-ds``."""
+    return config if framework == "megatron" else f"{config}-ds"
 
 
 def hetdp_cluster() -> Cluster:
@@ -105,6 +128,12 @@ def hetdp_cluster() -> Cluster:
              "nodes": [{"count": 2, "accelerator": SLOW_PART, "accelerators_per_node": 1, "nics": eth}]}],
         "links": [{"between": ["fast", "slow"], "type": "ethernet", "gbps": ETH_GBPS, "latency_us": 50}]},
         source="<bench hetdp>")
+
+
+def model_spec(shape: TinyShape, framework: str = "megatron"):
+    """The planning model: the tiny GPT; DeepSpeed's (e2e_deepspeed) does not tie the embedding and output."""
+    spec = shape.model_spec()
+    return spec if framework == "megatron" else spec.model_copy(update={"tie_embeddings": False})
 
 
 def split_by_speed(num_layers: int, speeds: list[float]) -> list[int]:
@@ -122,22 +151,28 @@ def split_by_speed(num_layers: int, speeds: list[float]) -> list[int]:
     return layers
 
 
-def pipeline_plan(cluster: Cluster, shape: TinyShape, layers_arg, out_dir: Path) -> tuple[Path, dict]:
-    """(iii): the planner's PP=2 x DP=2 placement and transports; layers by the stages' speeds (or given)."""
-    spec = shape.model_spec()
-    planned = make_plan(cluster, spec, tp=1, pp=2, dp=2, micro_batch_size=shape.micro_batch_size)
+def _suffix(framework: str) -> str:
+    return "" if framework == "megatron" else "-ds"
+
+
+def pipeline_plan(cluster: Cluster, shape: TinyShape, layers_arg, out_dir: Path, profile: Profile | None = None,
+                  framework: str = "megatron") -> tuple[Path, dict]:
+    """(iii): the planner's PP=2 x DP=2 plan (placement, transports, layer split; with the profile when given),
+    or its placement with ``layers_arg``. The catalog-speed split is recorded beside it."""
+    spec = model_spec(shape, framework)
+    planned = make_plan(cluster, spec, tp=1, pp=2, dp=2, micro_batch_size=shape.micro_batch_size, profile=profile)
     dims = ParallelDims(tp=1, cp=1, pp=2, dp=2)
     stage_node = [cluster.node_of(planned.rank_of_logical[s * dims.dp]) for s in range(dims.pp)]
-    speeds = [n.accelerator.sustained_flops for n in stage_node]
-    layers = list(layers_arg) if layers_arg else split_by_speed(spec.num_layers, speeds)
-    placed = Placement(dims, tuple(planned.rank_of_logical), tuple(cluster.domains))
-    plan = assemble_plan(cluster, spec, placed, layers, shape.micro_batch_size, overlap_grad_reduce=True)
-    path = out_dir / "plan-hetdp-pipeline.json"
+    speed_layers = split_by_speed(spec.num_layers, [n.accelerator.sustained_flops for n in stage_node])
+    plan = planned
+    if layers_arg and list(layers_arg) != planned.layers_per_stage:
+        placed = Placement(dims, tuple(planned.rank_of_logical), tuple(cluster.domains))
+        plan = assemble_plan(cluster, spec, placed, list(layers_arg), shape.micro_batch_size,
+                             overlap_grad_reduce=True)
+    path = out_dir / f"plan-hetdp-pipeline{_suffix(framework)}.json"
     plan.save(path)
-    summary = {"stages": [n.cluster for n in stage_node], "layers_per_stage": plan.layers_per_stage,
-               "planner_layers_per_stage": planned.layers_per_stage, "rank_of_logical": plan.rank_of_logical,
-               "transports": {k: sorted({g.transport for g in v}) for k, v in plan.groups.items() if v},
-               "hash": plan.hash}
+    summary = dict(plan_summary(cluster, plan), planner_layers_per_stage=planned.layers_per_stage,
+                   speed_layers_per_stage=speed_layers)
     return path, summary
 
 
@@ -151,34 +186,39 @@ def replica_speeds(cluster: Cluster, plan: Plan) -> list[float]:
 
 
 def proportional_counts(cluster: Cluster, plan: Plan) -> list[int]:
-    """(ii)'s micro-batches per replica: the global batch's micro-batches proportional to the replicas' speeds."""
+    """The global batch's micro-batches proportional to the replicas' catalog speeds (reference for (ii))."""
     return split_by_speed(plan.dp * plan.num_micro_batches, replica_speeds(cluster, plan))
 
 
-def proportional_plan(cluster: Cluster, shape: TinyShape, out_dir: Path) -> tuple[Path, dict]:
-    """(ii): the planner's DP=4 placement (the even split), with ``replica_micro_batches`` proportional to speed.
-    Where make_plan takes the counts (``replica_split=[...]``) it plans them, and its prediction covers them;
-    otherwise the counts go into the even plan (``dataclasses.replace``) and the even split's prediction is
-    dropped, not kept as if it were (ii)'s."""
-    spec = shape.model_spec()
-    even = make_plan(cluster, spec, tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size)
-    counts = proportional_counts(cluster, even)
-    if "replica_split" in inspect.signature(make_plan).parameters:
-        plan = make_plan(cluster, spec, tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size,
-                         replica_split=counts)
-    else:
-        plan = dataclasses.replace(even, replica_micro_batches=counts, prediction=None)
-    path = out_dir / "plan-hetdp-proportional.json"
+def proportional_plan(cluster: Cluster, shape: TinyShape, out_dir: Path, profile: Profile | None = None,
+                      framework: str = "megatron") -> tuple[Path, dict]:
+    """(ii): the planner's DP=4 plan with an uneven split (``replica_split="uneven"``: micro-batches per replica
+    by the replicas' speeds, measured when a profile is given), the placement of (i). The counts proportional
+    to the catalog's speeds are recorded beside them."""
+    spec = model_spec(shape, framework)
+    kwargs = dict(tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size, profile=profile)
+    plan = make_plan(cluster, spec, replica_split="uneven", **kwargs)
+    path = out_dir / f"plan-hetdp-proportional{_suffix(framework)}.json"
     plan.save(path)
-    return path, plan_summary(cluster, plan)
+    even = make_plan(cluster, spec, replica_split="even", **kwargs)
+    return path, dict(plan_summary(cluster, plan), catalog_counts=proportional_counts(cluster, even))
 
 
-def planner_plan(cluster: Cluster, shape: TinyShape, out_dir: Path) -> tuple[Path, dict]:
+def planner_plan(cluster: Cluster, shape: TinyShape, out_dir: Path, profile: Profile | None = None,
+                 framework: str = "megatron") -> tuple[Path, dict]:
     """(iv): make_plan's pick for this cluster and model, nothing fixed but the micro-batch size, used as is."""
-    plan = make_plan(cluster, shape.model_spec(), micro_batch_size=shape.micro_batch_size)
-    path = out_dir / "plan-hetdp-planner.json"
+    plan = make_plan(cluster, model_spec(shape, framework), micro_batch_size=shape.micro_batch_size, profile=profile)
+    path = out_dir / f"plan-hetdp-planner{_suffix(framework)}.json"
     plan.save(path)
     return path, plan_summary(cluster, plan)
+
+
+def even_dp_plan(cluster: Cluster, shape: TinyShape, profile: Profile | None = None,
+                 framework: str = "megatron") -> Plan:
+    """(i)'s shape as a plan (DP=4, even, gradients over Ethernet): what the predictor reads for (i), which
+    itself runs on the framework's own groups."""
+    return make_plan(cluster, model_spec(shape, framework), tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size,
+                     replica_split="even", profile=profile)
 
 
 def plan_summary(cluster: Cluster, plan: Plan) -> dict:
@@ -186,37 +226,65 @@ def plan_summary(cluster: Cluster, plan: Plan) -> dict:
             "stages": ["+".join(sorted({cluster.node_of(r).cluster for r in plan.stage_ranks(s)})) for s in range(plan.pp)],
             "replica_micro_batches": plan.replica_counts, "rank_of_logical": plan.rank_of_logical,
             "transports": {k: sorted({g.transport for g in plan.groups[k]}) for k in ("dp", "pp") if plan.groups.get(k)},
-            "hash": plan.hash}
+            "hash": plan.hash,
+            # the planner's own estimate: with the optimizer it chose (the runs use the plain one) and overlap on
+            "planner_predicted_s": plan.prediction.iteration_s if plan.prediction is not None else None,
+            "planner_distributed_optimizer": plan.distributed_optimizer}
 
 
-def predicted_step(cluster: Cluster, shape: TinyShape, plan: Plan) -> float | None:
-    """het_plugin.cost's iteration time for ``plan`` (catalog numbers, no measured profile). An even plan is
-    predicted here; an uneven one only by a planner that modelled its counts (the plan's own prediction),
-    else None: no prediction is better than the even split's passed off as the uneven one's."""
-    if plan.uneven_replicas:
-        return plan.prediction.iteration_s if plan.prediction is not None else None
+def predict_plan(cluster: Cluster, spec, plan: Plan, profile: Profile | None = None,
+                 overlap_grad_reduce: bool = True) -> Prediction:
+    """het_plugin.cost's iteration for ``plan`` as the run trains it: the plan's placement and transports, its
+    layers and its replicas' micro-batch counts (``SplitCosts.set_counts``: ``cost.predict`` itself has no
+    counts), the plain optimizer the runs use, and the framework's gradient overlap (Megatron's DDP overlaps
+    the reduction with the last backward; DeepSpeed's pipeline engine reduces after it)."""
     dims = ParallelDims(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp)
     placed = Placement(dims, tuple(plan.rank_of_logical), tuple(cluster.domains))
-    # as the runs train: Megatron's plain optimizer (megatron_tiny), not the distributed one the planner assumes
-    return predict(cluster, shape.model_spec(), placed, plan.layers_per_stage, plan.micro_batch_size,
-                   overlap_grad_reduce=plan.overlap_grad_reduce, distributed_optimizer=False).iteration_s
+    costs = SplitCosts(spec, analyze(cluster, placed), plan.micro_batch_size, overlap_grad_reduce=overlap_grad_reduce,
+                       distributed_optimizer=False, profile=profile)
+    if plan.uneven_replicas:
+        costs.set_counts(plan.replica_counts)
+    return costs.predict(plan.layers_per_stage)
 
 
-def even_dp_plan(cluster: Cluster, shape: TinyShape) -> Plan:
-    """(i)'s shape as a plan (DP=4, even, gradients over Ethernet): what the predictor reads for (i), which
-    itself runs on Megatron-Core's own groups."""
-    return make_plan(cluster, shape.model_spec(), tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size)
+def prediction_parts(pred: Prediction) -> dict:
+    """What a prediction is made of (seconds): for the notes on which term a measured step has beyond it."""
+    return {"iteration_s": pred.iteration_s, "pipeline_s": pred.pipeline_s, "dp_exposed_s": pred.dp_exposed_s,
+            "optimizer_s": pred.optimizer_s, "stage_compute_s": list(pred.stage_compute_s),
+            "replica_pipeline_s": list(pred.replica_pipeline_s or [])}
 
 
-def configurations(shape: TinyShape, plan_paths: dict[str, Path]) -> list[dict]:
+def build_plans(cluster: Cluster, shape: TinyShape, layers_arg, out_dir: Path, profile: Profile | None = None,
+                framework: str = "megatron") -> tuple[dict, dict, dict]:
+    """Every configuration's plan file (except (i), which runs without het_plugin), a summary of each plan and
+    the predictor's iteration for each configuration (:func:`prediction_parts`), for one framework."""
+    paths, summaries = {}, {}
+    paths["ii-proportional-dp"], summaries["ii-proportional-dp"] = proportional_plan(cluster, shape, out_dir, profile,
+                                                                                     framework)
+    paths["iii-pipeline"], summaries["iii-pipeline"] = pipeline_plan(cluster, shape, layers_arg, out_dir, profile,
+                                                                     framework)
+    paths["iv-planner"], summaries["iv-planner"] = planner_plan(cluster, shape, out_dir, profile, framework)
+    spec = model_spec(shape, framework)
+    overlap = framework == "megatron"
+    plans = {"i-even-dp": even_dp_plan(cluster, shape, profile, framework),
+             **{name: Plan.load(path) for name, path in paths.items()}}
+    predicted = {name: prediction_parts(predict_plan(cluster, spec, plan, profile, overlap))
+                 for name, plan in plans.items()}
+    return paths, summaries, predicted
+
+
+def configurations(shape: TinyShape, plan_paths: dict[str, Path], framework: str = "megatron") -> list[dict]:
     """What the ranks run: (i) without het_plugin, the others from their plan files (``plan_paths``)."""
     base = dict(overlap=True, micro_batch_size=shape.micro_batch_size, layers=None, plan=None, ifname="eth0",
                 ifnames=None)
-    out = [dict(base, name="i-even-dp", pp=1)]
+    if framework == "deepspeed":     # DeepSpeed's pipeline engine: no overlap; each replica its share of the batch
+        base.update(framework="deepspeed", overlap=False, replica_data=True)
+    out = [dict(base, name=run_name(framework, "i-even-dp"), pp=1)]
     for name in ("ii-proportional-dp", "iii-pipeline", "iv-planner"):
         if name in plan_paths:
-            path = plan_paths[name]
-            out.append(dict(base, name=name, pp=Plan.load(path).pp, plan=str(path)))
+            plan = Plan.load(plan_paths[name])
+            out.append(dict(base, name=run_name(framework, name), pp=plan.pp, plan=str(plan_paths[name]),
+                            micro_batch_size=plan.micro_batch_size))
     return out
 
 
@@ -231,7 +299,8 @@ def loss_check(losses: dict) -> dict[str, float]:
 
 def summarize(measured: dict, warmup: int, predicted: dict | None = None) -> dict:
     """Medians, per-round medians, the ratios within each round and their median: PAIRS, the planner's pick
-    against the best measured configuration of the same round, and predicted / measured per configuration."""
+    against the best measured configuration of the same round, and predicted / measured per configuration.
+    ``predicted``: configuration -> seconds (or None)."""
     predicted = predicted or {}
     per_round = {name: [statistics.median(r[warmup:]) for r in rounds] for name, rounds in measured.items()}
     rows = {name: {"median_s": statistics.median(t for r in rounds for t in r[warmup:]), "rounds_s": per_round[name],
@@ -278,77 +347,178 @@ def speed_line(cluster: Cluster, rates: list[float]) -> str:
     return ", ".join(f"{n.name} {r / top:.2f}" for n, r in zip(cluster.nodes, rates))
 
 
-def build_plans(cluster: Cluster, shape: TinyShape, layers_arg, out_dir: Path) -> tuple[dict, dict, dict]:
-    """Every configuration's plan file (except (i), which runs without het_plugin), a summary of each plan and
-    the predictor's step time for each configuration (None where the predictor does not model the plan)."""
-    paths, summaries = {}, {}
-    paths["iii-pipeline"], summaries["iii-pipeline"] = pipeline_plan(cluster, shape, layers_arg, out_dir)
-    paths["ii-proportional-dp"], summaries["ii-proportional-dp"] = proportional_plan(cluster, shape, out_dir)
-    paths["iv-planner"], summaries["iv-planner"] = planner_plan(cluster, shape, out_dir)
-    predicted = {"i-even-dp": predicted_step(cluster, shape, even_dp_plan(cluster, shape))}
-    for name, path in paths.items():
-        predicted[name] = predicted_step(cluster, shape, Plan.load(path))
-    return paths, summaries, predicted
+def compute_line(device: str, c: dict) -> str:
+    return (f"{device}: layer {sum(c['layer']) * 1e3:.1f} ms fwd+bwd, embedding {sum(c['embedding']) * 1e3:.1f} ms, "
+            f"output {sum(c['output']) * 1e3:.1f} ms per micro-batch (framework overhead "
+            f"{c['overhead_per_micro_batch'] * 1e3:.1f} ms of it, half on each); per step "
+            f"{c['overhead_per_step'] * 1e3:.0f} ms; update {c['optimizer_s_per_param'] * 1e9:.2f} ns/parameter "
+            f"({c['nodes']} node(s))")
+
+
+def measure_profiles(emu: Emulation, cluster: Cluster, shape: TinyShape, frameworks: list[str], args, work: Path,
+                     env: dict) -> tuple[dict, dict, dict]:
+    """In the running emulation: the compute profile of every framework (all nodes at once) and the links; the
+    profiles saved under the results folder. Returns (profiles, compute per framework and device, links)."""
+    spec_shape = dict(shape.to_dict(), global_batch_size=PROFILE_MICRO_BATCHES * shape.micro_batch_size)
+    log(f"compute profile: {', '.join(frameworks)}: single-rank trainings in every node at once, under the nodes' "
+        f"quotas ({args.profile_rounds} round(s) x {args.profile_steps} steps) ...")
+    per_node = measure_compute(emu, frameworks, spec_shape, args.profile_rounds, args.profile_steps, PROFILE_PORT,
+                               timeout=args.timeout)
+    log("links: gloo send/recv between node pairs ...")
+    links = run_job(emu, {"links": link_pairs(cluster), "link_sizes": LINK_SIZES, "link_reps": LINK_REPS}, work,
+                    "links", env, args.timeout, LINK_PORT)["links"]
+    log("links (largest message; latency): " + ", ".join(
+        f"{k} {v['bandwidth'][-1][1] * 1e3:.0f} Mbit/s, {v['latency_us']:.0f} us" for k, v in links.items()))
+    profiles, compute = {}, {}
+    for fw in frameworks:
+        fitted = {dev: fit_device(rs, model_spec(shape, fw), PROFILE_MICRO_BATCHES)
+                  for dev, rs in by_device(cluster, per_node[fw]).items()}
+        compute[fw] = {dev: c.to_dict() for dev, c in fitted.items()}
+        for dev, c in compute[fw].items():
+            log(f"{FRAMEWORKS[fw]} {compute_line(dev, c)}")
+        profiles[fw] = build_profile(cluster, fitted, links, shape.micro_batch_size,
+                                     f"measured in the emulated nodes by bench_hetdp ({FRAMEWORKS[fw]}, "
+                                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
+        profiles[fw].save(Path(args.results) / f"profile-hetdp-{fw}.yaml")
+    return profiles, compute, links
+
+
+class MachineLoad:
+    """The whole machine's busy share of its cores (/proc/stat) every ``interval`` s while a launch runs, and each
+    node cgroup's cpu throttling (cpu.stat) over it: what else ran beside the benchmark, and whether the quotas
+    were what bound the nodes."""
+
+    def __init__(self, emu: Emulation, interval: float = 2.0):
+        import threading
+        self.emu, self.interval, self.samples = emu, interval, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _busy_total() -> tuple[int, int]:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = f[3] + (f[4] if len(f) > 4 else 0)
+        return sum(f) - idle, sum(f)
+
+    def _throttled(self) -> list[float]:
+        out = []
+        for node in self.emu.layout.nodes:
+            path = self.emu.cgroup_path(node.index)
+            stat = dict(line.split() for line in (path / "cpu.stat").read_text().splitlines()) if path else {}
+            out.append(int(stat.get("throttled_time", 0)) / 1e9)
+        return out
+
+    def _run(self) -> None:
+        last = self._busy_total()
+        while not self._stop.wait(self.interval):
+            now = self._busy_total()
+            total = now[1] - last[1]
+            self.samples.append((time.strftime("%H:%M:%S"), (now[0] - last[0]) / total if total else 0.0))
+            last = now
+
+    def __enter__(self) -> "MachineLoad":
+        self.throttled_start = self._throttled()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.throttled_s = [b - a for a, b in zip(self.throttled_start, self._throttled())]
+
+    def summary(self) -> dict:
+        busy = [b for _, b in self.samples]
+        return {"busy_share": {"median": statistics.median(busy) if busy else None, "max": max(busy, default=None)},
+                "samples": self.samples, "throttled_s": self.throttled_s}
+
+
+def run_job(emu: Emulation, job: dict, work: Path, tag: str, env: dict, timeout: float, port: int) -> dict:
+    """One 4-rank launch of hetdp_worker.py with ``job``; rank 0's results (the ranks' logs on failure)."""
+    job = dict(job, results=str(work / f"{tag}.results.json"))
+    job_path = work / f"{tag}.job.json"
+    job_path.write_text(json.dumps(job))
+    logs = [open(work / f"{tag}.rank{r}.log", "w") for r in range(emu.layout.world_size)]
+    try:
+        procs = [emu.popen_in(emu.layout.node_of_rank(r).index, [sys.executable, str(HERE / "hetdp_worker.py"),
+                                                               str(job_path)],
+                              env=dict(env, **emu.rank_env(r, port)), stdout=logs[r], stderr=subprocess.STDOUT)
+                 for r in range(emu.layout.world_size)]
+        codes = emu.wait(procs, timeout=timeout)
+    finally:
+        for f in logs:
+            f.close()
+    if codes != [0] * len(codes):
+        for r, code in enumerate(codes):
+            print(f"--- rank {r} rc={code}\n{(work / f'{tag}.rank{r}.log').read_text()[-4000:]}", file=sys.stderr)
+        raise SystemExit(f"bench_hetdp: {tag} ranks failed: {codes}")
+    return json.loads(Path(job["results"]).read_text())
 
 
 def run(args) -> dict:
     shape = TinyShape(global_batch_size=args.global_batch)
     cluster = hetdp_cluster()
+    frameworks = list(FRAMEWORKS) if args.framework == "both" else [args.framework]
     results_dir = Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="het_hetdp_"))
-    plan_paths, plans, predicted = build_plans(cluster, shape, args.layers, results_dir)
-    pipe = plans["iii-pipeline"]
-    log(f"(iii) plan: stages on {pipe['stages']}, layers {pipe['layers_per_stage']} (the planner "
-        f"alone, without a measured profile: {pipe['planner_layers_per_stage']}), ranks "
-        f"{pipe['rank_of_logical']}, transports {pipe['transports']}")
-    for name in ("ii-proportional-dp", "iv-planner"):
-        pl = plans[name]
-        log(f"{name} plan: tp {pl['tp']} pp {pl['pp']} dp {pl['dp']}, stages on {pl['stages']}, layers "
-            f"{pl['layers_per_stage']}, micro-batches per replica {pl['replica_micro_batches']}, ranks "
-            f"{pl['rank_of_logical']}, transports {pl['transports']}")
-    configs = [c for c in configurations(shape, plan_paths) if c["name"] in args.configs]
-    job = {"shape": shape.to_dict(), "configs": configs, "rounds": args.rounds, "warmup": args.warmup,
-           "steps": args.steps, "results": str(work / "results.json")}
-    job_path = work / "job.json"
-    job_path.write_text(json.dumps(job))
     env = {"PYTHONPATH": f"{REPO}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONWARNINGS": "ignore"}
+           "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load_start = os.getloadavg()[0]
+    others_start = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1
     t0 = time.monotonic()
     with Emulation(cluster, scale=args.scale, speeds="catalog", cpu_per_rank=args.cpu_per_rank, log=log) as emu:
         log(emu.layout.describe())
         before = emu.compute_rates(1.0)
         log(f"compute rate per node (busy loop, all at once; fastest = 1): {speed_line(cluster, before)}")
-        logs = [open(work / f"rank{r}.log", "w") for r in range(emu.layout.world_size)]
-        try:
-            procs = [
-                emu.popen_in(emu.layout.node_of_rank(r).index, [sys.executable, str(HERE / "hetdp_worker.py"),
-                                                               str(job_path)],
-                             env=dict(env, **emu.rank_env(r)), stdout=logs[r], stderr=subprocess.STDOUT)
-                for r in range(emu.layout.world_size)]
-            codes = emu.wait(procs, timeout=args.timeout)
-        finally:
-            for f in logs:
-                f.close()
+        profiles, compute, links = ({fw: None for fw in frameworks}, {}, {})
+        if not args.catalog:
+            profiles, compute, links = measure_profiles(emu, cluster, shape, frameworks, args, work, env)
+        per_fw, configs = {}, []
+        for fw in frameworks:
+            paths, plans, predicted = build_plans(cluster, shape, args.layers, results_dir, profiles[fw], fw)
+            per_fw[fw] = {"plans": plans, "predicted": predicted}
+            for name, pl in plans.items():
+                log(f"{FRAMEWORKS[fw]} {name} plan: tp {pl['tp']} pp {pl['pp']} dp {pl['dp']}, stages on "
+                    f"{pl['stages']}, layers {pl['layers_per_stage']}, micro-batches per replica "
+                    f"{pl['replica_micro_batches']}, ranks {pl['rank_of_logical']}, transports {pl['transports']}"
+                    + (f" (planner's split {pl['planner_layers_per_stage']}, by catalog speed "
+                       f"{pl['speed_layers_per_stage']})" if "speed_layers_per_stage" in pl else "")
+                    + (f" (by catalog speed {pl['catalog_counts']})" if "catalog_counts" in pl else ""))
+            log(f"{FRAMEWORKS[fw]} predicted: " + ", ".join(f"{k} {v['iteration_s'] * 1e3:.0f} ms"
+                                                            for k, v in predicted.items()))
+            configs += [c for c in configurations(shape, paths, fw)
+                        if c["name"].removesuffix("-ds") in args.configs]
+        job = {"shape": shape.to_dict(), "configs": configs, "rounds": args.rounds, "warmup": args.warmup,
+               "steps": args.steps}
+        with MachineLoad(emu) as load:
+            raw = run_job(emu, job, work, "train", env, args.timeout, 29500)
+        busy = load.summary()
+        log(f"machine busy during training (all {os.cpu_count()} cores; the nodes' quotas alone are "
+            f"{sum(n.cpu.cores for n in emu.layout.nodes) / os.cpu_count():.0%}): median "
+            f"{busy['busy_share']['median']:.0%}, max {busy['busy_share']['max']:.0%}; cpu throttled per node: "
+            + ", ".join(f"{n.name} {t:.0f} s" for n, t in zip(emu.layout.nodes, busy["throttled_s"])))
         after = emu.compute_rates(1.0)
         log(f"compute rate per node after training: {speed_line(cluster, after)}")
-    if codes != [0] * len(codes):
-        for r, code in enumerate(codes):
-            print(f"--- rank {r} rc={code}\n{(work / f'rank{r}.log').read_text()[-4000:]}", file=sys.stderr)
-        raise SystemExit(f"bench_hetdp: ranks failed: {codes}")
-    raw = json.loads((work / "results.json").read_text())
-    print((work / "rank0.log").read_text(), file=sys.stderr)
+    print((work / "train.rank0.log").read_text(), file=sys.stderr)
     out = {"started_utc": started, "wall_s": time.monotonic() - t0, "load_average": [load_start, os.getloadavg()[0]],
-           "cores": os.cpu_count(), "scale": args.scale, "shape": shape.to_dict(), "quick": args.quick,
-           "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
+           "others_runnable_start": others_start, "cores": os.cpu_count(), "scale": args.scale,
+           "shape": shape.to_dict(), "quick": args.quick, "rounds": args.rounds, "warmup": args.warmup,
+           "steps": args.steps, "predictor": "catalog" if args.catalog else "measured profile",
            "cpu": [{"node": n.name, "speed": n.cpu.speed, "quota_us": n.cpu.quota_us, "period_us": n.cpu.period_us,
                     "shares": n.cpu.shares} for n in emu.layout.nodes],
-           "compute_rates": {"before": before, "after": after},
-           "plans": plans, "predicted_s": predicted, "configs": {c["name"]: CONFIGS[c["name"]] for c in configs},
-           "measured": raw["step_times"], "losses": raw["losses"], "loss_vs_i": loss_check(raw["losses"]),
-           **summarize(raw["step_times"], args.warmup, predicted)}
+           "compute_rates": {"before": before, "after": after}, "compute": compute, "links": links,
+           "machine_during_training": busy,
+           "frameworks": {}}
+    for fw in frameworks:
+        names = {run_name(fw, c): c for c in CONFIGS}
+        measured = {names[k]: v for k, v in raw["step_times"].items() if k in names}
+        losses = {names[k]: v for k, v in raw["losses"].items() if k in names}
+        predicted = {k: v["iteration_s"] for k, v in per_fw[fw]["predicted"].items() if k in measured}
+        out["frameworks"][fw] = {
+            **per_fw[fw], "measured": measured, "losses": losses, "loss_vs_i": loss_check(losses),
+            "layouts": {names[k]: v for k, v in raw.get("layouts", {}).items() if k in names},
+            **summarize(measured, args.warmup, predicted)}
     (results_dir / "hetdp.json").write_text(json.dumps(out, indent=1))
     return out
 
@@ -373,40 +543,110 @@ def speed_check(out: dict) -> str:
             "on an idle machine")
 
 
-def table(out: dict) -> str:
-    lines = [f"hetdp: 2 clusters x 2 ranks, compute 2:1 (cpu cgroups), scale 1/{out['scale']:g}, {out['rounds']} "
-             f"round(s) x {out['steps']} steps after {out['warmup']} warm-up, started {out['started_utc']}, "
-             f"load {out['load_average'][0]:.1f} -> {out['load_average'][1]:.1f} on {out['cores']} cores",
-             "compute rate per node (fastest = 1): before "
-             + ", ".join(f"{r / max(out['compute_rates']['before']):.2f}" for r in out["compute_rates"]["before"])
-             + "; after "
-             + ", ".join(f"{r / max(out['compute_rates']['after']):.2f}" for r in out["compute_rates"]["after"]),
-             speed_check(out), f"global batch {out['shape']['global_batch_size']} for every configuration; "
-             "predictions: het_plugin.cost with the catalog's numbers (no profile measured in the emulator)", "",
+def framework_table(framework: str, res: dict) -> list[str]:
+    """One framework's rows, ratios and goals."""
+    lines = [f"{FRAMEWORKS[framework]}:", "",
              "| configuration | median step (ms) | per round (ms) | predicted (ms) | losses vs (i) |",
              "|---|---:|---|---:|---|"]
-    for name, row in out["configs"].items():
+    for name, row in res["configs"].items():
         pred = row.get("predicted_s")
-        diff = out.get("loss_vs_i", {}).get(name)
+        diff = res.get("loss_vs_i", {}).get(name)
         same = ("reference" if name == "i-even-dp" else "not compared" if diff is None else
                 f"{'match' if diff <= LOSS_TOLERANCE else 'DIFFER'} (max rel. diff {diff:.1e})")
         lines.append(f"| {CONFIGS[name]} | {row['median_s'] * 1e3:.0f} | "
                      + ", ".join(f"{t * 1e3:.0f}" for t in row["rounds_s"])
                      + f" | {'not modelled' if pred is None else f'{pred * 1e3:.3g}'} | {same} |")
     lines.append("")
-    for key, r in out["ratios"].items():
+    for key, r in res["ratios"].items():
         lines.append(f"ratio {key}: median {r['median']:.3g} (per round: "
                      + ", ".join(f"{x:.3g}" for x in r["rounds"]) + ")")
-    lines.extend(goal_marks(out["ratios"]))
+    lines.extend(goal_marks(res["ratios"]))
+    return lines
+
+
+def table(out: dict) -> str:
+    rates = out["compute_rates"]
+    predictor = out.get("predictor", "measured profile")
+    lines = [f"hetdp: 2 clusters x 2 ranks, compute 2:1 (cpu cgroups), scale 1/{out['scale']:g}, {out['rounds']} "
+             f"round(s) x {out['steps']} steps after {out['warmup']} warm-up, started {out['started_utc']}, "
+             f"load {out['load_average'][0]:.1f} -> {out['load_average'][1]:.1f} on {out['cores']} cores"
+             + (f", other runnable tasks at the start {out['others_runnable_start']}"
+                if out.get("others_runnable_start") is not None else ""),
+             "compute rate per node (fastest = 1): before "
+             + ", ".join(f"{r / max(rates['before']):.2f}" for r in rates["before"])
+             + "; after " + ", ".join(f"{r / max(rates['after']):.2f}" for r in rates["after"]),
+             speed_check(out), f"global batch {out['shape']['global_batch_size']} for every configuration; "
+             + ("predictions and plans: het_plugin.cost with the catalog's numbers (no profile)" if predictor == "catalog"
+                else "predictions and plans: het_plugin.cost with the profile measured in the emulated nodes")]
+    busy = out.get("machine_during_training")
+    if busy and busy["busy_share"]["median"] is not None:
+        lines.append(f"machine busy during training (all cores): median {busy['busy_share']['median']:.0%}, max "
+                     f"{busy['busy_share']['max']:.0%}; cpu throttled per node: "
+                     + ", ".join(f"{c['node']} {t:.0f} s" for c, t in zip(out["cpu"], busy["throttled_s"])))
+    for fw, comp in (out.get("compute") or {}).items():
+        for dev, c in comp.items():
+            lines.append(f"profile {FRAMEWORKS[fw]} {compute_line(dev, c)}")
+    if out.get("links"):
+        lines.append("links (largest message; latency): " + ", ".join(
+            f"{k} {v['bandwidth'][-1][1] * 1e3:.0f} Mbit/s, {v['latency_us']:.0f} us" for k, v in out["links"].items()))
+    for fw, res in out["frameworks"].items():
+        plans = res.get("plans", {})
+        lines.append("")
+        if plans:
+            lines.append(f"{FRAMEWORKS[fw]} plans: " + "; ".join(
+                f"{name.split('-')[0]} pp {p['pp']} dp {p['dp']} layers {p['layers_per_stage']} micro-batches "
+                f"{p['replica_micro_batches']}" for name, p in plans.items()))
+        lines += framework_table(fw, res)
     return "\n".join(lines)
+
+
+def write_chart(out: dict, path: Path) -> Path | None:
+    """Measured (median, with the per-round range) and predicted step time per configuration, one panel per
+    framework (PNG; None without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fws = list(out["frameworks"])
+    fig, axes = plt.subplots(1, len(fws), figsize=(5.5 * len(fws), 4.2), squeeze=False)
+    for ax, fw in zip(axes[0], fws):
+        rows = out["frameworks"][fw]["configs"]
+        names = [n for n in CONFIGS if n in rows]
+        xs = range(len(names))
+        meas = [rows[n]["median_s"] * 1e3 for n in names]
+        lo = [m - min(rows[n]["rounds_s"]) * 1e3 for m, n in zip(meas, names)]
+        hi = [max(rows[n]["rounds_s"]) * 1e3 - m for m, n in zip(meas, names)]
+        pred = [(rows[n]["predicted_s"] or 0) * 1e3 for n in names]
+        ax.bar([x - 0.2 for x in xs], meas, 0.4, yerr=[lo, hi], capsize=3, label="measured (median; round range)")
+        ax.bar([x + 0.2 for x in xs], pred, 0.4, hatch="//", alpha=0.6, label="predicted")
+        ax.set_xticks(list(xs), [n.split("-")[0] for n in names])
+        ax.set_ylabel("step time (ms)")
+        ratios = out["frameworks"][fw]["ratios"]
+        sub = ", ".join(f"{k} {ratios[k]['median']:.2f}" for k in ("ii/i", "iv/best") if k in ratios)
+        ax.set_title(f"{FRAMEWORKS[fw]}: {sub}", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"hetdp 2:1, global batch {out['shape']['global_batch_size']}, {out['started_utc']}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: one round, one warm-up step, two steps")
+    p.add_argument("--framework", choices=[*FRAMEWORKS, "both"], default="megatron",
+                   help="megatron (default), deepspeed, or both (the eight configurations interleaved in one launch)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="measured steps per configuration and round")
+    p.add_argument("--profile-rounds", type=int, default=3, help="rounds of the compute profile")
+    p.add_argument("--profile-steps", type=int, default=3, help="measured steps of each profile run")
+    p.add_argument("--catalog", action="store_true",
+                   help="measure no profile: plan and predict from the catalog's numbers (the first runs' way)")
     p.add_argument("--scale", type=float, default=DEFAULT_SCALE,
                    help=f"real bits per emulated bit (default {DEFAULT_SCALE:g}: 25 GbE -> "
                         f"{ETH_GBPS * 1e3 / DEFAULT_SCALE:g} Mbit/s)")
@@ -414,27 +654,31 @@ def main(argv=None) -> int:
                    help="the fast cluster's share of a core per rank (default: the emulator's, 75%% of the cores "
                         "for all quotas together)")
     p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")],
-                   help="(iii)'s layers per stage, e.g. 5,3 (default: split by the stages' speeds)")
+                   help="(iii)'s layers per stage, e.g. 5,3 (default: the planner's split)")
     p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH,
                    help=f"samples per step for every configuration (default {GLOBAL_BATCH}); a multiple of 12, so "
                         "that four replicas split it evenly and two fast and two slow ones 2:1")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--results", help="raw results folder (default benchmarks/results; quick: a temporary folder)")
+    p.add_argument("--docs", help="folder for the chart img/hetdp.png (default docs/; quick: the results folder)")
     p.add_argument("--timeout", type=float, default=1500)
     args = p.parse_args(argv)
     if args.global_batch < 12 or args.global_batch % 12:
         p.error(f"--global-batch {args.global_batch}: needs a positive multiple of 12 (4 replicas, split 2:1 as "
                 "2n, 2n, n, n micro-batches of 1 sample)")
     if args.quick:
-        args.rounds, args.warmup, args.steps = 1, 1, 2
-    args.results = args.results or str(Path(tempfile.gettempdir()) / "het_hetdp_quick" if args.quick
-                                       else HERE / "results")
+        args.rounds, args.warmup, args.steps, args.profile_rounds, args.profile_steps = 1, 1, 2, 1, 2
+    quick_dir = Path(tempfile.gettempdir()) / "het_hetdp_quick"
+    args.results = args.results or str(quick_dir if args.quick else HERE / "results")
+    args.docs = args.docs or str(args.results if args.quick else REPO / "docs")
     try:
         out = run(args)
-    except EmulatorUnavailable as exc:
+    except (EmulatorUnavailable, ConfigError) as exc:
         print(f"bench_hetdp: {exc}", file=sys.stderr)
         return 3
     print(table(out))
+    chart = write_chart(out, Path(args.docs) / "img" / "hetdp.png")
+    print(f"chart: {chart}" if chart else "chart: not drawn (no matplotlib)")
     return 0
 
 

@@ -63,11 +63,13 @@ def direct_times(shape: dict, reps: int) -> dict:
 
 class Barrier:
     """The profile's processes are separate one-rank jobs; a shared TCPStore lines them up before each run,
-    so all of them train the same configuration at the same time (the same CPU sharing as in training)."""
+    so all of them train the same configuration at the same time (the same CPU sharing as in training).
+    ``host``: where process 0 serves the store (another address where the processes run in separate network
+    namespaces, as bench_hetdp's)."""
 
-    def __init__(self, index: int, count: int, port: int):
+    def __init__(self, index: int, count: int, port: int, host: str = "127.0.0.1"):
         from torch.distributed import TCPStore
-        self.store = TCPStore("127.0.0.1", port, count, index == 0, wait_for_workers=True)
+        self.store = TCPStore(host, port, count, index == 0, wait_for_workers=True)
         self.count, self.n = count, 0
 
     def wait(self) -> None:

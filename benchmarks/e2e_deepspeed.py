@@ -13,6 +13,11 @@ DeepSpeed's pipeline send/recv use the world group (Ethernet here) in both; grad
 overlapped with backward in either (DeepSpeed's pipeline engine reduces after the last micro-batch).
 The embedding and the output layer are not tied (a TiedLayerSpec would add a cross-stage group that
 the Megatron runs do not have either way; 33k parameters).
+
+bench_hetdp.py runs the same ``train`` for its configurations (``pp`` 1 or 2, with or without a plan; an uneven
+plan's per-rank accumulation steps and loss weights come from het_plugin.deepspeed) with ``replica_data``: each
+replica reads its share of one global batch per step (:func:`replica_range`), so the losses compare across
+configurations; ``train`` also serves its single-rank compute profile (hetdp_profile.py).
 """
 from __future__ import annotations
 
@@ -87,6 +92,25 @@ def _batches(shape: dict, micro_batch: int, data_id: int):
         yield seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+def _replica_batches(shape: dict, step: int, start: int, stop: int, micro_batch: int):
+    """Samples [start, stop) of the step's global batch, in micro-batches: the global batches of the Megatron runs
+    (integration_tests/support/megatron_tiny.py ``_batches``: two fixed ones, alternating), so that every
+    configuration, whatever its replicas' shares, trains on the same samples."""
+    import torch
+    gen = torch.Generator().manual_seed(shape["seed"] * 1000 + step % 2)
+    data = torch.randint(0, shape["vocab_size"], (shape["global_batch_size"], shape["seq_length"] + 1), generator=gen)
+    for seq in data[start:stop].split(micro_batch):
+        yield seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def replica_range(plan, replica: int, global_batch: int, dp: int) -> tuple[int, int]:
+    """[start, stop) of a replica's samples in each global batch: the plan's uneven share, else the even one."""
+    if plan is not None and plan.uneven_replicas:
+        return plan.replica_samples(replica)
+    per = global_batch // dp
+    return replica * per, (replica + 1) * per
+
+
 def train(shape: dict, cfg: dict, steps: int) -> tuple[list[float], list[float], dict]:
     """Train ``steps`` steps of ``3-ds`` (cfg["plan"] None) or ``4-ds``: this rank's step times, the losses,
     and where this rank ended up (layer split, stage, data-parallel group, het_plugin's group records)."""
@@ -117,16 +141,21 @@ def train(shape: dict, cfg: dict, steps: int) -> tuple[list[float], list[float],
         init = deepspeed.initialize
     optimizer = torch.optim.SGD(model.parameters(), lr=shape["lr"])
     engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
-    data = _batches(shape, engine.train_micro_batch_size_per_gpu(), model.mpu().get_data_parallel_rank())
+    micro, replica = engine.train_micro_batch_size_per_gpu(), model.mpu().get_data_parallel_rank()
+    data = _batches(shape, micro, replica)
+    span = replica_range(getattr(model, "het_plan", None), replica, shape["global_batch_size"], dp)
     times, losses = [], []
-    for _ in range(steps):
+    for step in range(steps):
+        if cfg.get("replica_data"):          # the step's global batch, this replica's share of it
+            data = _replica_batches(shape, step, *span, micro)
         dist.barrier()
         t0 = time.perf_counter()
         loss = engine.train_batch(data)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     grid = model.mpu()
-    layout = {"parts": list(model.parts), "stage": grid.get_stage_id(),
+    layout = {"parts": list(model.parts), "stage": grid.get_stage_id(), "replica": replica, "samples": list(span),
+              "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
               "dp_group": dist.get_process_group_ranks(grid.get_data_parallel_group()),
               "groups": [[g.ranks, g.transport, g.gloo_ifname] for g in (model.het_applied.records if getattr(model, "het_applied", None) else [])]}
     del engine

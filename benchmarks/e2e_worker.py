@@ -117,6 +117,15 @@ def measure_pair(group, a: int, b: int, sizes: list[int], reps: int) -> dict:
 
 # ---- training configurations ----------------------------------------------------------------------
 
+def forget_plan() -> None:
+    """A job applies one plan per process; this one trains many configurations in turn. het_plugin keeps the plan
+    it applied (``het_plugin.megatron.core.current_plan``: the uneven replica share its schedule wrapper reads) after
+    Megatron's groups are gone, so a next configuration without het_plugin would still run the last plan's replica
+    count: drop it."""
+    from het_plugin.megatron import core
+    core._current = None
+
+
 def run_config(shape: dict, cfg: dict, steps: int) -> list[float]:
     """Train ``steps`` steps of one configuration; per-step time = the slowest rank's."""
     if cfg.get("framework") == "deepspeed":
@@ -141,6 +150,7 @@ def run_config(shape: dict, cfg: dict, steps: int) -> list[float]:
         os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
         ps.destroy_model_parallel()
         destroy_groups(created)
+        forget_plan()
     times = [None] * dist.get_world_size()
     dist.all_gather_object(times, res.step_times)
     return [max(t[i] for t in times) for i in range(steps)], res.losses

@@ -1231,10 +1231,7 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
     if len(model.embedding_stages(dims.pp)) > 1 and analysis.embedding_paths:   # tied, or MTP on the last stage
         emb_bytes = model.embedding_params / dims.tp * GRAD_BYTES
         emb = max(p.allreduce_s(emb_bytes, profile) for p in analysis.embedding_paths)
-    iteration = max(ends) + emb + opt
-    if profile is not None and profile.overhead:          # the slowest device type's fixed cost per iteration
-        iteration += max((profile.iteration_overhead_s(a.name) or 0.0 for st in analysis.stages
-                          for a in st.accelerators), default=0.0)
+    iteration = max(ends) + emb + opt + _iteration_overhead_s(analysis, profile)
     tokens = model.global_batch_size * model.seq_length
     flops = 3.0 * model.global_batch_size * (model.decoder_flops_fwd(1) + model.logits_flops_fwd(1)
                                              + model.mtp_flops_fwd(1))
@@ -1253,6 +1250,14 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
     if problem:
         pred.description = (pred.description + "; " if pred.description else "") + problem
     return pred
+
+
+def _iteration_overhead_s(analysis: Analysis, profile: Optional[Profile]) -> float:
+    """The profile's fixed cost per iteration: the slowest device type's (0 without one)."""
+    if profile is None or not profile.overhead:
+        return 0.0
+    return max((profile.iteration_overhead_s(a.name) or 0.0 for st in analysis.stages for a in st.accelerators),
+               default=0.0)
 
 
 def profile_notes(profile: Optional[Profile], model: ModelSpec, devices, micro_batch_size: int, tp: int) -> list[str]:
@@ -1514,7 +1519,7 @@ def _evaluate_replicas(sc: "SplitCosts", layers_per_stage: Sequence[int], descri
     if len(model.embedding_stages(pp)) > 1 and analysis.embedding_paths:
         emb_bytes = model.embedding_params / dims.tp * GRAD_BYTES
         emb = max(p.allreduce_s(emb_bytes, sc.profile) for p in analysis.embedding_paths)
-    iteration = max(ends) + emb + opt
+    iteration = max(ends) + emb + opt + _iteration_overhead_s(analysis, sc.profile)
     tokens = model.global_batch_size * model.seq_length
     flops = 3.0 * model.global_batch_size * (model.decoder_flops_fwd(1) + model.logits_flops_fwd(1)
                                              + model.mtp_flops_fwd(1))

@@ -101,6 +101,21 @@ def test_replicas_on_different_devices_form_classes_and_uneven_counts_shorten_th
     assert uneven.iteration_s < even.iteration_s
 
 
+def test_replicas_predicted_on_their_own_pay_the_profiles_iteration_overhead_once(mixed, gpt7):
+    from het_plugin.profile import Profile
+    analysis = cost.analyze(mixed, place(mixed, ParallelDims(tp=8, pp=1, dp=4)), transport)
+    base = cost.SplitCosts(gpt7, analysis, 1, profile=Profile())
+    prof = Profile()
+    prof.add_overhead("H100", 0.1)
+    prof.add_overhead("A100-80", 0.25)                 # the slowest device type's overhead counts
+    split = cost.SplitCosts(gpt7, analysis, 1, profile=prof)
+    for counts in ([], split.balance([gpt7.num_layers])):
+        base.set_counts(counts)
+        split.set_counts(counts)
+        got, want = split.predict([gpt7.num_layers]), base.predict([gpt7.num_layers])
+        assert got.replica_pipeline_s and got.iteration_s - want.iteration_s == pytest.approx(0.25)
+
+
 def test_homogeneous_replicas_have_no_classes_and_predict_as_before(gpt7):
     cl = load_cluster(EXAMPLES / "clusters" / "homogeneous-ib.yaml")
     analysis = cost.analyze(cl, place(cl, ParallelDims(tp=8, pp=2, dp=cl.world_size // 16)), transport)
