@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 import e2e_compute  # noqa: E402
 from e2e_plans import (ALL_CONFIGS, CONFIGS, DS_CONFIGS, FAST_LINKS, LINKS, VPP_CONFIGS, calibrate_pipeline_overhead,  # noqa: E402
-                       setup_ratio, with_pipeline_overhead)
+                       predict_configs, setup_ratio, with_pipeline_overhead)
 from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
 from het_plugin.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
 
@@ -40,6 +40,7 @@ CALIBRATION_MBIT = 20_000      # the reference network "unshaped" for the calibr
 # between 68 and 122 Mbit/s over four runs, and the ratios with it); --derive-eth-rate derives it instead.
 # The rate that would give the real job's proportions is printed beside it either way.
 FIXED_ETH_MBIT = 100.0
+CALIBRATE = "calibrate"        # a round's visit to the calibration run (the others are ratios)
 GOALS = {"4/3": 0.60, "4/1": 1.15, "4/2": 0.55, "5v/1": 1.05}
 PAIRS = {"4/3": ("4-het_plugin", "3-mixed-today"), "4/1": ("4-het_plugin", "1-all-fast"),
          "4/2": ("4-het_plugin", "2-all-eth"), "4p/3": ("4p-placement", "3-mixed-today"),
@@ -65,8 +66,14 @@ class Parent:
         self.emu, self.args, self.shape, self.results_dir = emu, args, shape, results_dir
         # Rounds outermost, the ratios rotated in each: a drift over the run (load, anything that builds up in
         # the ranks) spreads over every ratio instead of growing with the ratio that happens to run last.
-        self.visits = [(rnd, ratio) for rnd in range(args.rounds)
-                       for ratio in args.ratios[rnd % len(args.ratios):] + args.ratios[:rnd % len(args.ratios)]]
+        # The calibration run (see "calibration") comes back in every round too, first: the predictions are made
+        # again at the end from its median over the rounds (a steadier fit, in the rounds' own conditions).
+        self.visits = [(rnd, visit) for rnd in range(args.rounds)
+                       for visit in ([CALIBRATE] if not args.no_calibration else [])
+                       + args.ratios[rnd % len(args.ratios):] + args.ratios[:rnd % len(args.ratios)]]
+        self.calibration_config = None
+        self.ref_link = None
+        self.round_calibrations: list[float] = []     # per round: median step after warm-up
         self.round = 0
         self.compute = compute
         self.scale = scale
@@ -84,11 +91,18 @@ class Parent:
             log(f"calibration: PP{2}xDP{2} on an unshaped reference network ({CALIBRATION_MBIT} Mbit/s) ...")
             config = dict(pp=2, overlap=True, micro_batch_size=self.shape.micro_batch_size, layers=None, plan=None,
                           ifname="ref0", ifnames=None, name="calibration")
+            self.calibration_config = config
             return {"config": config, "rounds": self.args.calibration_rounds}
+        if name == "calibration" and "round" in payload:
+            self.round_calibrations.append(statistics.median(payload["step_times"][0][self.args.warmup:]))
+            log(f"round {payload['round']}: calibration step {self.round_calibrations[-1] * 1e3:.0f} ms")
+            return {}
         if name == "calibration":
+            self.ref_link = payload["link"]
             steps = [t for r in payload["step_times"] for t in r[self.args.warmup:]]
             measured = statistics.median(steps)
             x = calibrate_pipeline_overhead(self.shape, self.compute, payload["link"], measured)
+            self.compute_base = self.compute
             self.compute = with_pipeline_overhead(self.compute, x)
             self.compute["calibration_step_s"] = measured
             log(f"calibration step {measured * 1e3:.0f} ms -> pipelined code path costs {x * 1e3:+.1f} ms per "
@@ -102,7 +116,11 @@ class Parent:
         if name == "next":
             if not self.visits:
                 return {"done": True}
-            self.round, self.current = self.visits.pop(0)
+            self.round, visit = self.visits.pop(0)
+            if visit == CALIBRATE:
+                self.emu.set_rate("ref0", CALIBRATION_MBIT)
+                return {"calibrate": self.calibration_config, "round": self.round}
+            self.current = visit
             fast = self.current * self.scale["eth_mbit"]
             self.emu.set_rate("fab0", fast)
             self.emu.set_rate("ref0", fast)
@@ -137,6 +155,25 @@ class Parent:
             return {}
         raise RuntimeError(f"unknown request {name}")
 
+    def repredict(self) -> None:
+        """Every prediction again, with the pipelined code path's cost fitted to the median of the rounds'
+        calibration runs instead of the one at the start (kept as ``predictions_start``): the same plans, the
+        links measured at each ratio."""
+        if not self.round_calibrations or self.ref_link is None:
+            return
+        measured = statistics.median(self.round_calibrations)
+        x = calibrate_pipeline_overhead(self.shape, self.compute_base, self.ref_link, measured)
+        compute = with_pipeline_overhead(self.compute_base, x)
+        for ratio, st in self.setups.items():
+            st.predictions_start = dict(st.predictions)
+            st.predictions, st.compute_share = predict_configs(ratio, self.shape, compute, st.links, st.plan,
+                                                               st.plan_vpp)
+        self.compute["rounds_calibration_step_s"] = self.round_calibrations
+        self.compute["rounds_pipeline_overhead_per_micro_batch"] = x
+        log(f"calibration over the rounds: median step {measured * 1e3:.0f} ms (rounds: "
+            + ", ".join(f"{t * 1e3:.0f}" for t in self.round_calibrations)
+            + f") -> {x * 1e3:+.1f} ms per micro-batch and stage; predictions made again")
+
     def report_ratio(self, ratio: float) -> None:
         rows = summarize(ratio, self.measured[ratio], self.setups[ratio], self.args.warmup)
         for r in rows["configs"]:
@@ -154,7 +191,8 @@ def summarize(ratio: float, measured: dict, setup, warmup: int) -> dict:
         med = statistics.median(steps)
         pred = setup.predictions[name]
         configs.append({"name": name, "median_s": med, "rounds_s": per_round[name], "predicted_s": pred,
-                        "error": (pred - med) / med, "compute_share": setup.compute_share[name]})
+                        "error": (pred - med) / med, "compute_share": setup.compute_share[name],
+                        "predicted_start_s": setup.predictions_start.get(name)})
     ratios, spread = {}, {}
     for key, (a, b) in PAIRS.items():
         if a in per_round and b in per_round:
@@ -243,6 +281,7 @@ def run(args) -> dict:
            "framework": args.framework,
            "latency": "not emulated (no netem in this kernel); bandwidth only",
            "ratios": []}
+    parent.repredict()
     for ratio in args.ratios:
         st = parent.setups[ratio]
         row = summarize(ratio, parent.measured[ratio], st, args.warmup)

@@ -9,6 +9,7 @@ from typing import Optional
 
 from het_plugin.cost import predict
 from het_plugin.placement import Placement, baseline_transport, default_placement, transport
+from het_plugin.plan import Plan
 from het_plugin.planner import assemble_plan, make_plan, uniform_layers
 from het_plugin.profile import Profile
 from het_plugin.topology import ParallelDims
@@ -50,6 +51,10 @@ class RatioSetup:
     predictions: dict[str, float]            # config -> predicted step seconds
     compute_share: dict[str, float]          # config -> busiest stage's compute / predicted step
     plan_summary: dict = field(default_factory=dict)
+    plan: Optional[Plan] = None              # het_plugin's plans as run (for predictions made again later)
+    plan_vpp: Optional[Plan] = None
+    links: dict = field(default_factory=dict)
+    predictions_start: dict[str, float] = field(default_factory=dict)   # from the start-of-run calibration
 
 
 def build_profile(compute: dict, links: dict, fabric_key: str) -> Profile:
@@ -147,12 +152,11 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
     placed = Placement(dims, tuple(plan.rank_of_logical), tuple(mixed.domains))
     # the interleaved runs' profile: the extra chunk calls' framework overhead on the layers (with_chunk_overhead)
     chunked = with_chunk_overhead(compute, VPP, spec.num_layers // PP)
-    prof_vpp, prof_ref_vpp = build_profile(chunked, links, "fabric"), build_profile(chunked, links, "ref")
+    prof_vpp = build_profile(chunked, links, "fabric")
     prof_vpp.save(out_dir / f"profile-{tag}-vpp{VPP}.yaml")
     plan_vpp = _plan(mixed, spec, prof_vpp, VPP)
     plan_vpp_path = out_dir / f"plan-{tag}-vpp{VPP}.json"
     plan_vpp.save(plan_vpp_path)
-    placed_vpp = Placement(dims, tuple(plan_vpp.rank_of_logical), tuple(mixed.domains))
     uniform = uniform_layers(spec.num_layers, PP)
 
     # Placement only: the plan as is (a plan file must keep the transports its nodes give); its run maps every
@@ -183,6 +187,35 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
         dict(base, name="5-het_plugin+vpp", plan=str(plan_vpp_path), vpp=VPP, overlap=plan_vpp.overlap_grad_reduce,
              micro_batch_size=plan_vpp.micro_batch_size),
     ]
+    predictions, share = predict_configs(ratio, shape, compute, links, plan, plan_vpp)
+    summary = {"layers_per_stage": plan.layers_per_stage, "rank_of_logical": plan.rank_of_logical,
+               "micro_batch_size": plan.micro_batch_size, "num_micro_batches": plan.num_micro_batches,
+               "overlap_grad_reduce": plan.overlap_grad_reduce,
+               "transports": {k: sorted({g.transport for g in v}) for k, v in plan.groups.items() if v},
+               "hash": plan.hash,
+               "vpp_plan": {"vpp": plan_vpp.vpp, "layers_per_stage": plan_vpp.layers_per_stage,
+                            "layers_per_virtual_stage": plan_vpp.layers_per_virtual_stage,
+                            "rank_of_logical": plan_vpp.rank_of_logical,
+                            "micro_batch_size": plan_vpp.micro_batch_size,
+                            "overlap_p2p_comm": plan_vpp.overlap_p2p_comm, "hash": plan_vpp.hash}}
+    return RatioSetup(ratio, profile_path, configs, predictions, share, summary, plan, plan_vpp)
+
+
+def predict_configs(ratio: float, shape: TinyShape, compute: dict, links: dict, plan: Plan,
+                    plan_vpp: Plan) -> tuple[dict[str, float], dict[str, float]]:
+    """Every configuration's predicted step (s) and compute share at ``ratio`` from ``compute`` and ``links``, for
+    het_plugin's plans as they ran (``plan``, ``plan_vpp``: placement and layer split are theirs, not re-planned)."""
+    spec = shape.model_spec()
+    mixed = mixed_cluster(ratio)
+    prof = build_profile(compute, links, "fabric")
+    prof_ref = build_profile(compute, links, "ref")
+    chunked = with_chunk_overhead(compute, VPP, spec.num_layers // PP)
+    prof_vpp, prof_ref_vpp = build_profile(chunked, links, "fabric"), build_profile(chunked, links, "ref")
+    dims = ParallelDims(tp=1, cp=1, pp=PP, dp=DP)
+    mb = spec.micro_batch_size
+    uniform = uniform_layers(spec.num_layers, PP)
+    placed = Placement(dims, tuple(plan.rank_of_logical), tuple(mixed.domains))
+    placed_vpp = Placement(dims, tuple(plan_vpp.rank_of_logical), tuple(mixed.domains))
     fast = fast_cluster(ratio)
     slow = slow_cluster()
     preds = {
@@ -212,15 +245,4 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
            "5-het_plugin+vpp": plan_vpp.micro_batch_size}
     m = {k: spec.global_batch_size // (DP * mbs.get(k, mb)) for k in preds}
     share = {k: m[k] * max(p.stage_compute_s) / (p.iteration_s + step_overhead) for k, p in preds.items()}
-    summary = {"layers_per_stage": plan.layers_per_stage, "rank_of_logical": plan.rank_of_logical,
-               "micro_batch_size": plan.micro_batch_size, "num_micro_batches": plan.num_micro_batches,
-               "overlap_grad_reduce": plan.overlap_grad_reduce,
-               "transports": {k: sorted({g.transport for g in v}) for k, v in plan.groups.items() if v},
-               "hash": plan.hash,
-               "vpp_plan": {"vpp": plan_vpp.vpp, "layers_per_stage": plan_vpp.layers_per_stage,
-                            "layers_per_virtual_stage": plan_vpp.layers_per_virtual_stage,
-                            "rank_of_logical": plan_vpp.rank_of_logical,
-                            "micro_batch_size": plan_vpp.micro_batch_size,
-                            "overlap_p2p_comm": plan_vpp.overlap_p2p_comm, "hash": plan_vpp.hash}}
-    return RatioSetup(ratio, profile_path, configs, {k: p.iteration_s + step_overhead for k, p in preds.items()},
-                      share, summary)
+    return {k: p.iteration_s + step_overhead for k, p in preds.items()}, share

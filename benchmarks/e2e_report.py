@@ -40,7 +40,13 @@ def results_markdown(out: dict, chart: Path | None) -> str:
              + (f"; the calibration run ({out['compute']['calibration_step_s'] * 1e3:.0f} ms per step on the "
                 f"unshaped reference network) adds "
                 f"{out['compute']['pipeline_overhead_per_micro_batch'] * 1e3:.1f} ms per micro-batch and stage"
-                if "calibration_step_s" in out["compute"] else "; no calibration run") + ".",
+                if "calibration_step_s" in out["compute"] else "; no calibration run")
+             + (f". The calibration run also ran first in every round ("
+                + ", ".join(f"{t * 1e3:.0f}" for t in out["compute"]["rounds_calibration_step_s"])
+                + f" ms): the predictions below are fitted to their median "
+                f"({out['compute']['rounds_pipeline_overhead_per_micro_batch'] * 1e3:+.1f} ms per micro-batch and stage); "
+                "'start-of-run fit' is the prediction from the first calibration alone"
+                if "rounds_calibration_step_s" in out["compute"] else "") + ".",
              "",
              "| proportion | real job | this benchmark |", "|---|---|---|",
              f"| gradient all-reduce on Ethernet / compute (dp_eth) | {s['real']['dp_eth']:.2f} | {s['tiny']['dp_eth']:.2f} |",
@@ -66,15 +72,17 @@ def results_markdown(out: dict, chart: Path | None) -> str:
             f"micro-batch {plan['micro_batch_size']} x {plan['num_micro_batches']}, "
             f"overlap {plan['overlap_grad_reduce']}, pp transport {plan['transports'].get('pp')}, "
             f"dp transport {plan['transports'].get('dp')}", "",
-            "| configuration | measured step (median) | per round | predicted | error | compute share |",
-            "|---|---|---|---|---|---|"]
+            "| configuration | measured step (median) | per round | predicted | error | start-of-run fit | compute share |",
+            "|---|---|---|---|---|---|---|"]
         by = {c["name"]: c for c in row["configs"]}
         for name in [n for n in ORDER if n in by]:
             c = by[name]
             lines.append(f"| {name} | {c['median_s'] * 1e3:.0f} ms | "
                          + " / ".join(f"{x * 1e3:.0f}" for x in c["rounds_s"])
                          + f" | {c['predicted_s'] * 1e3:.0f} ms | {c['error'] * 100:+.0f}% | "
-                         f"{c['compute_share'] * 100:.0f}% |")
+                         + (f"{c['predicted_start_s'] * 1e3:.0f} ms ({(c['predicted_start_s'] / c['median_s'] - 1) * 100:+.0f}%)"
+                            if c.get("predicted_start_s") else "-")
+                         + f" | {c['compute_share'] * 100:.0f}% |")
         lines.append("")
     if chart is not None:
         lines += [f"![step times and ratios](img/{chart.name})", ""]

@@ -193,6 +193,10 @@ def main() -> int:
         step = hs.ask("next", {})
         if step.get("done"):
             break
+        if step.get("calibrate"):           # the calibration run again, as one of the round's configurations
+            runs = [run_config(shape, step["calibrate"], job["warmup"] + job["steps"])[0]]
+            hs.ask("calibration", {"step_times": runs, "round": step["round"]})
+            continue
         links = {}
         for name in step["measure"]:
             group, (a, b) = pairs[name]
