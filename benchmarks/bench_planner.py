@@ -114,7 +114,7 @@ def _compute_floor_s(sub, model) -> float:
                                                 for n in sub.nodes)
 
 
-def shared_batch_bound(subs, model):
+def shared_batch_reference(subs, model):
     """The sub-clusters as one job on the mix's global batch B: sub-cluster 0 takes b sequences, sub-cluster 1
     the other B - b, each runs its own best plan (its own tp, pp, dp: more than one Megatron job can), the
     gradients cross between them for free, and the iteration lasts as long as the slower. The best b of all
@@ -122,7 +122,7 @@ def shared_batch_bound(subs, model):
     time) until that floor reaches the best iteration found; a part is planned only while it can still beat it.
     Returns (tokens/s, b, (time, plan) of each sub-cluster)."""
     if len(subs) != 2:
-        raise ValueError("shared_batch_bound splits a batch between two sub-clusters")
+        raise ValueError("shared_batch_reference splits a batch between two sub-clusters")
     B = model.global_batch_size
     floors = [_compute_floor_s(sub, model) for sub in subs]
     floor = {b: max(b * floors[0], (B - b) * floors[1]) for b in range(1, B)}
@@ -176,7 +176,7 @@ def hethub_fraction() -> None:
         print(f"| {label} ({mix.world_size}) | {degrees(p)}{' +distopt' if p.distributed_optimizer else ''} "
               f"layers {p.layers_per_stage}, {shape(p)} | {p.prediction.tokens_per_s:,.0f} | | | | |")
     start = time.process_time()
-    bound, split, parts = shared_batch_bound(subs, model)
+    bound, split, parts = shared_batch_reference(subs, model)
     took = time.process_time() - start
     tok = plan.prediction.tokens_per_s
     frac = tok / bound

@@ -126,10 +126,14 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
 LAUNCH_DEGREES = ("tp", "pp", "dp", "cp", "ep", "etp", "order")
 
 
-def check_launch_settings(plan: Plan, given: dict[str, Any], where: Optional[str], names: dict[str, str]) -> None:
+def check_launch_settings(plan: Plan, given: dict[str, Any], where: Optional[str], names: dict[str, str], *,
+                          droppable: bool = True) -> None:
     """What a launch sets (degrees, ``order``, ``vpp``, ``overlap_p2p_comm``; None: not set) must be what
     ``plan`` was made for: the one check for a plan file (:func:`resolve_launch`) and for Megatron-Core's own
-    arguments (``megatron.core.check_kwargs_fit``). ``names``: the launch's names for the fields."""
+    arguments (``megatron.core.check_kwargs_fit``). ``names``: the launch's names for the fields.
+    ``droppable``: leaving a setting out means "the plan's" (het_plugin's own arguments), not the
+    framework's default (Megatron's ``initialize_model_parallel``: ep 1, etp = tp, its default order)."""
+    drop = " (or drop it)" if droppable else ""
     dims = plan.dims
     for key in LAUNCH_DEGREES:
         value, planned = given.get(key), getattr(dims, key)
@@ -138,14 +142,14 @@ def check_launch_settings(plan: Plan, given: dict[str, Any], where: Optional[str
         if value is not None and value != planned:
             name = names.get(key, key)
             raise ConfigError(f"{name}={value!r} was passed, but the plan was made for {planned!r}", source=where,
-                              field=name, fix=f"pass {planned!r} (or drop it), or re-plan with `het-plugin plan "
+                              field=name, fix=f"pass {planned!r}{drop}, or re-plan with `het-plugin plan "
                                               f"--{key} {value}`")
     vpp = given.get("vpp")
     if not plan.accepts_vpp(vpp):
         name = names.get("vpp", "vpp")
         raise ConfigError(f"{name}={vpp} was passed, but the plan was made for {plan.vpp} virtual stages per "
                           "pipeline rank", source=where, field=name,
-                          fix=f"pass {plan.vpp if plan.vpp > 1 else 'none'} (or drop it), or re-plan with "
+                          fix=f"pass {plan.vpp if droppable or plan.vpp > 1 else None}{drop}, or re-plan with "
                               f"`het-plugin plan --vpp {vpp}`")
     overlap = given.get("overlap_p2p_comm")
     if overlap is not None and plan.vpp > 1 and overlap != plan.overlap_p2p_comm:

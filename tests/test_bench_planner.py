@@ -19,7 +19,7 @@ def _sub(name: str, acc: str, count: int):
                                                                      "accelerators_per_node": 8}]}]})
 
 
-def test_shared_batch_bound_is_the_best_split_of_one_batch():
+def test_shared_batch_reference_is_the_best_split_of_one_batch():
     subs = [_sub("fast", "H100", 1), _sub("slow", "A100-80", 2)]
     model = preset_model("gpt-3.6b").model_copy(update={"global_batch_size": 48})
     B, seq = model.global_batch_size, model.seq_length
@@ -29,7 +29,7 @@ def test_shared_batch_bound_is_the_best_split_of_one_batch():
         return best[0].prediction.iteration_s
 
     full = [plan_candidates(s, model)[0].prediction.tokens_per_s for s in subs]
-    bound, split, parts = bench_planner.shared_batch_bound(subs, model)
+    bound, split, parts = bench_planner.shared_batch_reference(subs, model)
     every = {b: B * seq / max(time_s(subs[0], b), time_s(subs[1], B - b)) for b in range(1, B)}
     assert bound == max(every.values()) == every[split]
     assert parts[0][0] == time_s(subs[0], split) and parts[1][0] == time_s(subs[1], B - split)

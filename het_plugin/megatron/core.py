@@ -103,7 +103,7 @@ def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
     wanted = plan_degrees(megatron_kwargs)
     # Megatron's expert_tensor_parallel_size None means tp, which build_groups sets to the plan's.
     check_launch_settings(plan, {"ep": wanted["ep"], "etp": wanted["etp"] or plan.tp, "order": wanted["order"],
-                                 "vpp": wanted["vpp"]}, None, MEGATRON_NAMES)
+                                 "vpp": wanted["vpp"]}, None, MEGATRON_NAMES, droppable=False)
     if plan.is_identity:
         return            # the framework's own numbering: whatever else Megatron builds is its own
     for key in ("gtp_remat_size", "expert_gtp_remat_size"):
