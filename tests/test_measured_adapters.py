@@ -141,7 +141,12 @@ class FakeEngine:
         return x
 
     def backward(self, loss):
+        if self.is_gradient_accumulation_boundary():
+            self.allreduce_gradients()           # as DeepSpeed's _backward_epilogue at the boundary
         return loss
+
+    def allreduce_gradients(self):
+        pass
 
     def is_gradient_accumulation_boundary(self):
         return (self.micro + 1) % self.accumulation == 0
@@ -168,6 +173,38 @@ def test_deepspeed_engine_hooks_end_an_iteration_at_the_accumulation_boundary(tm
     engine.forward(1.0)                                     # evaluation
     t = rec.timer.totals()
     assert (t.iterations, t.micro_batches) == (2, 6)
+
+
+def test_deepspeed_backward_time_leaves_out_the_gradient_reduction(tmp_path):
+    """DeepSpeed's backward() all-reduces the gradients at the accumulation boundary: that wait is not compute."""
+    from het_plugin.deepspeed.timing import _engine_hooks
+    from het_plugin.runtime.profiling import ProfileRecorder
+    from het_plugin.cluster import load_cluster
+    from het_plugin.planner import make_plan
+    from test_measured import IB_ROCE_4, FakeClock, tiny_model
+    plan = make_plan(load_cluster(IB_ROCE_4), tiny_model(), tp=1, pp=2)
+    clock = FakeClock()
+    rec = ProfileRecorder(plan, 0, ProfileSettings(str(tmp_path / "m.yaml"), warmup=0), "DeepSpeed",
+                          clock=clock, exit_handler=False)
+    engine = FakeEngine(accumulation=2)
+    compute, reduction = 1.0, 5.0
+
+    def backward(loss, _inner=engine.backward):
+        clock.now += compute                       # autograd
+        return _inner(loss)
+
+    def allreduce_gradients():
+        clock.now += reduction                     # the wait at the boundary
+
+    engine.backward, engine.allreduce_gradients = backward, allreduce_gradients
+    _engine_hooks(engine, rec)
+    for _ in range(4):
+        engine.backward(engine.forward(1.0))
+        engine.step()
+    engine.allreduce_gradients()                   # outside a backward: not timed, not subtracted
+    t = rec.timer.totals()
+    assert t.micro_batches == 4
+    assert t.backward_s == pytest.approx(4 * compute), "the reductions (2 x 5 s) must not count as backward"
 
 
 def test_deepspeed_pipeline_hooks_time_the_forward_and_backward_instructions(tmp_path):

@@ -214,13 +214,14 @@ def overhead_parts(model: ModelSpec, dev: Device, window_s: float, warmup: int) 
     return seconds
 
 
-def loss_allreduce_s(dev: Device, repeats: int) -> float:
-    """Every rank at once: the one-number loss all-reduce over the world group each iteration ends with."""
-    t = torch.ones(1, device=dev.torch_device)
-    dist.all_reduce(t)
+def loss_allreduce_s(dev: Device, repeats: int, group=None) -> float:
+    """Every rank at once: the one-number loss all-reduce over the world group each iteration ends with
+    (``group``: a gloo world group, on host memory, where the accelerators' library cannot join the world)."""
+    t = torch.ones(1, device="cpu" if group is not None else dev.torch_device)
+    dist.all_reduce(t, group=group)
     t0 = dev.now()
     for _ in range(repeats):
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
     return (dev.now() - t0) / repeats
 
 

@@ -27,18 +27,18 @@ MAX_REPEATS = 1000
 class LinkGroups:
     """Every link job's group, created by all ranks in job order (group creation is collective)."""
 
-    def __init__(self, jobs: list[LinkJob], backend: str):
+    def __init__(self, jobs: list[LinkJob], backend: str, timeout=None):
         self.groups, self.devices = [], []
         for job in jobs:
             host = backend != "nccl" or job.transport == "host-staged"
             if host:
                 with gloo_network(job.transport):
-                    g = dist.new_group(list(job.members), backend="gloo")
+                    g = dist.new_group(list(job.members), backend="gloo", timeout=timeout)
             else:
                 from ..runtime.groups import with_net_name
                 net = nccl_net_name(job.transport)
                 options = with_net_name(None, net) if net else None
-                g = dist.new_group(list(job.members), backend="nccl", pg_options=options)
+                g = dist.new_group(list(job.members), backend="nccl", pg_options=options, timeout=timeout)
             self.groups.append(g)
             self.devices.append(torch.device("cpu") if host else torch.device("cuda", torch.cuda.current_device()))
 

@@ -36,13 +36,15 @@ def aligned(world_size: int, ranks_of_jobs: Sequence[tuple[int, ...]]) -> bool:
     return True
 
 
-def set_tp(tp: int) -> None:
-    """Every rank: Megatron's groups for tensor-parallel size ``tp`` (the previous ones destroyed)."""
+def set_tp(tp: int, timeout_s: float = 600.0) -> None:
+    """Every rank: Megatron's groups for tensor-parallel size ``tp`` (the previous ones destroyed), their waits
+    bounded by ``timeout_s`` (the profile's --timeout; Megatron takes whole minutes)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                 distributed_timeout_minutes=max(1, int(-(-timeout_s // 60))))
     model_parallel_cuda_manual_seed(SEED)
 
 

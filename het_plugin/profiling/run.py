@@ -97,23 +97,39 @@ def profile_launch(cluster_arg: str, model: ModelSpec, settings: Settings, outpu
             check_output(output)
     except Exception as exc:
         ready.all_gather(error=exc)     # the others stop with this rank's reason, not at a timeout
+        ready.done()                    # rank 0 may host the store: the others read the reason first
         raise
-    refused = first_error(ready.all_gather(None))
+    # What every rank must decide alike (backend, whose layers, hence which groups): each rank's own view,
+    # agreed before any process group exists.
+    views = ready.all_gather({"on_gpu": on_gpu, "megatron": megatron})
+    refused = first_error(views)
     if refused is not None:
+        ready.done()
         if refused.error.get("config"):
             refused.raise_error()
         raise ProfileFailed(f"rank {refused.rank} cannot profile: {refused.error['problem']}")
+    ready.done()
+    for key, field, fix in (("on_gpu", "accelerator", "launch the profile on nodes where torch sees the "
+                             "accelerators on every rank (or on CPU everywhere, e.g. CUDA_VISIBLE_DEVICES=)"),
+                            ("megatron", "--layers", "pass --layers torch (or install megatron-core on every node)")):
+        seen = sorted({bool(e.value[key]) for e in views})
+        if len(seen) > 1:
+            ranks = [e.rank for e in views if e.value[key]]
+            raise ConfigError(f"ranks disagree on {key}: ranks {ranks} say yes, the others no; every rank must run "
+                              "the same backend and layers", field=field, fix=fix)
     if rank == 0:
         log(f"{cluster.name}: {world} ranks, device types {[d.name for d in devices]}; {len(rounds)} compute "
             f"points ({'Megatron-Core' if megatron else 'plain torch'} layers), {len(ljobs)} links x "
             f"{len(settings.message_sizes)} message sizes; window {settings.window_s:g} s")
 
+    vendors = {n.vendor for n in cluster.nodes}
     backend = "nccl" if on_gpu else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=wait_s))
     mine: list[rec.Record] = []
     error: Optional[BaseException] = None
     try:
-        mine = _measure(cluster, model, settings, rounds, devices, ljobs, rank, local_rank, backend, log, megatron)
+        mine = _measure(cluster, model, settings, rounds, devices, ljobs, rank, local_rank, backend, log, megatron,
+                        wait_s, cross_vendor=len(vendors) > 1)
     except Exception as exc:        # every rank reports; rank 0 names them all
         error = exc
         try:
@@ -187,7 +203,8 @@ def _megatron_version() -> str:
 
 
 def _measure(cluster: Cluster, model: ModelSpec, settings: Settings, rounds, devices, ljobs, rank: int,
-             local_rank: int, backend: str, log, megatron: bool = False) -> list[rec.Record]:
+             local_rank: int, backend: str, log, megatron: bool = False, wait_s: float = 300.0,
+             cross_vendor: bool = False) -> list[rec.Record]:
     import torch.distributed as dist
 
     from ..netselect import gloo_network
@@ -195,7 +212,8 @@ def _measure(cluster: Cluster, model: ModelSpec, settings: Settings, rounds, dev
 
     dev = compute.local_device(model, local_rank)
     out: list[rec.Record] = []
-    lockstep = dist.new_group(backend="gloo") if backend != "gloo" else None
+    bound = timedelta(seconds=wait_s)           # every group's waits, as the exchanges' (--timeout)
+    lockstep = dist.new_group(backend="gloo", timeout=bound) if backend != "gloo" else None
 
     def barrier() -> None:
         dist.barrier(group=lockstep)
@@ -207,15 +225,15 @@ def _measure(cluster: Cluster, model: ModelSpec, settings: Settings, rounds, dev
             key = (job.device, job.tp)
             if job.tp > 1 and key not in tp_groups:
                 with gloo_network("local"):
-                    tp_groups[key] = dist.new_group(list(job.ranks), backend=backend)
-    groups = links.LinkGroups(ljobs, backend)
+                    tp_groups[key] = dist.new_group(list(job.ranks), backend=backend, timeout=bound)
+    groups = links.LinkGroups(ljobs, backend, bound)
     modules = compute.Modules(megatron)
     megatron_tp = None
     for i, jobs in enumerate(rounds):
         if megatron and jobs[0].tp != megatron_tp:       # every rank: Megatron's groups for this TP degree
             from . import megatron_layers
             megatron_tp = jobs[0].tp
-            megatron_layers.set_tp(megatron_tp)
+            megatron_layers.set_tp(megatron_tp, wait_s)
         if rank == 0:
             j = jobs[0]
             log(f"compute {i + 1}/{len(rounds)}: {j.kind} tp={j.tp} micro-batch {j.micro_batch_size} on "
@@ -248,7 +266,8 @@ def _measure(cluster: Cluster, model: ModelSpec, settings: Settings, rounds, dev
             parts = compute.overhead_parts(model, dev, settings.window_s, settings.warmup)
             log(f"{d.name} optimizer {r.seconds_per_param * 1e9:.3f} ns/parameter")
         barrier()
-        loss_s = compute.loss_allreduce_s(dev, LOSS_ALLREDUCES)
+        # across vendors NCCL and RCCL cannot form one world communicator: time it on gloo there
+        loss_s = compute.loss_allreduce_s(dev, LOSS_ALLREDUCES, group=lockstep if cross_vendor else None)
         if rank in reporter:
             o = compute.overhead_record(reporter[rank].name, parts, loss_s)
             out.append(o)

@@ -43,11 +43,12 @@ class Settings:
     layers: str = "auto"                       # auto | megatron | torch: whose layers are timed (run.layer_source)
 
 
-def _sorted_unique(values: Sequence[int], field: str, lo: int, hi: int, unit: str) -> tuple[int, ...]:
+def _sorted_unique(values: Sequence[int], field: str, lo: int, hi: int, unit: str,
+                   example: str = "1,2,4") -> tuple[int, ...]:
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi]
     if bad or not values:
         raise ConfigError(f"{bad or 'nothing'} is not a list of whole numbers from {lo:,} to {hi:,} {unit}",
-                          field=field, fix=f"give comma-separated numbers, e.g. {field} 1,2,4")
+                          field=field, fix=f"give comma-separated numbers, e.g. {field} {example}")
     return tuple(sorted(set(values)))
 
 
@@ -64,7 +65,7 @@ def make_settings(*, quick: bool = False, micro_batch_sizes: Optional[Sequence[i
     mbs = _sorted_unique(list(micro_batch_sizes or default), "--micro-batch-sizes", 1, LIMITS["micro_batch_size"],
                          "samples")
     sizes = _sorted_unique(list(message_sizes or (QUICK_MESSAGE_SIZES if quick else DEFAULT_MESSAGE_SIZES)),
-                           "--message-sizes", 4, MAX_MESSAGE_BYTES, "bytes")
+                           "--message-sizes", 4, MAX_MESSAGE_BYTES, "bytes", example="64K,1M")
     tps = None if tp is None else _sorted_unique(list(tp), "--tp", 1, 1024, "ranks")
     window = (QUICK_WINDOW_S if quick else DEFAULT_WINDOW_S) if window_s is None else window_s
     if not (isinstance(window, (int, float)) and math.isfinite(window) and 0.001 <= window <= 600):

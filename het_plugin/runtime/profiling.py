@@ -157,7 +157,8 @@ class StageTimer:
 
     @contextlib.contextmanager
     def timing(self, kind: str) -> Iterator[None]:
-        """One micro-batch's ``forward`` or ``backward`` (of one model chunk); nothing outside an iteration."""
+        """One micro-batch's ``forward`` or ``backward`` (of one model chunk), or a ``reduce`` inside a backward span
+        (subtracted from it); nothing outside an iteration."""
         if not self.active:
             yield
             return
@@ -176,6 +177,8 @@ class StageTimer:
                 if kind == "forward":
                     self.times.forward_s += seconds
                     forwards += 1
+                elif kind == "reduce":           # a gradient reduction inside a backward span: not compute
+                    self.times.backward_s -= seconds
                 else:
                     self.times.backward_s += seconds
             self.times.micro_batches += forwards // chunks
