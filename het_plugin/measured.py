@@ -11,10 +11,13 @@ process group):
 * :func:`measured_profile`: a format-2 :class:`~het_plugin.profile.Profile` holding that run (``measured``) and
   compute curves derived from it, so that ``het-plugin plan --profile`` predicts each measured stage's time:
   a stage's time is shared between its decoder layers and its embedding / output layer in proportion to their
-  forward FLOPs (the analytic model's shares: a run times whole stages, not layers), and a device type's
-  ``layer`` curve is the mean over its stages, weighted by their layers; a device type that held neither end of
-  the pipeline gets ``embedding`` and ``output`` from its layer by the same shares. Curves are at the run's
-  micro-batch size and TP only.
+  forward FLOPs (the analytic model's shares: a run times whole stages, not layers). Each decoder layer the run
+  held gets a per-layer-index entry (``layer: i``, the global index) on the device type that ran it, with its
+  stage's per-layer time: the same split re-predicts every stage at its measured time, even where a device type
+  held stages of different per-layer cost. A device type's ``layer`` curve is the mean over its stages, weighted
+  by their layers: another split uses it for the layers it moves onto a device type that did not run them (an
+  estimate). A device type that held neither end of the pipeline gets ``embedding`` and ``output`` from its layer
+  by the same shares. Curves are at the run's micro-batch size and TP only.
 * :func:`comparison_lines` and :func:`imbalance_warning`: predicted against measured, for the report and for the
   rank-0 warning during training.
 """
@@ -141,6 +144,7 @@ def measured_profile(plan: Plan, ranks: Sequence[RankTimes], framework: str = ""
     layer_w, emb_w, out_w = flop_shares(model, mb)
     layer_sum: dict[str, list[float]] = {}           # device -> [forward, backward, layers]
     fixed: list[tuple[str, str, float, float]] = []   # (device, kind, forward, backward)
+    own: list[tuple[str, int, float, float]] = []     # (device, global layer index, forward, backward)
     for (s, dev), r in sorted(_slowest_by_stage_and_device(plan, ranks).items()):
         f, b = r.per_micro_batch
         n = plan.layers_per_stage[s]
@@ -152,6 +156,8 @@ def measured_profile(plan: Plan, ranks: Sequence[RankTimes], framework: str = ""
             acc[0] += f * n * layer_w / weight
             acc[1] += b * n * layer_w / weight
             acc[2] += n
+            first = sum(plan.layers_per_stage[:s])
+            own.extend((dev, i, f * layer_w / weight, b * layer_w / weight) for i in range(first, first + n))
         if s == 0:
             fixed.append((dev, "embedding", f * emb_w / weight, b * emb_w / weight))
         if s == last:
@@ -160,6 +166,8 @@ def measured_profile(plan: Plan, ranks: Sequence[RankTimes], framework: str = ""
                                               f"{run.iterations} iterations", measured=run)
     for dev, (f, b, n) in sorted(layer_sum.items()):
         prof.add_compute(dev, "layer", mb, tp, f / n, b / n)
+    for dev, i, f, b in own:                         # the measured split's own layers, on the device they ran on
+        prof.add_compute(dev, "layer", mb, tp, f, b, layer=i)
     seen = set()
     for dev, kind, f, b in fixed:
         if (dev.lower(), kind) not in seen:          # one curve per (device, kind): the first stage's

@@ -158,6 +158,41 @@ def test_the_profile_predicts_each_measured_stage(plan, cluster):
     assert predicted == pytest.approx([f + b for f, b in measured.values()], rel=1e-9)
 
 
+def test_the_same_split_is_exact_with_two_stages_per_device_type(cluster, tmp_path):
+    """pp=4, two stages on each device type with different per-layer costs and a loss above its FLOP share on the
+    last stage: the per-layer-index entries make the same split re-predict every measured stage; another split
+    keeps a layer's measured time on the device type that ran it and uses the mean layer elsewhere."""
+    model = tiny_model(num_layers=10)
+    plan4 = make_plan(cluster, model, tp=1, pp=4)
+    devices = rank_devices(plan4)
+    on = [devices[plan4.stage_ranks(s)[0]] for s in range(4)]
+    assert sorted(on) == ["A100-80", "A100-80", "H100", "H100"] and on[0] == on[1] and on[2] == on[3]
+    assert plan4.layers_per_stage == [2, 1, 1, 6]
+    measured = {0: (0.008 / 3, 0.016 / 3), 1: (0.001, 0.002), 2: (0.001, 0.002), 3: (0.010, 0.020)}
+    prof = measured_profile(plan4, times_for(plan4, measured))
+    mb = plan4.micro_batch_size
+    firsts = [0, 2, 3, 4]
+    for dev in set(on):       # each layer's override only on the device type that ran it
+        held = {i for s in range(4) if on[s] == dev for i in range(firsts[s], firsts[s] + plan4.layers_per_stage[s])}
+        assert set(prof.layer_overrides(dev, mb, 1)) == held
+    want = [f + b for f, b in measured.values()]
+    prof.save(tmp_path / "m.yaml")
+    for p in (prof, load_profile(tmp_path / "m.yaml")):
+        assert split_costs(plan4, cluster, p).predict([2, 1, 1, 6]).stage_compute_s == pytest.approx(want, rel=1e-9)
+    # another split: stage 1 (A100) takes layer 3 (measured on the H100 stage 2) at the A100 mean layer; stage 2
+    # (H100) takes layer 4 at its time measured on the H100 stage 3, whose remaining layers keep their own time
+    other = split_costs(plan4, cluster, prof).predict([2, 2, 1, 5]).stage_compute_s
+    mean = prof.compute_time(on[1], "layer", mb, 1)
+    layer3 = prof.layer_overrides(on[2], mb, 1)[3]
+    assert mean.forward_s + mean.backward_s != pytest.approx(layer3.forward_s + layer3.backward_s)
+    assert other[0] == pytest.approx(want[0])
+    assert other[1] == pytest.approx(want[1] + mean.forward_s + mean.backward_s)
+    layer4 = prof.layer_overrides(on[3], mb, 1)[4]
+    assert layer4.forward_s + layer4.backward_s != pytest.approx(want[2])
+    assert other[2] == pytest.approx(layer4.forward_s + layer4.backward_s)
+    assert other[3] == pytest.approx(want[3] - layer4.forward_s - layer4.backward_s)
+
+
 def test_replanning_moves_layers_off_the_stage_measured_slow(plan, cluster):
     """The analytic plan gives the H100 stage more layers; measured H100 layers twice as slow as A100 ones
     move layers to the A100 stage (Holmes' self-adapting partition, across a restart)."""
