@@ -427,3 +427,26 @@ def test_cuda_event_clock_reads_event_pairs_in_seconds(monkeypatch):
     assert [k for k, _ in log] == ["record", "record"]     # recorded, not read: no synchronisation yet
     t = timer.totals()
     assert log[-1] == ("sync", 10.0) and t.forward_s == pytest.approx(0.005) and t.micro_batches == 1
+
+
+def test_iterations_without_timed_micro_batches_are_named_once(tmp_path, caplog):
+    """A schedule that bypasses the hooked calls leaves the profile empty: said once, not silently."""
+    plan = make_plan(load_cluster(IB_ROCE_4), tiny_model(), tp=1, pp=2)
+    rec = ProfileRecorder(plan, 0, ProfileSettings(str(tmp_path / "m.yaml"), warmup=0), "Megatron-Core",
+                          clock=FakeClock(), exit_handler=False)
+    with caplog.at_level(logging.WARNING, logger="het_plugin"):
+        for _ in range(3):
+            with rec.timer.iteration():
+                pass                                  # no forward/backward went through the hooks
+            rec.publish()
+    said = [r.getMessage() for r in caplog.records if "no micro-batch" in r.getMessage()]
+    assert len(said) == 1 and "forward_step" in said[0]
+
+
+def test_the_default_clock_is_chosen_at_the_first_timed_span():
+    from het_plugin.runtime.profiling import FirstUseClock, WallClock, default_clock
+    clock = default_clock()
+    assert isinstance(clock, FirstUseClock) and clock.chosen is None
+    start = clock.mark()
+    assert isinstance(clock.chosen, WallClock)          # no CUDA here
+    assert clock.seconds(start, clock.mark()) >= 0.0

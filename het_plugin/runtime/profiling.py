@@ -92,8 +92,24 @@ class CudaEventClock:
         return start.elapsed_time(end) / 1e3
 
 
-def default_clock():
-    """CUDA events where CUDA is present, else the wall clock."""
+class FirstUseClock:
+    """CUDA events or the wall clock, chosen at the first mark (the first timed micro-batch), not when the
+    hooks go in: a script may not have touched CUDA yet when het_plugin initialises."""
+
+    def __init__(self):
+        self.chosen = None
+
+    def mark(self):
+        if self.chosen is None:
+            self.chosen = _pick_clock()
+            log.debug("het_plugin: measured profile timed with %s", type(self.chosen).__name__)
+        return self.chosen.mark()
+
+    def seconds(self, start, end) -> float:
+        return self.chosen.seconds(start, end)
+
+
+def _pick_clock():
     try:
         import torch
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -101,6 +117,11 @@ def default_clock():
     except Exception:       # noqa: BLE001 -- no torch, or a CUDA that cannot answer: time on the CPU
         pass
     return WallClock()
+
+
+def default_clock():
+    """CUDA events where CUDA is in use by the first timed micro-batch, else the wall clock."""
+    return FirstUseClock()
 
 
 # ---- the timer ----------------------------------------------------------------------------------------
@@ -217,6 +238,7 @@ class ProfileRecorder:
         self.store = store
         self.written: Optional[str] = None       # the path, once rank 0 wrote a profile
         self.warned = False
+        self.warned_empty = False
         self.closed = False
         self._key = f"{KEY}/{plan.hash}"
         self.reporters = reporting_ranks(plan)
@@ -231,6 +253,14 @@ class ProfileRecorder:
     def publish(self, final: bool = False) -> RankTimes:
         times = self.timer.totals()
         times.final = final
+        if self.reports and times.iterations and not times.micro_batches and not self.warned_empty:
+            self.warned_empty = True
+            log.warning("het_plugin: measured profile: rank %d timed %d training iterations but no micro-batch "
+                        "forward/backward, so it adds nothing to %s. The schedule did not go through the hooked "
+                        "calls (Megatron: a schedule that does not call forward_step, e.g. "
+                        "overlap_moe_expert_parallel_comm's combined 1F1B, or a schedule function imported by name "
+                        "before het_plugin's initialisation)", self.rank, times.iterations, self.settings.path)
+        
         if self.store is not None and self.reports:
             try:
                 self.store.set(f"{self._key}/{self.rank}", json.dumps(times.to_dict()))
