@@ -1038,12 +1038,14 @@ def one_f_one_b_order(pp: int, stage: int, m: int) -> list[tuple[str, int]]:
 
 
 def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float], m: int,
-                  send_back: Optional[Sequence[float]] = None) -> list[float]:
+                  send_back: Optional[Sequence[float]] = None, record: Optional[list] = None) -> list[float]:
     """Finish time of every stage's last backward.
 
     ``send[s]`` is the time to move one activation (forward) or gradient (backward) between stages s and
     s+1; the sender is busy for it (Megatron's p2p calls block) and the receiver may start when it ends.
     ``send_back[s]``: the gradient's time from s+1 to s where it differs (a link measured per direction).
+    ``record``: gets every span as ``(stage, "forward" | "backward" | "send", start, end, micro_batch)`` (the
+    timeline draws them).
     """
     pp = len(fwd)
     back = send if send_back is None else send_back
@@ -1063,10 +1065,15 @@ def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[flo
                 ready = 0.0 if s == 0 else arrive_f[s][i]
                 if ready < 0:
                     break
-                end = max(free[s], ready) + fwd[s]
+                start = max(free[s], ready)
+                end = start + fwd[s]
                 end_f[s][i] = end
                 free[s] = end
+                if record is not None:
+                    record.append((s, "forward", start, end, i))
                 if s + 1 < pp:
+                    if record is not None:
+                        record.append((s, "send", end, end + send[s], i))
                     free[s] += send[s]
                     arrive_f[s + 1][i] = free[s]
                     pending.append(s + 1)
@@ -1074,10 +1081,15 @@ def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[flo
                 ready = end_f[s][i] if s == pp - 1 else arrive_b[s][i]
                 if ready < 0:
                     break
-                end = max(free[s], ready) + bwd[s]
+                start = max(free[s], ready)
+                end = start + bwd[s]
                 end_b[s][i] = end
                 free[s] = end
+                if record is not None:
+                    record.append((s, "backward", start, end, i))
                 if s > 0:
+                    if record is not None:
+                        record.append((s, "send", end, end + back[s - 1], i))
                     free[s] += back[s - 1]
                     arrive_b[s - 1][i] = free[s]
                     pending.append(s - 1)

@@ -61,50 +61,10 @@ class Timeline:
 def simulate_1f1b_ops(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float], m: int,
                       send_back: Optional[Sequence[float]] = None) -> tuple[list[Op], list[float]]:
     """:func:`het_plugin.cost.simulate_1f1b` keeping every forward, backward and send; returns the spans and each
-    stage's finish time (the same as simulate_1f1b's)."""
-    pp = len(fwd)
-    back = send if send_back is None else send_back
-    orders = [cost.one_f_one_b_order(pp, s, m) for s in range(pp)]
-    end_f = [[-1.0] * m for _ in range(pp)]
-    end_b = [[-1.0] * m for _ in range(pp)]
-    arrive_f = [[-1.0] * m for _ in range(pp)]
-    arrive_b = [[-1.0] * m for _ in range(pp)]
-    free = [0.0] * pp
-    ptr = [0] * pp
-    ops: list[Op] = []
-    pending = list(range(pp))
-    while pending:
-        s = pending.pop()
-        while ptr[s] < len(orders[s]):
-            kind, i = orders[s][ptr[s]]
-            if kind == "F":
-                ready = 0.0 if s == 0 else arrive_f[s][i]
-                if ready < 0:
-                    break
-                start = max(free[s], ready)
-                end_f[s][i] = free[s] = start + fwd[s]
-                ops.append(Op(s, "forward", start, free[s], i))
-                if s + 1 < pp:
-                    ops.append(Op(s, "send", free[s], free[s] + send[s], i))
-                    free[s] += send[s]
-                    arrive_f[s + 1][i] = free[s]
-                    pending.append(s + 1)
-            else:
-                ready = end_f[s][i] if s == pp - 1 else arrive_b[s][i]
-                if ready < 0:
-                    break
-                start = max(free[s], ready)
-                end_b[s][i] = free[s] = start + bwd[s]
-                ops.append(Op(s, "backward", start, free[s], i))
-                if s > 0:
-                    ops.append(Op(s, "send", free[s], free[s] + back[s - 1], i))
-                    free[s] += back[s - 1]
-                    arrive_b[s - 1][i] = free[s]
-                    pending.append(s - 1)
-            ptr[s] += 1
-    if any(ptr[s] < len(orders[s]) for s in range(pp)):
-        raise RuntimeError("1F1B simulation deadlocked (a bug)")
-    return ops, [max(end_b[s][m - 1], free[s]) for s in range(pp)]
+    stage's finish time (simulate_1f1b's own)."""
+    spans: list = []
+    finish = cost.simulate_1f1b(fwd, bwd, send, m, send_back, record=spans)
+    return [Op(*span) for span in spans], finish
 
 
 def placement_of(plan: Plan) -> Placement:
