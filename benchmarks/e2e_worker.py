@@ -118,12 +118,10 @@ def measure_pair(group, a: int, b: int, sizes: list[int], reps: int) -> dict:
 # ---- training configurations ----------------------------------------------------------------------
 
 def forget_plan() -> None:
-    """A job applies one plan per process; this one trains many configurations in turn. het_plugin keeps the plan
-    it applied (``het_plugin.megatron.core.current_plan``: the uneven replica share its schedule wrapper reads) after
-    Megatron's groups are gone, so a next configuration without het_plugin would still run the last plan's replica
-    count: drop it."""
-    from het_plugin.megatron import core
-    core._current = None
+    """A job applies one plan per process; this one trains many configurations in turn: take back the last
+    configuration's plan (its uneven replica wrappers would otherwise run the next configuration's schedule)."""
+    from het_plugin.megatron import forget_plan as forget
+    forget()
 
 
 def run_config(shape: dict, cfg: dict, steps: int) -> list[float]:

@@ -126,6 +126,28 @@ def test_install_wraps_megatrons_schedules_for_an_uneven_plan_only(applied, even
             setattr(schedules, name, fn)
 
 
+def test_forget_plan_gives_megatron_its_own_schedules_back(applied, even, tmp_path):
+    """Uneven replicas and the measured-profile timing both wrap the schedules; forget_plan takes both off."""
+    from megatron.core.pipeline_parallel import schedules
+
+    from het_plugin.megatron import core, forget_plan, timing
+    from het_plugin.runtime.profiling import ProfileSettings
+    own = {name: getattr(schedules, name) for name in replicas.SCHEDULES + timing.STEPS}
+    uneven = dataclasses.replace(even, replica_micro_batches=[3, 1])
+    try:
+        replicas.install(uneven)
+        timing.install(uneven, 0, ProfileSettings(str(tmp_path / "m.yaml")))
+        assert any(getattr(schedules, name) is not fn for name, fn in own.items())
+        core._current = object()
+        forget_plan()
+        assert {name: getattr(schedules, name) for name in own} == own
+        assert core.current_plan() is None and timing.recorder() is None
+    finally:
+        for name, fn in own.items():
+            setattr(schedules, name, fn)
+        core._current = None
+
+
 @pytest.mark.parametrize("given, flag", [({"global_batch_size": 16}, "--global-batch-size=16"),
                                          ({"micro_batch_size": 1}, "--micro-batch-size=1"),
                                          ({"rampup_batch_size": ["2", "2", "64"]}, "--rampup-batch-size")])

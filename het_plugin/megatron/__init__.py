@@ -20,6 +20,7 @@ _EXPORTS = {
     "initialize_model_parallel": "core",
     "resolve_megatron_plan": "core",
     "current_plan": "core",
+    "forget_plan": "core",
     "replica_share": "replicas",
     "replica_sampler": "replicas",
     "model_from_args": "modelspec",

@@ -48,6 +48,19 @@ def current_plan() -> Optional[AppliedPlan]:
     return _current
 
 
+def forget_plan() -> None:
+    """Take back what het_plugin applied in this process: the measured-profile timing (its recorder writes a last
+    profile), the uneven-replica wrappers (Megatron's own schedules and sampler again) and :func:`current_plan`.
+    For a process that trains several configurations in turn, the next perhaps without het_plugin. Megatron's
+    groups stay Megatron's to destroy (``parallel_state.destroy_model_parallel``)."""
+    global _current
+    from . import timing
+    from .replicas import uninstall as uninstall_replicas
+    timing.uninstall()                # first: its wrappers sit on top of the replica wrappers
+    uninstall_replicas()
+    _current = None
+
+
 def resolve_megatron_plan(source: Union[Plan, Cluster, PathLike, None] = None, *,
                  model: Union[ModelSpec, PathLike, None] = None, world_size: int, rank: Optional[int] = None,
                  local_world_size: Optional[int] = None, tp: Optional[int] = None, pp: Optional[int] = None,

@@ -142,7 +142,15 @@ def _unwrapped(fn):
 def install(plan) -> None:
     """Wrap the schedules (and Megatron-LM's sampler, when megatron.training is loaded) for an uneven plan;
     restore Megatron's own for an even one (a process may apply several plans, e.g. tests)."""
-    uneven = plan.uneven_replicas
+    _wrap(plan.uneven_replicas)
+
+
+def uninstall() -> None:
+    """Megatron's own schedules and sampler again."""
+    _wrap(False)
+
+
+def _wrap(uneven: bool) -> None:
     if not uneven and "megatron.core.pipeline_parallel.schedules" not in sys.modules:
         return            # nothing was wrapped: an even plan imports nothing
     from megatron.core.pipeline_parallel import schedules
