@@ -80,13 +80,14 @@ class Barrier:
             time.sleep(0.01)
 
 
-def main() -> None:
-    shape, rounds, steps = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    index, count, port = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-    barrier = Barrier(index, count, port)
+RUNS = {"t2": (2, 1), "t6": (6, 1), "t2x2": (2, 2), "t6x2": (6, 2)}     # (layers, batch multiple)
+
+
+def training_runs(shape: dict, rounds: int, steps: int, barrier, runs: dict = RUNS) -> dict:
+    """Median step time of single-rank tiny-GPT trainings of each ``runs`` shape (layers, batch multiple), every
+    process in step with the others (``barrier``), after a throw-away run."""
     from integration_tests.support import megatron_tiny
     from megatron.core import parallel_state as ps
-    runs = {"t2": (2, 1), "t6": (6, 1), "t2x2": (2, 2), "t6x2": (6, 2)}     # (layers, batch multiple)
     times = {k: [] for k in runs}
     # a throw-away run first: the first model of a process pays one-off costs (imports, allocator, buffers)
     megatron_tiny.train(megatron_tiny.TinyGPT(**dict(shape, num_layers=2)), tp=1, pp=1, steps=2, use_plugin=False,
@@ -100,8 +101,14 @@ def main() -> None:
                                       overlap_grad_reduce=True)
             times[key] += res.step_times[1:]
             ps.destroy_model_parallel()
-    direct = direct_times(shape, 10)
-    print("RESULT " + json.dumps({**{k: statistics.median(v) for k, v in times.items()}, **direct}), flush=True)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    shape, rounds, steps = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    index, count, port = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+    runs = training_runs(shape, rounds, steps, Barrier(index, count, port))
+    print("RESULT " + json.dumps({**runs, **direct_times(shape, 10)}), flush=True)
 
 
 def nonnegative_lstsq(a, b) -> list[float]:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 PROFILE_MICRO_BATCHES = 12           # micro-batches per step of the profile's runs (and twice it)
-RUNS = {"t2": (2, 1), "t6": (6, 1), "t2x2": (2, 2), "t6x2": (6, 2)}     # (layers, multiple of the micro-batches)
+from e2e_compute import RUNS  # noqa: E402  (layers, multiple of the micro-batches): the end-to-end profile's runs
 BWD_SHARE = 2 / 3                    # a layer's fit split forward:backward as 1:2
 LINK_SIZES = [16384, 65536, 262144, 1 << 20, 4 << 20]
 LINK_REPS = 3
@@ -190,22 +190,8 @@ def _timed_update(params, lr: float, reps: int = 3, block: int = 100) -> float:
 
 
 def _megatron_runs(shape: dict, rounds: int, steps: int, barrier) -> dict:
-    from integration_tests.support import megatron_tiny
-    from megatron.core import parallel_state as ps
-    times = {k: [] for k in RUNS}
-    # a throw-away run first: the first model of a process pays one-off costs (imports, allocator, buffers)
-    megatron_tiny.train(megatron_tiny.TinyGPT(**dict(shape, num_layers=2)), tp=1, pp=1, steps=2, use_plugin=False,
-                        overlap_grad_reduce=True)
-    ps.destroy_model_parallel()
-    for _ in range(rounds):
-        for key, (layers, mult) in RUNS.items():
-            barrier.wait()
-            cfg = dict(shape, num_layers=layers, global_batch_size=shape["global_batch_size"] * mult)
-            res = megatron_tiny.train(megatron_tiny.TinyGPT(**cfg), tp=1, pp=1, steps=steps + 1, use_plugin=False,
-                                      overlap_grad_reduce=True)
-            times[key] += res.step_times[1:]
-            ps.destroy_model_parallel()
-    out = {k: statistics.median(v) for k, v in times.items()}
+    from e2e_compute import training_runs
+    out = training_runs(shape, rounds, steps, barrier, RUNS)
     out.update(_megatron_direct(shape))
     return out
 

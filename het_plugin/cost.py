@@ -1213,12 +1213,8 @@ def evaluate(model: ModelSpec, analysis: Analysis, layers_per_stage: Sequence[in
                       overlap_p2p_comm=overlap_p2p_comm).predict(layers_per_stage, description)
 
 
-def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: int, layers_per_stage: Sequence[int],
-              overlap_grad_reduce: bool, distributed_optimizer: bool, profile: Optional[Profile],
-              description: str, virtual_layers: Optional[Sequence[Sequence[int]]] = None,
-              overlap_p2p_comm: bool = False, wrap_send: float = 0.0) -> Prediction:
-    """``virtual_layers`` (each stage's layers per virtual stage, vpp > 1): the interleaved schedule."""
-    dims = analysis.placement.dims
+def stage_times(sts: Sequence[StageModel], layers_per_stage: Sequence[int]) -> tuple[list[float], list[float]]:
+    """Each stage's forward and backward per micro-batch for a split (per-layer overrides: its own layers)."""
     fwd = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers_per_stage)]
     bwd = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers_per_stage)]
     if any(st.layer_deltas for st in sts):                 # per-layer overrides: each stage's own layers
@@ -1226,6 +1222,16 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
         own = [st.own_layers(i, n) for st, i, n in zip(sts, firsts, layers_per_stage)]
         fwd = [st.fixed_fwd_s + o[0] for st, o in zip(sts, own)]
         bwd = [st.fixed_bwd_s + o[1] for st, o in zip(sts, own)]
+    return fwd, bwd
+
+
+def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: int, layers_per_stage: Sequence[int],
+              overlap_grad_reduce: bool, distributed_optimizer: bool, profile: Optional[Profile],
+              description: str, virtual_layers: Optional[Sequence[Sequence[int]]] = None,
+              overlap_p2p_comm: bool = False, wrap_send: float = 0.0) -> Prediction:
+    """``virtual_layers`` (each stage's layers per virtual stage, vpp > 1): the interleaved schedule."""
+    dims = analysis.placement.dims
+    fwd, bwd = stage_times(sts, layers_per_stage)
     send = [st.send_s for st in sts]
     interleaved_ends = None
     if virtual_layers is not None and len(virtual_layers[0]) > 1:

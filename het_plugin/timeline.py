@@ -95,17 +95,6 @@ def split_costs(plan: Plan, cluster, profile: Optional[Profile] = None) -> cost.
     return sc
 
 
-def _stage_times(sts: Sequence[cost.StageModel], layers: Sequence[int]) -> tuple[list[float], list[float]]:
-    fwd = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers)]
-    bwd = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers)]
-    if any(st.layer_deltas for st in sts):            # per-layer overrides: each stage's own layers
-        firsts = [sum(layers[:s]) for s in range(len(sts))]
-        own = [st.own_layers(i, n) for st, i, n in zip(sts, firsts, layers)]
-        fwd = [st.fixed_fwd_s + o[0] for st, o in zip(sts, own)]
-        bwd = [st.fixed_bwd_s + o[1] for st, o in zip(sts, own)]
-    return fwd, bwd
-
-
 def plan_timeline(plan: Plan, cluster, profile: Optional[Profile] = None) -> Timeline:
     """The plan's predicted iteration: the 1F1B schedule of its slowest replica group, reductions, optimizer."""
     if plan.vpp > 1:
@@ -117,7 +106,7 @@ def plan_timeline(plan: Plan, cluster, profile: Optional[Profile] = None) -> Tim
     pred = sc.predict(layers)
     best = None
     for (reps, sts), m in zip(sc.replica_groups, sc.group_counts()):
-        fwd, bwd = _stage_times(sts, layers)
+        fwd, bwd = cost.stage_times(sts, layers)
         ops, finish = simulate_1f1b_ops(fwd, bwd, [st.send_s for st in sts], m, [st.back_s for st in sts])
         if best is None or max(finish) > max(best[1]):
             best = (ops, finish, fwd, bwd, m, reps)
