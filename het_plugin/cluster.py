@@ -81,10 +81,35 @@ class _Strict(BaseModel):
 
 
 class FabricSpec(_Strict):
-    """The network inside one cluster; ``gbps`` is what one node can inject into it."""
+    """The network inside one cluster; ``gbps`` is what one node can inject into it.
+
+    Optional, for what NCCL cannot infer (RDMA fabrics only; ``het-plugin check`` prints the settings):
+    ``nccl_net``: the name the fabric's NCCL/RCCL network plugin registers ('IB', 'IB-CAST', 'AWS Libfabric',
+    ...), forced as the ``netName`` of the cluster's RDMA communicators (unset: NCCL's default order);
+    ``ib_tc``: the traffic class its switches expect (``NCCL_IB_TC``); ``rail_only``: a rail-only fabric (NIC i
+    of one node reaches only NIC i of the others), so NCCL must not cross rails (``NCCL_CROSS_NIC=0``).
+    """
     type: FabricType
     gbps: Gbps
     latency_us: LatencyUs = 5.0
+    nccl_net: Optional[Annotated[str, Field(min_length=1, max_length=63, pattern=r"^\S(.*\S)?$")]] = None
+    ib_tc: Optional[Annotated[int, BeforeValidator(not_bool), Field(ge=0, le=255)]] = None
+    rail_only: bool = False
+
+    @model_validator(mode="after")
+    def _rdma_only(self):
+        used = [k for k in OPTIONAL_FABRIC_KEYS if getattr(self, k) not in (None, False)]
+        if used and self.type not in RDMA:
+            raise ValueError(f"{', '.join(used)} describe an RDMA fabric, this one is {self.type!r} | fix: drop "
+                             f"{used[0]} (NCCL uses sockets on Ethernet fabrics) or correct the fabric type")
+        return self
+
+    def digest_fields(self) -> dict:
+        """What the cluster digest hashes: the optional keys only when set (older digests stay)."""
+        return self.model_dump(exclude={k for k in OPTIONAL_FABRIC_KEYS if getattr(self, k) in (None, False)})
+
+
+OPTIONAL_FABRIC_KEYS = ("nccl_net", "ib_tc", "rail_only")
 
 
 class NicSpec(_Strict):
@@ -219,6 +244,14 @@ class ClusterFile(_Strict):
                 raise ValueError(f"clusters {list(link.between)} are linked twice (links[{seen[key]}] and links[{i}])"
                                  f" | field: links[{i}] | fix: keep one link per pair of clusters")
             seen[key] = i
+        fabric = {c.name: c.fabric for c in self.clusters}
+        for i, link in enumerate(self.links):
+            a, b = (fabric[e] for e in link.between)
+            if link.type in RDMA and a.nccl_net != b.nccl_net:
+                raise ValueError(f"clusters {list(link.between)} share an {link.type} link but name different NCCL "
+                                 f"networks ({a.nccl_net!r} and {b.nccl_net!r}); one communicator has one network | "
+                                 f"field: links[{i}] | fix: give both fabrics the same nccl_net, or make the link "
+                                 "ethernet")
         return self
 
 
@@ -302,6 +335,11 @@ class Cluster:
                 seen.append(n.domain)
         return seen
 
+    @cached_property
+    def nccl_nets(self) -> dict[str, str]:
+        """Cluster -> the NCCL network its RDMA fabric declares (``fabric.nccl_net``), where declared."""
+        return {n.cluster: n.fabric.nccl_net for n in self.nodes if n.fabric.nccl_net}
+
     def cluster_link(self, a: str, b: str) -> Link:
         """Link between two clusters (or the fabric inside one when ``a == b``)."""
         if a == b:
@@ -333,7 +371,7 @@ class Cluster:
     def digest(self) -> str:
         """Content hash of what the planner reads (not of the file's formatting)."""
         payload = {
-            "nodes": [[n.name, n.cluster, n.fabric.model_dump(), n.accelerator.__dict__, n.num_accelerators]
+            "nodes": [[n.name, n.cluster, n.fabric.digest_fields(), n.accelerator.__dict__, n.num_accelerators]
                       for n in self.nodes],
             "links": sorted([sorted(k), v.__dict__] for k, v in self.links.items()),
         }

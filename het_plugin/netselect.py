@@ -1,8 +1,14 @@
 """Per-communicator network choice: the plan's transport of a group -> what its communicator uses.
 
-NCCL: a per-communicator ``net_name`` ('IB' or 'Socket') in the group's ``ProcessGroupNCCL.Options``
-(NCCL reads ``NCCL_IB_HCA`` once per process, so switching environment variables per group does not
-work for NCCL); het_plugin.runtime.groups sets it at each group's creation.
+NCCL: a per-communicator ``net_name`` in the group's ``ProcessGroupNCCL.Options`` (NCCL reads
+``NCCL_IB_HCA`` once per process, so switching environment variables per group does not work for NCCL);
+het_plugin.runtime.groups sets it at each group's creation. Only 'Socket' is forced (groups that cross
+fabrics): an RDMA group keeps NCCL's own choice -- its default order is an external network plugin, then
+IB, then Socket (NVIDIA/nccl v2.30.7-1 src/plugin/net.cc ncclNetInit: the first plugin that initialises
+and whose name matches ``netName`` case-insensitively, any when unset) -- because the RDMA network is not
+called 'IB' everywhere: current RCCL registers 'IB-CAST' / 'ROCM-IB' on AMD AINIC hosts (ROCm/rocm-systems
+projects/rccl src/plugin/net.cc), AWS's libfabric plugin and HPC-X/SHARP register their own. A cluster
+file may name its fabric's network (``fabric.nccl_net``); that name is then forced on its RDMA groups.
 
 gloo: ``new_group`` ignores ``pg_options``, but gloo reads ``GLOO_SOCKET_IFNAME`` each time a group is
 created. ``HET_PLUGIN_GLOO_IFNAMES`` maps transports to interfaces, e.g.
@@ -21,12 +27,20 @@ ENV_GLOO_IFNAMES = "HET_PLUGIN_GLOO_IFNAMES"
 # ``import het_plugin.comm`` registers (imported only when such a group exists).
 SHIM_BACKEND = "het_shim"
 
-NCCL_NET_NAME = {"ib": "IB", "roce": "IB", "socket": "Socket", "host-staged": "Socket"}
+SOCKET_NET = "Socket"            # NCCL's built-in socket network (src/transport/net_socket.cc: ncclNetSocket)
+RDMA_TRANSPORTS = ("ib", "roce")
+SOCKET_TRANSPORTS = ("socket", "host-staged")
 
 
-def nccl_net_name(transport: str) -> Optional[str]:
-    """NCCL's net_name for a transport; None for 'local' (NVLink/shared memory: NCCL needs no NIC)."""
-    return NCCL_NET_NAME.get(transport)
+def nccl_net_name(transport: str, rdma_net: Optional[str] = None) -> Optional[str]:
+    """The net_name forced on an NCCL communicator of ``transport``: 'Socket' for groups crossing fabrics;
+    ``rdma_net`` (the cluster file's ``fabric.nccl_net``) for RDMA groups, None there when undeclared (NCCL's
+    default order picks the site's plugin, then IB); None for 'local' (NVLink/shared memory: no NIC)."""
+    if transport in SOCKET_TRANSPORTS:
+        return SOCKET_NET
+    if transport in RDMA_TRANSPORTS:
+        return rdma_net
+    return None
 
 
 def gloo_ifnames(env: Optional[dict] = None) -> dict[str, str]:

@@ -29,12 +29,13 @@ from .transport import Member, transport_rule
 #    (Megatron's rank order: rank_of_logical is in its numbering) and 'etp' with expert groups 'expert-*';
 #    'vpp', 'layers_per_virtual_stage' and 'overlap_p2p_comm' (interleaved pipelines), which the hash leaves out
 #    at their defaults (a plan written before them keeps its hash); 'replica_micro_batches' (heterogeneous data
-#    parallelism), hashed likewise only when set.
+#    parallelism), hashed likewise only when set; 'nccl_nets' (the NCCL network an RDMA fabric declares),
+#    hashed only when set.
 FORMAT_VERSION = 3
 
 # Keys added to format 3 after plans were written with it: hashed only when they differ from the default.
 _HASHED_UNLESS_DEFAULT = {"vpp": 1, "layers_per_virtual_stage": [], "overlap_p2p_comm": False,
-                          "replica_micro_batches": []}
+                          "replica_micro_batches": [], "nccl_nets": {}}
 
 
 @dataclass
@@ -120,6 +121,9 @@ class Plan:
     # add up to dp * num_micro_batches, so the global batch and the training math are unchanged; every rank of
     # a replica (all its pipeline stages, TP and CP ranks) shares the count.
     replica_micro_batches: list[int] = field(default_factory=list)
+    # Cluster -> the NCCL network (plugin name) its RDMA fabric declares (cluster file ``fabric.nccl_net``); a
+    # cluster not listed keeps NCCL's default choice for its RDMA groups (het_plugin.netselect).
+    nccl_nets: dict[str, str] = field(default_factory=dict)
     overlap_grad_reduce: bool = True
     distributed_optimizer: bool = False
     homogeneous: bool = False
@@ -242,6 +246,12 @@ class Plan:
         members = (self.node_of(r) for r in ranks)
         return transport_rule((Member(n.name, n.cluster, n.vendor) for n in members), self.link_kind)
 
+    def rdma_net_of(self, ranks: Sequence[int]) -> Optional[str]:
+        """The NCCL network the clusters of ``ranks`` declare for their RDMA fabric; None when none is declared
+        (or they differ, which only a group crossing fabrics can see: that one is a Socket group)."""
+        names = {self.nccl_nets.get(self.node_of(r).cluster) for r in ranks}
+        return names.pop() if len(names) == 1 else None
+
     def vendor_of(self, physical_rank: int) -> str:
         return self.node_of(physical_rank).vendor
 
@@ -276,6 +286,10 @@ class Plan:
             raise ConfigError("overlap_p2p_comm is set, but Megatron overlaps pipeline send/receive only in the "
                               "interleaved schedule (vpp > 1)", source=source, field="overlap_p2p_comm",
                               fix="set overlap_p2p_comm to false, or re-plan with `het-plugin plan --vpp N`")
+        unknown = sorted(set(self.nccl_nets) - {n.cluster for n in self.nodes})
+        if unknown:
+            raise ConfigError(f"nccl_nets names clusters {unknown} that the node table does not have", source=source,
+                              field="nccl_nets", fix="re-create the plan with `het-plugin plan -o`")
         if sum(n.num_ranks for n in self.nodes) != self.world_size:
             raise ConfigError(f"the node table holds {sum(n.num_ranks for n in self.nodes)} ranks, the plan "
                               f"{self.world_size}", source=source, field="nodes",

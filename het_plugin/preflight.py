@@ -96,14 +96,17 @@ class NodeNics:
 
 @dataclass(frozen=True)
 class GroupUse:
-    """A communicator het_plugin will create: a label for messages, its nodes, its transport."""
+    """A communicator het_plugin will create: a label for messages, its nodes, its transport, and the RDMA
+    network its clusters declare (``fabric.nccl_net``; None: NCCL's default)."""
     label: str
     nodes: tuple[str, ...]
     transport: str
+    rdma_net: Optional[str] = None
 
     @property
     def net_name(self) -> Optional[str]:
-        return nccl_net_name(self.transport) if len(self.nodes) > 1 else None
+        """The net_name het_plugin forces on it (het_plugin.netselect), None where NCCL keeps its own choice."""
+        return nccl_net_name(self.transport, self.rdma_net) if len(self.nodes) > 1 else None
 
 
 def groups_from_plan(plan) -> list[GroupUse]:
@@ -114,10 +117,12 @@ def groups_from_plan(plan) -> list[GroupUse]:
             nodes = tuple(dict.fromkeys(plan.node_of(r).name for r in g.ranks))
             key = (nodes, g.transport)
             if key not in seen:
-                seen[key] = GroupUse(f"{kind} group of ranks {_ranks(g.ranks)}", nodes, g.transport)
+                seen[key] = GroupUse(f"{kind} group of ranks {_ranks(g.ranks)}", nodes, g.transport,
+                                     plan.rdma_net_of(g.ranks))
     world = list(range(plan.world_size))
     nodes = tuple(dict.fromkeys(plan.node_of(r).name for r in world))
-    seen.setdefault((nodes, plan.rule_transport(world)), GroupUse("world group", nodes, plan.rule_transport(world)))
+    seen.setdefault((nodes, plan.rule_transport(world)), GroupUse("world group", nodes, plan.rule_transport(world),
+                                                                   plan.rdma_net_of(world)))
     return list(seen.values())
 
 
@@ -132,8 +137,10 @@ def groups_from_cluster(cluster) -> list[GroupUse]:
 
     def add(label, nodes):
         names = tuple(n.name for n in nodes)
+        nets = {n.fabric.nccl_net for n in nodes}
         if len(names) > 1:
-            out.setdefault((names, rule(nodes)), GroupUse(label, names, rule(nodes)))
+            out.setdefault((names, rule(nodes)), GroupUse(label, names, rule(nodes),
+                                                          nets.pop() if len(nets) == 1 else None))
     for cname, acc in cluster.domains:
         add(f"groups inside domain {cname}/{acc}", [n for n in cluster.nodes if n.domain == (cname, acc)])
     names = cluster.cluster_names
@@ -152,30 +159,71 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 # ---- NCCL's name filters ---------------------------------------------------------------------------
+# A port (written here, not copied) of how NCCL reads NCCL_IB_HCA and NCCL_SOCKET_IFNAME, read in NVIDIA/nccl
+# v2.30.7-1: src/misc/utils.cc parseStringList / matchIf / matchPort / matchIfList, the '^' and '=' prefixes in
+# src/transport/net_ib/init.cc (NCCL_IB_HCA, at most MAX_IB_DEVS = 32 entries) and src/os/linux.cc
+# ncclOsFindInterfaces (interfaces, MAX_IFS = 16 entries, port never compared). The same code since v2.17.
+# What it does, and this port with it:
+# * a leading '^' excludes, then a leading '=' asks for exact names (so '^=' both; '=^' is the name '^...');
+#   nothing is stripped (' mlx5_0' is a name starting with a space);
+# * entries split on ',' (empty entries skipped); an entry is name[:port[:rail[:plane]]], an empty name skips
+#   the entry, the name is cut to 63 characters (a char[64] buffer), and the port is C's atoi of its field
+#   (-1 when absent or empty: any port; 'x' gives 0, which no port has);
+# * a name matches by prefix unless exact ('mlx5_1' selects mlx5_10 too; '=mlx5_1' only mlx5_1);
+# * no entry at all selects everything, so '^' alone excludes everything and '=' alone selects everything.
+
+PREFIX_MAX = 63
+MAX_IB_DEVS = 32
+MAX_IFS = 16
+
+
+def c_atoi(text: str) -> int:
+    """C's atoi: leading whitespace, a sign, digits; 0 when there are none."""
+    i, n = 0, len(text)
+    while i < n and text[i] in " \t\n\v\f\r":
+        i += 1
+    sign = 1
+    if i < n and text[i] in "+-":
+        sign = -1 if text[i] == "-" else 1
+        i += 1
+    j = i
+    while j < n and "0" <= text[j] <= "9":
+        j += 1
+    return sign * int(text[i:j]) if j > i else 0
+
 
 @dataclass(frozen=True)
 class NameFilter:
-    """``NCCL_IB_HCA`` / ``NCCL_SOCKET_IFNAME``: ``[^][=]name[:port],...``."""
+    """``NCCL_IB_HCA`` / ``NCCL_SOCKET_IFNAME`` as NCCL reads them: ``[^][=]name[:port],...``.
+    ``tokens``: (name, port) with port None for 'any port'."""
     text: str
     exclude: bool
     exact: bool
     tokens: tuple[tuple[str, Optional[int]], ...]
 
     @classmethod
-    def parse(cls, text: str, ports: bool = True) -> "NameFilter":
-        rest = text.strip()
+    def parse(cls, text: str, ports: bool = True, max_entries: Optional[int] = None) -> "NameFilter":
+        rest = text
         exclude = rest.startswith("^")
         rest = rest[1:] if exclude else rest
         exact = rest.startswith("=")
         rest = rest[1:] if exact else rest
-        tokens = []
-        for item in filter(None, (t.strip() for t in rest.split(","))):
-            name, port = item, None
-            if ports:
-                name, _, tail = item.partition(":")
-                first = tail.split(":", 1)[0]
-                port = int(first) if first.isdigit() else None
-            tokens.append((name, port))
+        limit = max_entries if max_entries is not None else (MAX_IB_DEVS if ports else MAX_IFS)
+        tokens: list[tuple[str, Optional[int]]] = []
+        for entry in rest.split(","):
+            if len(tokens) >= limit:
+                break
+            if entry == "":
+                continue
+            fields = entry.split(":")
+            name = fields[0]
+            if name == "":
+                continue
+            port = None
+            if len(fields) > 1 and fields[1] != "":
+                port = c_atoi(fields[1])
+                port = None if port == -1 else port
+            tokens.append((name[:PREFIX_MAX], port if ports else None))
         return cls(text, exclude, exact, tuple(tokens))
 
     def token_matches(self, token: tuple[str, Optional[int]], name: str, port: Optional[int] = None) -> bool:
@@ -184,8 +232,28 @@ class NameFilter:
         return hit and (tport is None or port is None or tport == port)
 
     def selects(self, name: str, port: Optional[int] = None) -> bool:
-        hit = any(self.token_matches(t, name, port) for t in self.tokens)
-        return not hit if self.exclude else hit
+        hit = not self.tokens or any(self.token_matches(t, name, port) for t in self.tokens)
+        return hit != self.exclude
+
+
+def nccl_auto_interfaces(interfaces: Sequence[str]) -> list[str]:
+    """The interfaces NCCL picks when ``NCCL_SOCKET_IFNAME`` is unset (or one character long): ``ib*`` (IPoIB)
+    first, else any but docker/lo/virbr, else docker, lo, virbr (NVIDIA/nccl v2.30.7-1 src/misc/socket.cc
+    ncclFindInterfaces; the NCCL_COMM_ID subnet step between the first two is not modelled). Used for NCCL's
+    bootstrap, the Socket network and the IB plugin's out-of-band address."""
+    for pattern in ("ib", "^docker,lo,virbr", "docker", "lo", "virbr"):
+        flt = NameFilter.parse(pattern, ports=False)
+        found = [i for i in interfaces if flt.selects(i)]
+        if found:
+            return found
+    return []
+
+
+def socket_ifname_value(env: Mapping[str, str]) -> Optional[str]:
+    """NCCL_SOCKET_IFNAME as NCCL uses it: None when unset or at most one character (src/misc/socket.cc reads
+    it only when ``strlen(env) > 1``)."""
+    value = env.get("NCCL_SOCKET_IFNAME")
+    return value if value is not None and len(value) > 1 else None
 
 
 # ---- result ----------------------------------------------------------------------------------------
@@ -264,23 +332,40 @@ def _set(env: Mapping[str, str], key: str) -> Optional[str]:
     return value if value is not None and value.strip() != "" else None
 
 
+@dataclass(frozen=True)
+class FabricHints:
+    """What a node's cluster file says about its RDMA fabric that NCCL cannot infer (cluster.FabricSpec)."""
+    nccl_net: Optional[str] = None
+    ib_tc: Optional[int] = None
+    rail_only: bool = False
+
+
 def preflight(groups: Iterable[GroupUse], nics: Mapping[str, NodeNics], env: Mapping[str, str], *,
               node_env: Optional[Mapping[str, Mapping[str, str]]] = None,
-              clusters: Optional[Mapping[str, str]] = None) -> Preflight:
+              clusters: Optional[Mapping[str, str]] = None,
+              nccl_version: Optional[Sequence[int]] = None,
+              node_version: Optional[Mapping[str, Optional[Sequence[int]]]] = None,
+              fabric: Optional[Mapping[str, FabricHints]] = None) -> Preflight:
     """Check ``env`` (and per-node ``node_env`` overrides) against the groups and every node's NICs.
 
     ``nics``: node name -> NodeNics (nodes missing here are listed as unchecked). ``clusters``: node name ->
-    cluster name, for the per-cluster settings. Returns the derived settings and every refusal.
+    cluster name, for the per-cluster settings. ``nccl_version``: the NCCL/RCCL version the ranks load
+    (het_plugin.nccl_version; None: unknown, the rules then say what each version does), ``node_version`` per
+    node where they differ. ``fabric``: node -> its fabric's hints (settings to export). Returns the derived
+    settings, every refusal and every warning.
     """
     groups = [g for g in groups if len(g.nodes) > 1]
     node_env = node_env or {}
     clusters = clusters or {}
+    fabric = fabric or {}
     envs = {}
     order: list[str] = list(dict.fromkeys([n for g in groups for n in g.nodes] + list(nics)))
     for n in order:
         envs[n] = {**env, **node_env.get(n, {})}
+    versions = {n: _version((node_version or {}).get(n, nccl_version)) for n in order}
     result = Preflight({})
     refuse = result.refusals.append
+    warn = result.warnings.append
 
     transports: dict[str, list[str]] = {n: [] for n in order}
     for g in groups:
@@ -290,22 +375,27 @@ def preflight(groups: Iterable[GroupUse], nics: Mapping[str, NodeNics], env: Map
     result.unchecked = [n for n in order if n not in nics]
 
     _check_nccl_net(groups, order, envs, refuse)
+    _check_split_share(groups, order, envs, refuse)
 
-    # Per node: which HCAs each RDMA transport will use, which interface a socket uses.
+    # Per node: which HCAs each RDMA transport will use, which interfaces NCCL's sockets use.
     selected: dict[str, list[Hca]] = {}            # node -> HCAs NCCL's IB plugin will open (RDMA nodes)
     socket_ifs: dict[str, list[str]] = {}          # node -> interfaces NCCL_SOCKET_IFNAME selects (when set)
+    crossing = {n for g in groups if g.transport in ("socket", "host-staged") for n in g.nodes}
     for n in order:
         if n not in nics:
             continue
         node, e = nics[n], envs[n]
         rdma = [t for t in transports[n] if t in RDMA_KINDS]
         if rdma:
-            selected[n] = _check_hcas(node, rdma, e, refuse)
-        if any(t in ("socket", "host-staged") for t in transports[n]):
-            socket_ifs[n] = _check_socket_ifname(node, e, refuse)
+            selected[n] = _check_hcas(node, rdma, e, refuse, versions[n])
+        if transports[n]:
+            chosen = _check_socket_ifname(node, e, refuse, warn, rdma=bool(rdma), crossing=n in crossing)
+            if n in crossing:
+                socket_ifs[n] = chosen
 
-    _check_counts(groups, nics, selected, socket_ifs, envs, refuse, result.warnings)
-    _check_gid_index(groups, nics, selected, envs, refuse)
+    _check_counts(groups, selected, socket_ifs, envs, refuse, warn, versions)
+    _check_gid_index(groups, nics, selected, envs, refuse, warn, versions)
+    _check_mismatch_variable(order, envs, warn, versions)
 
     for n in order:
         if n not in nics:
@@ -313,7 +403,7 @@ def preflight(groups: Iterable[GroupUse], nics: Mapping[str, NodeNics], env: Map
         node = nics[n]
         uses = _uses(node, transports[n], selected.get(n), envs[n])
         result.nodes[n] = NodeReport(n, clusters.get(n), node.source, [t for t in transports[n] if t != "local"],
-                                     uses, _settings(node, transports[n], nics, groups))
+                                     uses, _settings(node, transports[n], fabric.get(n)))
     if result.unchecked:
         result.warnings.append(f"no NIC information for node(s) {', '.join(result.unchecked[:8])}"
                                f"{' ...' if len(result.unchecked) > 8 else ''}: their names were not checked "
@@ -321,33 +411,81 @@ def preflight(groups: Iterable[GroupUse], nics: Mapping[str, NodeNics], env: Map
     return result
 
 
+def _version(value) -> Optional[tuple[int, int, int]]:
+    from .nccl_version import normalize
+    return normalize(value)
+
+
+def _vtext(version) -> str:
+    from .nccl_version import version_text
+    return f"NCCL {version_text(version)}"
+
+
 def _check_nccl_net(groups, order, envs, refuse) -> None:
-    needed: dict[str, list[GroupUse]] = {}
+    """NCCL_NET overrides every communicator's netName (NVIDIA/nccl v2.30.7-1 src/init.cc: "Comm config netName
+    reset to NCCL_NET"): refused when a group needs another network, or (Socket) when an RDMA group would lose
+    RDMA."""
+    forced: dict[str, list[GroupUse]] = {}
+    rdma_default = [g for g in groups if g.transport in RDMA_KINDS and g.net_name is None]
     for g in groups:
         if g.net_name:
-            needed.setdefault(g.net_name, []).append(g)
+            forced.setdefault(g.net_name, []).append(g)
     by_value: dict[str, list[str]] = {}
     for n in order:
         value = _set(envs[n], "NCCL_NET")
         if value is not None:
             by_value.setdefault(value, []).append(n)
     for value, nodes in by_value.items():
-        other = {name: gs for name, gs in needed.items() if name.lower() != value.strip().lower()}
-        if not other:
+        other = {name: gs for name, gs in forced.items() if name.lower() != value.strip().lower()}
+        if other:
+            name, gs = next(iter(other.items()))
+            need = repr(name)
+        elif rdma_default and value.strip().lower() == "socket":
+            name, gs, need = "", rdma_default, "its RDMA network (NCCL's default choice)"
+        else:
             continue
-        name, gs = next(iter(other.items()))
         refuse(Refusal("NCCL_NET", f"NCCL_NET={value} overrides the network of every NCCL communicator, but "
-                                   f"{gs[0].label} ({gs[0].transport}, nodes {_names(gs[0].nodes)}) needs {name!r}"
+                                   f"{gs[0].label} ({gs[0].transport}, nodes {_names(gs[0].nodes)}) needs {need}"
                                    f"{f' (and {len(gs) - 1} more group(s))' if len(gs) > 1 else ''}",
-                       "unset NCCL_NET: het_plugin gives each communicator its own network (netName)", tuple(nodes)))
+                       "unset NCCL_NET: het_plugin gives each communicator that needs one its own network (netName); "
+                       "to name the fabric's RDMA network, set fabric.nccl_net in the cluster file", tuple(nodes)))
 
 
-def _check_hcas(node: NodeNics, rdma: list[str], env, refuse) -> list[Hca]:
+def _check_split_share(groups, order, envs, refuse) -> None:
+    """With shared resources a split child must use its parent's network (NVIDIA/nccl v2.30.7-1 src/init.cc:
+    "Split shares resources, but parent comm netName ... is different"; src/plugin/net.cc ncclNetInitFromParent:
+    "Comm config netName (%s) does not match the parent", compared against the parent's config, NULL when the
+    world has none): ncclInvalidUsage at the first group whose network differs from the world's."""
+    nets = {g.net_name for g in groups}
+    if len(nets) <= 1:
+        return
+    for n in order:
+        value = _set(envs[n], "NCCL_COMM_SPLIT_SHARE_RESOURCES")
+        if value is None or value.strip() == "0":
+            continue
+        shown = ", ".join(sorted(repr(x) if x else "NCCL's default" for x in nets))
+        refuse(Refusal("NCCL_COMM_SPLIT_SHARE_RESOURCES",
+                       f"NCCL_COMM_SPLIT_SHARE_RESOURCES={value} makes every group split from the world communicator "
+                       f"share its network, but the plan's groups use different networks ({shown}): NCCL refuses such "
+                       "a split (ncclInvalidUsage, 'Split shares resources, but parent comm netName ... is different')",
+                       "unset NCCL_COMM_SPLIT_SHARE_RESOURCES (or set it to 0) on every node, and do not pass "
+                       "split_share in the framework's NCCL options", tuple(order)))
+        return
+
+
+def _check_hcas(node: NodeNics, rdma: list[str], env, refuse, version=None) -> list[Hca]:
     """The HCAs NCCL will open on ``node`` (NCCL_IB_HCA or every port), checked against its RDMA groups."""
+    from .nccl_version import CONNECT_CHECK, at_least
     text = _set(env, "NCCL_IB_HCA")
+    late = at_least(version, CONNECT_CHECK)
+    mixing = ({True: f"{_vtext(version)} stops at connect ('Attempted to connect incompatible devices')",
+               False: f"{_vtext(version)} (before 2.26) does not check it and may hang"}.get(
+                   late, "NCCL >= 2.26 stops at connect ('Attempted to connect incompatible devices'), older "
+                         "versions may hang"))
     if len(rdma) > 1:
         refuse(Refusal("NCCL_IB_HCA", f"node {node.name} is in both InfiniBand and RoCE groups, but NCCL reads one "
-                                      "NCCL_IB_HCA per process, so one communicator would join IB and RoCE HCAs",
+                                      f"NCCL_IB_HCA per process, so one communicator would join IB and RoCE HCAs "
+                                      f"({mixing})",
                        "put the node in one fabric (its cluster's); check the cluster file's fabric types and links",
                        (node.name,)))
         return list(node.hcas)
@@ -355,7 +493,7 @@ def _check_hcas(node: NodeNics, rdma: list[str], env, refuse) -> list[Hca]:
     if text is None:
         chosen = list(node.hcas)
     else:
-        flt = NameFilter.parse(text)
+        flt = NameFilter.parse(env["NCCL_IB_HCA"])
         chosen = [h for h in node.hcas if flt.selects(h.device, h.port)]
         if not flt.exclude:
             missing = [t for t in flt.tokens if not any(flt.token_matches(t, h.device, h.port) for h in node.hcas)]
@@ -376,7 +514,7 @@ def _check_hcas(node: NodeNics, rdma: list[str], env, refuse) -> list[Hca]:
         refuse(Refusal("NCCL_IB_HCA", f"{where} on node {node.name} joins {KIND_TEXT[kind]} HCAs "
                                       f"({', '.join(h.label for h in right) or 'none'}) and "
                                       f"{', '.join(f'{h.label} ({KIND_TEXT[h.kind]})' for h in wrong)} in one "
-                                      f"communicator: its {kind} groups cannot mix IB and RoCE",
+                                      f"communicator: its {kind} groups cannot mix IB and RoCE ({mixing})",
                        f"on {node.name}: export NCCL_IB_HCA={_hca_value(node.of_kind(kind))}", (node.name,)))
     elif not right:
         refuse(Refusal("NCCL_IB_HCA", f"{where} selects no HCA on node {node.name} (it has "
@@ -386,34 +524,67 @@ def _check_hcas(node: NodeNics, rdma: list[str], env, refuse) -> list[Hca]:
     return right
 
 
-def _check_socket_ifname(node: NodeNics, env, refuse) -> list[str]:
-    text = _set(env, "NCCL_SOCKET_IFNAME")
+def _check_socket_ifname(node: NodeNics, env, refuse, warn, *, rdma: bool, crossing: bool) -> list[str]:
+    """NCCL_SOCKET_IFNAME picks NCCL's bootstrap interface, the Socket network's and the IB plugin's out-of-band
+    one (src/transport/net_ib/init.cc: ncclFindInterfaces, 'NET/IB : No IP interface found.' when none). Set and
+    matching nothing: bootstrap fails, and on an RDMA node the IB plugin is disabled. Unset: NCCL takes ``ib*``
+    (IPoIB) first, which other clusters cannot reach."""
+    raw = env.get("NCCL_SOCKET_IFNAME")
+    text = socket_ifname_value(env)
+    want = _socket_interface(node)
     if text is None:
-        return []
+        if raw is not None and raw != "":
+            warn(f"NCCL_SOCKET_IFNAME={raw!r} on node {node.name} is one character long, so NCCL ignores it and "
+                 "picks an interface itself (src/misc/socket.cc reads it only when longer); give the full name")
+        auto = nccl_auto_interfaces(node.interfaces)
+        ipoib = [i for i in auto if i.startswith("ib")]
+        if crossing and ipoib:
+            refuse(Refusal("NCCL_SOCKET_IFNAME",
+                           f"NCCL_SOCKET_IFNAME is unset on node {node.name}, so NCCL takes the IPoIB interface(s) "
+                           f"{', '.join(ipoib)} (its first choice, 'ib*') for its bootstrap and its socket groups, "
+                           "which nodes of other clusters cannot reach",
+                           (f"on {node.name}: export NCCL_SOCKET_IFNAME=={want} (`het-plugin check --format env` "
+                            "prints every node's)") if want and not want.startswith("ib") else
+                           f"give node {node.name} an Ethernet interface that reaches the other clusters and name it "
+                           "in NCCL_SOCKET_IFNAME", (node.name,)))
+        return auto
     flt = NameFilter.parse(text, ports=False)
     chosen = [i for i in node.interfaces if flt.selects(i)]
     if not chosen:
-        want = node.ethernet[0] if node.ethernet else None
+        effect = ("NCCL's bootstrap finds no interface, and NCCL's IB plugin (which needs one for its out-of-band "
+                  "connection) is disabled, so its RDMA groups would not use RDMA" if rdma else
+                  "NCCL's bootstrap and its socket groups find no interface there")
         refuse(Refusal("NCCL_SOCKET_IFNAME",
                        f"NCCL_SOCKET_IFNAME={text} matches no interface of node {node.name} (it has "
-                       f"{', '.join(node.interfaces) or 'none'}): interface names differ between the nodes of its "
-                       "socket groups",
+                       f"{', '.join(node.interfaces) or 'none'}): {effect}",
                        (f"on {node.name}: export NCCL_SOCKET_IFNAME=={want} (one value per node: "
                         "`het-plugin check --format env` prints each)") if want else
                        f"give node {node.name} an Ethernet interface that reaches the other clusters", (node.name,)))
     return chosen
 
 
-def _check_counts(groups, nics, selected, socket_ifs, envs, refuse, warnings) -> None:
-    """Members of one communicator must see the same number of NICs, and NCCL must not be told to accept less."""
+def nic_count(hcas: Sequence[Hca], env: Mapping[str, str], version=None) -> int:
+    """Network devices NCCL counts for these ports: the ports of one NIC are fused into one device
+    (NCCL_IB_MERGE_NICS, default 1, from 2.20: NVIDIA/nccl v2.30.7-1 src/graph/topo.cc ncclTopoMakeVNics with
+    NCCL_NET_MERGE_LEVEL's default PATH_PORT); each port counts with NCCL_IB_MERGE_NICS=0 or before 2.20."""
+    from .nccl_version import MERGE_NICS, at_least
+    merge = (_set(env, "NCCL_IB_MERGE_NICS") or "1").strip() != "0" and at_least(version, MERGE_NICS) is not False
+    return len({h.device for h in hcas}) if merge else len(hcas)
+
+
+def _check_counts(groups, selected, socket_ifs, envs, refuse, warn, versions) -> None:
+    """Members of one communicator with different NIC counts: NCCL 2.30 accepts it by default (its channels use
+    the fewest); warned, since the node's NCCL_IB_HCA is per process (cutting it would slow every group there).
+    Refused only where NCCL is known to stop: NCCL_IGNORE_NET_MISMATCH=0 on NCCL >= 2.30."""
+    from .nccl_version import NET_MISMATCH_VAR, at_least
     reported: set = set()
     for g in groups:
         if g.transport in RDMA_KINDS:
-            counts = {n: len(selected[n]) for n in g.nodes if n in selected and selected[n]}
-            what = "HCAs"
+            counts = {n: nic_count(selected[n], envs[n], versions.get(n)) for n in g.nodes if selected.get(n)}
+            what, var = "network devices (NICs, ports of one NIC merged as NCCL merges them)", "NCCL_IB_HCA"
         elif g.transport in ("socket", "host-staged"):
             counts = {n: len(socket_ifs[n]) for n in g.nodes if socket_ifs.get(n)}
-            what = "interfaces matching NCCL_SOCKET_IFNAME"
+            what, var = "interfaces NCCL's sockets use", "NCCL_SOCKET_IFNAME"
         else:
             continue
         if len(set(counts.values())) <= 1:
@@ -423,43 +594,73 @@ def _check_counts(groups, nics, selected, socket_ifs, envs, refuse, warnings) ->
             continue
         reported.add(key)
         spread = ", ".join(f"{n}: {c}" for n, c in list(counts.items())[:6])
-        values = {envs[n].get("NCCL_IGNORE_NET_MISMATCH", "").strip() for n in counts}
-        accepts = [v for v in values if v != "0"]
-        fewest = min(counts.values())
-        if accepts:
-            setting = ("unset (NCCL's default, 1, accepts mismatched NIC counts)" if "" in accepts
-                       else f"{accepts[0]} (accepts mismatched NIC counts)")
+        strict = [n for n in counts if (_set(envs[n], "NCCL_IGNORE_NET_MISMATCH") or "").strip() == "0"
+                  and at_least(versions.get(n), NET_MISMATCH_VAR) is not False]
+        if strict:
+            n = strict[0]
             refuse(Refusal("NCCL_IGNORE_NET_MISMATCH",
-                           f"NCCL_IGNORE_NET_MISMATCH is {setting}, and {g.label} "
-                           f"({g.transport}) spans nodes with different numbers of {what} ({spread}): NCCL would "
-                           "build channels on NICs that have no peer and hang",
-                           f"give every node of the group the same number ({fewest}) of {what} "
-                           f"(NCCL_IB_HCA/NCCL_SOCKET_IFNAME per node), and export NCCL_IGNORE_NET_MISMATCH=0 so a "
-                           "mismatch stops NCCL at init instead of hanging", tuple(counts)))
-        else:
-            refuse(Refusal("NCCL_IB_HCA" if g.transport in RDMA_KINDS else "NCCL_SOCKET_IFNAME",
-                           f"{g.label} ({g.transport}) spans nodes with different numbers of {what} ({spread}); "
-                           "with NCCL_IGNORE_NET_MISMATCH=0 NCCL stops at its init",
-                           f"select {fewest} {what} on every node of the group", tuple(counts)))
+                           f"NCCL_IGNORE_NET_MISMATCH=0 on node {n}, and {g.label} ({g.transport}) spans nodes with "
+                           f"different numbers of {what} ({spread}): NCCL >= 2.30 stops its init with 'Detected "
+                           f"mixed local Net device counts across ranks' ({_vtext(versions.get(n))} here)",
+                           "unset NCCL_IGNORE_NET_MISMATCH (NCCL 2.30's default, 1, accepts the mismatch), or give "
+                           f"every node of the group the same number of {what} ({var} per node)", tuple(strict)))
+            continue
+        warn(f"{g.label} ({g.transport}) spans nodes with different numbers of {what} ({spread}): NCCL uses as many "
+             f"channels as the node with the fewest, so the others' extra NICs sit idle in this group; {var} is read "
+             "once per process, so lowering it on the bigger nodes would slow every other group there too -- left as "
+             "it is")
 
 
-def _check_gid_index(groups, nics, selected, envs, refuse) -> None:
+def _check_mismatch_variable(order, envs, warn, versions) -> None:
+    from .nccl_version import NET_MISMATCH_VAR, at_least
+    for n in order:
+        value = _set(envs[n], "NCCL_IGNORE_NET_MISMATCH")
+        if value is not None and at_least(versions.get(n), NET_MISMATCH_VAR) is False:
+            warn(f"NCCL_IGNORE_NET_MISMATCH={value} on node {n} does nothing: {_vtext(versions.get(n))} has no such "
+                 "variable (added in NCCL 2.30); unset it")
+            return
+
+
+def _check_gid_index(groups, nics, selected, envs, refuse, warn, versions) -> None:
+    """RoCE GID: NCCL >= 2.21 picks a RoCE v2 GID itself (NCCL_IB_GID_INDEX=-1, its default); before 2.21 the
+    default is 0, usually a RoCE v1 / link-local GID, and -1 is no index at all."""
+    from .nccl_version import GID_AUTO, at_least
     done: set[str] = set()
+    unknown: list[str] = []
     for g in groups:
         if g.transport != "roce":
             continue
         for n in g.nodes:
-            text = _set(envs.get(n, {}), "NCCL_IB_GID_INDEX")
-            if n in done or text is None or n not in nics:
+            if n in done or n not in nics:
                 continue
             done.add(n)
+            version = versions.get(n)
+            auto = at_least(version, GID_AUTO)
+            text = _set(envs.get(n, {}), "NCCL_IB_GID_INDEX")
+            known = [h for h in selected.get(n, []) if h.gid_index is not None]
+            v2 = known[0].gid_index if known else None
+            set_to = f"export NCCL_IB_GID_INDEX={v2}" if v2 is not None else \
+                "export NCCL_IB_GID_INDEX=<the RoCE v2 IPv4 index `show_gids` prints>"
+            if text is None:
+                if auto is False and v2 != 0:
+                    refuse(Refusal("NCCL_IB_GID_INDEX",
+                                   f"NCCL_IB_GID_INDEX is unset on node {n}, and {_vtext(version)} (before 2.21) then "
+                                   "uses GID index 0, on most RoCE NICs a RoCE v1 / link-local GID: routed RoCE "
+                                   "between its nodes fails", f"on {n}: {set_to}, or use NCCL >= 2.21", (n,)))
+                elif auto is None and v2 != 0:
+                    unknown.append(n)
+                continue
             try:
                 index = int(text)
             except ValueError:
-                refuse(Refusal("NCCL_IB_GID_INDEX", f"NCCL_IB_GID_INDEX={text} is not a number", "unset it (NCCL "
-                               "picks a RoCE v2 GID) or set the index show_gids prints", (n,)))
+                refuse(Refusal("NCCL_IB_GID_INDEX", f"NCCL_IB_GID_INDEX={text} on node {n} is not a number",
+                               "unset it (NCCL 2.21+ picks a RoCE v2 GID) or set the index show_gids prints", (n,)))
                 continue
-            known = [h for h in selected.get(n, []) if h.gid_index is not None]
+            if index < 0 and auto is False:
+                refuse(Refusal("NCCL_IB_GID_INDEX", f"NCCL_IB_GID_INDEX={index} on node {n}: automatic GID "
+                                                    f"selection exists from NCCL 2.21, this is {_vtext(version)}",
+                               f"on {n}: {set_to}", (n,)))
+                continue
             bad = [h for h in known if h.gid_index != index]
             if index >= 0 and bad:
                 refuse(Refusal("NCCL_IB_GID_INDEX",
@@ -467,6 +668,10 @@ def _check_gid_index(groups, nics, selected, envs, refuse) -> None:
                                f"{', '.join(f'{h.label} is {h.gid_index}' for h in bad)}",
                                f"on {n}: export NCCL_IB_GID_INDEX={bad[0].gid_index}, or unset it (NCCL 2.21+ picks "
                                "a RoCE v2 GID itself)", (n,)))
+    if unknown:
+        warn(f"NCCL_IB_GID_INDEX is unset on RoCE node(s) {_names(unknown)} and the NCCL version is unknown: NCCL >= "
+             "2.21 picks a RoCE v2 GID itself, older versions use index 0 (often RoCE v1, and routed RoCE fails); "
+             "with an older NCCL export the index `het-plugin check --format env` prints")
 
 
 def _uses(node: NodeNics, transports, hcas, env) -> dict[str, list[str]]:
@@ -497,8 +702,10 @@ def _hca_value(hcas: Sequence[Hca]) -> str:
     return "=" + ",".join(h.label for h in hcas)
 
 
-def _settings(node: NodeNics, transports, nics, groups) -> dict[str, str]:
-    """The environment this node should run with (exports)."""
+def _settings(node: NodeNics, transports, hints: Optional[FabricHints] = None) -> dict[str, str]:
+    """The environment this node should run with (exports). No NCCL_IGNORE_NET_MISMATCH: NCCL 2.30's default
+    accepts mixed NIC counts (a warning here), older versions have no such variable. No NCCL_NET: it would
+    override the Socket groups' network too (a declared RDMA network is each RDMA group's netName)."""
     s: dict[str, str] = {}
     rdma = [t for t in transports if t in RDMA_KINDS]
     if len(rdma) == 1 and node.of_kind(rdma[0]):
@@ -527,8 +734,11 @@ def _settings(node: NodeNics, transports, nics, groups) -> dict[str, str]:
             gloo[t] = ifname
     if gloo:
         s[ENV_GLOO_IFNAMES] = ",".join(f"{k}={v}" for k, v in gloo.items())
-    if any(t != "local" for t in transports):
-        s["NCCL_IGNORE_NET_MISMATCH"] = "0"
+    if rdma and hints is not None:
+        if hints.ib_tc is not None:
+            s["NCCL_IB_TC"] = str(hints.ib_tc)          # the fabric's traffic class (cluster file fabric.ib_tc)
+        if hints.rail_only:
+            s["NCCL_CROSS_NIC"] = "0"                   # rail-only: a ring/tree keeps NIC i to NIC i
     return s
 
 
@@ -549,9 +759,12 @@ def nics_from_cluster(cluster) -> dict[str, NodeNics]:
 
 def check_launch(source, env: Mapping[str, str], *, views: Sequence = (), cluster=None,
                  gid_index: Optional[Mapping[str, Mapping[tuple[str, int], int]]] = None,
-                 node_env: Optional[Mapping[str, Mapping[str, str]]] = None) -> Preflight:
+                 node_env: Optional[Mapping[str, Mapping[str, str]]] = None,
+                 nccl_version: Optional[Sequence[int]] = None,
+                 node_version: Optional[Mapping[str, Optional[Sequence[int]]]] = None) -> Preflight:
     """The checks over a Plan or a Cluster (``source``), discovery views (override the file's NICs per node),
-    and the environment. ``cluster``: the Cluster whose ``nics`` describe the nodes when ``source`` is a Plan."""
+    and the environment. ``cluster``: the Cluster whose ``nics`` describe the nodes when ``source`` is a Plan.
+    ``nccl_version``: the NCCL/RCCL version the ranks load (None: unknown)."""
     from .plan import Plan
     if isinstance(source, Plan):
         groups = groups_from_plan(source)
@@ -563,7 +776,20 @@ def check_launch(source, env: Mapping[str, str], *, views: Sequence = (), cluste
     nics = nics_from_cluster(cluster) if cluster is not None else {}
     for v in views:
         nics[v.name] = NodeNics.from_view(v, (gid_index or {}).get(v.name))
-    return preflight(groups, nics, env, node_env=node_env, clusters=node_cluster)
+    hints = fabric_hints(cluster) if cluster is not None else {}
+    return preflight(groups, nics, env, node_env=node_env, clusters=node_cluster, nccl_version=nccl_version,
+                     node_version=node_version, fabric=hints)
+
+
+def fabric_hints(cluster) -> dict[str, FabricHints]:
+    """Node -> what its cluster file's fabric declares beyond its type (only nodes whose fabric declares some)."""
+    out = {}
+    for n in cluster.nodes:
+        f = n.fabric
+        hints = FabricHints(getattr(f, "nccl_net", None), getattr(f, "ib_tc", None), bool(getattr(f, "rail_only", False)))
+        if hints != FabricHints():
+            out[n.name] = hints
+    return out
 
 
 def render_env(result: Preflight, *, per: str = "node", node: Optional[str] = None) -> str:

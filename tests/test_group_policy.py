@@ -27,8 +27,8 @@ def test_net_name_per_group_kind(plan8):
         def spec(kind):
             return spec_for(plan8, plan8.group_of(kind, rank).ranks, policy, pg_options=nccl_options())
         assert spec("tp").net_name is None, "a TP group inside one node uses NVLink: no NIC to choose"
-        assert spec("dp").net_name == "IB", "DP stays on the node's RDMA fabric (RoCE is IB verbs too)"
-        assert spec("dp").pg_options.config.net_name == "IB"
+        assert spec("dp").net_name is None, "DP stays on the RDMA fabric with NCCL's own choice of its network"
+        assert not vars(spec("dp").pg_options.config), "nothing forced on an RDMA group"
         assert spec("dp-cp").net_name == spec("dp").net_name
         assert spec("pp").net_name == "Socket" and spec("embedding").net_name == "Socket"
         assert spec("tp-pp").net_name == "Socket"
@@ -39,9 +39,12 @@ def test_net_name_per_group_kind(plan8):
 
 def test_the_frameworks_own_nccl_settings_are_kept(plan8):
     mine = nccl_options(max_ctas=8, cga_cluster_size=2)
-    spec = spec_for(plan8, plan8.groups["dp"][0].ranks, Policy("nccl"), pg_options=mine)
-    assert spec.pg_options is mine and vars(mine.config) == {"max_ctas": 8, "cga_cluster_size": 2, "net_name": "IB"}
+    spec = spec_for(plan8, plan8.groups["pp"][0].ranks, Policy("nccl"), pg_options=mine)
+    assert spec.pg_options is mine and vars(mine.config) == {"max_ctas": 8, "cga_cluster_size": 2, "net_name": "Socket"}
     assert spec.new_group_kwargs()["pg_options"] is mine
+    dp = nccl_options(max_ctas=8)
+    assert spec_for(plan8, plan8.groups["dp"][0].ranks, Policy("nccl"), pg_options=dp).pg_options is dp
+    assert vars(dp.config) == {"max_ctas": 8}, "an RDMA group keeps the framework's options untouched"
 
 
 def test_homogeneous_identity_plan_keeps_nccls_own_choice():
@@ -147,3 +150,73 @@ def test_members_are_ordered_as_torch_would_order_them_without_het_plugin(plan8)
         spec = spec_for(plan8, ranks, Policy("gloo"), ascending_is_launch_order=True)
         assert spec.sort_ranks and list(spec.torch_ranks) == sorted(spec.ranks)
     assert not spec_for(plan8, shuffled, Policy("gloo"), ascending_is_launch_order=True).sort_ranks
+
+
+# ---- the network choice: only 'Socket' is forced, or the network a cluster file declares ------------------
+
+def _declared_cluster(tmp_path, ib_net="IB-CAST", roce_net=None):
+    import yaml
+    data = yaml.safe_load((DATA / "megatron-ib-roce-8.yaml").read_text())
+    if ib_net:
+        data["clusters"][0]["fabric"]["nccl_net"] = ib_net
+    if roce_net:
+        data["clusters"][1]["fabric"]["nccl_net"] = roce_net
+    path = tmp_path / "declared.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_cluster(path)
+
+
+def test_net_name_is_forced_only_to_socket_or_the_declared_network(plan8, tmp_path):
+    plan = make_plan(_declared_cluster(tmp_path), MODEL, tp=2, pp=2)
+    assert plan.nccl_nets == {"ib": "IB-CAST"} and plan.hash != plan8.hash
+    policy = Policy("nccl")
+    forced = set()
+    for p in (plan8, plan):
+        for kind, groups in p.groups.items():
+            for g in groups:
+                spec = spec_for(p, g.ranks, policy, pg_options=nccl_options())
+                forced.add(spec.net_name)
+                if g.transport in ("ib", "roce"):
+                    cluster = p.node_of(g.ranks[0]).cluster
+                    assert spec.net_name == p.nccl_nets.get(cluster), (kind, g.ranks)
+                elif g.transport in ("socket", "host-staged"):
+                    assert spec.net_name == "Socket"
+                else:
+                    assert spec.net_name is None
+    assert forced == {None, "Socket", "IB-CAST"}
+    ib_dp = next(g for g in plan.groups["dp"] if plan.node_of(g.ranks[0]).cluster == "ib")
+    assert spec_for(plan, ib_dp.ranks, policy, pg_options=nccl_options()).pg_options.config.net_name == "IB-CAST"
+
+
+def test_the_declared_network_reaches_the_plan_file_and_its_hash(tmp_path):
+    from het_plugin.plan import Plan
+    plan = make_plan(_declared_cluster(tmp_path), MODEL, tp=2, pp=2)
+    again = Plan.from_dict(plan.to_dict())
+    assert again.nccl_nets == {"ib": "IB-CAST"} and again.hash == plan.hash
+    bad = plan.to_dict()
+    bad.pop("hash")
+    bad["nccl_nets"] = {"nowhere": "IB"}
+    from het_plugin.errors import ConfigError
+    with pytest.raises(ConfigError) as exc:
+        Plan.from_dict(bad)
+    assert exc.value.field == "nccl_nets"
+
+
+def test_a_cross_vendor_group_without_the_shim_is_refused_under_nccl(examples_dir, monkeypatch):
+    from het_plugin.errors import ConfigError
+    import het_plugin.runtime.groups as groups
+    plan = make_plan(load_cluster(examples_dir / "clusters" / "hethub-mix.yaml"), preset_model("gpt-7.5b"))
+    policy = Policy("nccl", shim_checked=True, shim_backend=None)      # a torch that did not take het_shim
+    with pytest.raises(ConfigError) as exc:
+        spec_for(plan, None, policy)
+    assert exc.value.field == "backend" and "NCCL and RCCL cannot form one communicator" in str(exc.value)
+    assert spec_for(plan, None, Policy("gloo", shim_checked=True, shim_backend=None)).backend is None   # gloo works
+
+
+def test_options_without_config_are_refused_with_the_versions_needed():
+    from het_plugin.errors import ConfigError
+    from het_plugin.runtime.groups import nccl_options as make
+    with pytest.raises(ConfigError) as exc:
+        make("Socket", types.SimpleNamespace())          # an old torch's Options: no .config
+    assert exc.value.field == "torch" and "torch >= 2.1" in exc.value.fix and "NCCL >= 2.17" in exc.value.fix
+    assert "no 'config'" in str(exc.value)

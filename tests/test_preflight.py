@@ -35,13 +35,17 @@ def set_roce_gids(root: Path, devices, index: int) -> None:
             (port / "gids" / str(i)).write_text(gid + "\n")
 
 
-def check(views, env=None, gid_index=None):
+def check(views, env=None, gid_index=None, **kwargs):
     cluster = cluster_from_views(views)
-    return check_launch(cluster, env or {}, views=views, gid_index=gid_index)
+    return check_launch(cluster, env or {}, views=views, gid_index=gid_index, **kwargs)
 
 
 def fields(result):
     return [r.field for r in result.refusals]
+
+
+# The ib_roce nodes cross clusters: left unset, NCCL_SOCKET_IFNAME makes NCCL take IPoIB on the IB nodes.
+ETH = {"NCCL_SOCKET_IFNAME": "=eth0"}
 
 
 @pytest.fixture
@@ -60,13 +64,18 @@ def ib_roce(tmp_path):
 
 def test_derived_settings_per_node_and_cluster(ib_roce):
     views, gids = ib_roce
-    result = check(views, gid_index=gids)
+    unset = check(views, gid_index=gids)     # NCCL_SOCKET_IFNAME unset: NCCL would take IPoIB (ib0) on IB nodes
+    assert fields(unset) == ["NCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"]
+    assert [r.nodes for r in unset.refusals] == [("ib-0",), ("ib-1",)]
+    assert "unset on node ib-0, so NCCL takes the IPoIB interface(s) ib0, ib1, ib2, ib3" in unset.refusals[0].problem
+    assert "export NCCL_SOCKET_IFNAME==eth0" in unset.refusals[0].fix
+    derived = {n: r.settings for n, r in unset.nodes.items()}
+    result = check(views, {}, gid_index=gids, node_env=derived)    # the derived settings: accepted
     assert result.ok, [r.text() for r in result.refusals]
     ib, roce = result.nodes["ib-0"], result.nodes["roce-1"]
     assert ib.uses == {"ib": ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"], "socket": ["eth0"]}
     assert ib.settings == {"NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2,mlx5_3", "NCCL_SOCKET_IFNAME": "=eth0",
-                           "GLOO_SOCKET_IFNAME": "eth0", "HET_PLUGIN_GLOO_IFNAMES": "ib=ib0,socket=eth0",
-                           "NCCL_IGNORE_NET_MISMATCH": "0"}
+                           "GLOO_SOCKET_IFNAME": "eth0", "HET_PLUGIN_GLOO_IFNAMES": "ib=ib0,socket=eth0"}
     assert roce.uses["roce"] == ["mlx5_0 (GID 3)", "mlx5_1 (GID 3)"]
     assert roce.settings["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1"
     assert roce.settings["NCCL_IB_GID_INDEX"] == "3"
@@ -82,17 +91,17 @@ def test_derived_settings_per_node_and_cluster(ib_roce):
 def test_gid_index_from_sysfs_and_a_contradicting_setting(ib_roce):
     views, gids = ib_roce
     assert gids["roce-0"] == {("mlx5_0", 1): 3, ("mlx5_1", 1): 3} and gids["ib-0"] == {}
-    result = check(views, {"NCCL_IB_GID_INDEX": "1"}, gid_index=gids)   # index 1 is RoCE v2 link-local
+    result = check(views, {**ETH, "NCCL_IB_GID_INDEX": "1"}, gid_index=gids)   # index 1 is RoCE v2 link-local
     assert fields(result) == ["NCCL_IB_GID_INDEX", "NCCL_IB_GID_INDEX"]
     assert "mlx5_0 is 3" in result.refusals[0].problem and "export NCCL_IB_GID_INDEX=3" in result.refusals[0].fix
-    assert check(views, {"NCCL_IB_GID_INDEX": "3"}, gid_index=gids).ok
+    assert check(views, {**ETH, "NCCL_IB_GID_INDEX": "3"}, gid_index=gids).ok
 
 
 # ---- refusals ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["IB", "ib", "Socket"])
 def test_nccl_net_forcing_one_network_is_refused(ib_roce, value):
-    result = check(ib_roce[0], {"NCCL_NET": value})
+    result = check(ib_roce[0], {**ETH, "NCCL_NET": value})
     assert fields(result) == ["NCCL_NET"]
     assert "overrides the network of every NCCL communicator" in result.refusals[0].problem
     assert "unset NCCL_NET" in result.refusals[0].fix
@@ -140,20 +149,39 @@ def test_one_communicator_joining_ib_and_roce_hcas(tmp_path):
     assert check(views, {"NCCL_IB_HCA": "=mlx5_0,mlx5_1"}).ok
 
 
-@pytest.mark.parametrize("setting, field", [(None, "NCCL_IGNORE_NET_MISMATCH"), ("1", "NCCL_IGNORE_NET_MISMATCH"),
-                                            ("0", "NCCL_IB_HCA")])
-def test_groups_spanning_different_nic_counts(tmp_path, setting, field):
+@pytest.mark.parametrize("setting", [None, "1", "0"])
+@pytest.mark.parametrize("version", [(2, 18, 1), (2, 26, 2), (2, 30, 7), None])
+def test_groups_spanning_different_nic_counts_warn(tmp_path, setting, version):
+    """NCCL 2.30 accepts mixed counts by default and NCCL_IB_HCA is per process: a warning, not a refusal --
+    except NCCL_IGNORE_NET_MISMATCH=0 on NCCL >= 2.30 (or an unknown version), where NCCL's init stops."""
     views = [view(ib_node(tmp_path / "a"), "a", HET_PLUGIN_FABRIC_NAME="f"),
              view(ib_node(tmp_path / "b", hcas=4, down=[3]), "b", HET_PLUGIN_FABRIC_NAME="f")]   # b: 3 active
     env = {} if setting is None else {"NCCL_IGNORE_NET_MISMATCH": setting}
-    result = check(views, env)
-    assert fields(result) == [field]
-    assert "different numbers of HCAs (a: 4, b: 3)" in result.refusals[0].problem
-    if setting is None:
-        assert "unset (NCCL's default, 1, accepts mismatched NIC counts)" in result.refusals[0].problem
-        assert "NCCL_IGNORE_NET_MISMATCH=0" in result.refusals[0].fix
-    # the fix: the same count on every node, and mismatches fatal
-    assert check(views, {"NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2", "NCCL_IGNORE_NET_MISMATCH": "0"}).ok
+    result = check(views, env, nccl_version=version)
+    stops = setting == "0" and (version is None or version >= (2, 30, 0))
+    assert fields(result) == (["NCCL_IGNORE_NET_MISMATCH"] if stops else [])
+    counts = "(NICs, ports of one NIC merged as NCCL merges them) (a: 4, b: 3)"
+    if stops:
+        assert counts in result.refusals[0].problem and "NCCL_IGNORE_NET_MISMATCH=0 on node" in result.refusals[0].problem
+        assert result.refusals[0].fix.startswith("unset NCCL_IGNORE_NET_MISMATCH")
+    else:
+        assert any(counts in w and "left as it is" in w for w in result.warnings), result.warnings
+    no_such = [w for w in result.warnings if "has no such variable" in w]
+    assert bool(no_such) == (setting is not None and version is not None and version < (2, 30, 0))
+    if no_such:
+        assert f"NCCL {'.'.join(map(str, version))} has no such variable" in no_such[0]
+    # the same count on every node: no warning
+    same = check(views, {"NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2", **env}, nccl_version=version)
+    assert same.ok and not any("different numbers" in w for w in same.warnings)
+
+
+def test_nic_count_merges_the_ports_of_one_nic_as_nccl_does():
+    from het_plugin.preflight import Hca as H, nic_count
+    dual = [H("mlx5_0", 1, "ib"), H("mlx5_0", 2, "ib"), H("mlx5_1", 1, "ib")]
+    assert nic_count(dual, {}, (2, 30, 7)) == 2                          # NCCL_IB_MERGE_NICS=1 (default)
+    assert nic_count(dual, {"NCCL_IB_MERGE_NICS": "0"}, (2, 30, 7)) == 3
+    assert nic_count(dual, {}, (2, 18, 1)) == 3                          # no merging before 2.20
+
 
 
 def test_socket_ifname_that_does_not_match_every_node(tmp_path):
@@ -168,8 +196,12 @@ def test_socket_ifname_that_does_not_match_every_node(tmp_path):
     assert "export NCCL_SOCKET_IFNAME==enp1s0" in r.fix
     assert result.nodes["roce-0"].settings["NCCL_SOCKET_IFNAME"] == "=enp1s0"      # derived: per node
     assert check([ib, roce], {"NCCL_SOCKET_IFNAME": "=eth0,enp1s0"}).ok
-    # a prefix matching one interface here and two there: different counts, NCCL accepts by default
-    assert fields(check([ib, roce], {"NCCL_SOCKET_IFNAME": "e"})) == ["NCCL_IGNORE_NET_MISMATCH"]
+    # a prefix matching one interface here and two there: different counts, NCCL accepts them (a warning)
+    mixed = check([ib, roce], {"NCCL_SOCKET_IFNAME": "en,eth"})
+    assert mixed.ok and any("interfaces NCCL's sockets use (ib-0: 1, roce-0: 2)" in w for w in mixed.warnings)
+    # one character: NCCL ignores it (src/misc/socket.cc: strlen > 1) and picks IPoIB itself on the IB node
+    short = check([ib, roce], {"NCCL_SOCKET_IFNAME": "e"})
+    assert fields(short) == ["NCCL_SOCKET_IFNAME"] and "one character long" in " ".join(short.warnings)
 
 
 def test_raise_if_refused_names_field_and_fix(ib_roce):
@@ -177,7 +209,7 @@ def test_raise_if_refused_names_field_and_fix(ib_roce):
         check(ib_roce[0], {"NCCL_NET": "IB", "NCCL_SOCKET_IFNAME": "=bond0"}).raise_if_refused()
     assert exc.value.field == "NCCL_NET" and exc.value.fix.startswith("unset NCCL_NET")
     assert "more:" in exc.value.problem and "NCCL_SOCKET_IFNAME" in exc.value.problem
-    check(ib_roce[0]).raise_if_refused()    # nothing to refuse: returns
+    check(ib_roce[0], ETH).raise_if_refused()    # nothing to refuse: returns
 
 
 # ---- NCCL's filter syntax ----------------------------------------------------------------------------
@@ -238,11 +270,14 @@ def test_cli_uses_this_nodes_discovery_over_the_file(tmp_path, capsys, monkeypat
     args = ["check", str(HOLMES), "--sysfs-root", str(root), "--node-name", "ib-0"]
     monkeypatch.setenv("NCCL_IB_HCA", "=mlx5_0,mlx5_1,mlx5_2,mlx5_3")
     assert cli_main(args) == 2
-    err = capsys.readouterr().err
-    assert "names mlx5_3, which node ib-0 does not have" in err
-    assert "different numbers of HCAs (ib-0: 3, ib-1: 4" in err
+    cap = capsys.readouterr()
+    assert "names mlx5_3, which node ib-0 does not have" in cap.err
+    assert "warning: " in cap.out and "different numbers of network devices" in cap.out and "(ib-0: 3, ib-1: 4" in cap.out
     monkeypatch.setenv("NCCL_IB_HCA", "=mlx5_0,mlx5_1")     # one launcher value: two HCAs on every node
     monkeypatch.setenv("NCCL_IGNORE_NET_MISMATCH", "0")
+    assert cli_main(args) == 2          # this node's IPoIB (ib0) is NCCL's own pick with NCCL_SOCKET_IFNAME unset
+    assert "NCCL_SOCKET_IFNAME is unset on node ib-0" in capsys.readouterr().err
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=eth0")
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "node ib-0 (cluster ib, NICs from discovery)" in out and "pre-flight: ok" in out

@@ -148,3 +148,29 @@ def test_world_refusal_rules():
     assert world_refusal(GroupUse("world group", ("a", "b"), "host-staged"), "nccl", NET_NAME_UNREADABLE, {})
     vendors = world_refusal(GroupUse("world group", ("a", "b"), "host-staged"), "nccl", "Socket", {})
     assert vendors.field == "init_process_group(backend=)" and "het_shim" in vendors.fix
+
+
+def test_a_het_shim_world_is_checked(nccl):
+    """A het_shim world's vendor subgroups are NCCL/RCCL communicators: its launch gets the same pre-flight."""
+    cluster = load_cluster(CLUSTER)
+    plan = plan_of(cluster)
+    nccl["backend"] = "het_shim"
+    raised = run_ranks(plan, [{"NCCL_NET": "IB"}] * 4, cluster)
+    assert {type(e) for e in raised.values()} == {ConfigError} and {e.field for e in raised.values()} == {"NCCL_NET"}
+    assert run_ranks(plan, [{}] * 4, cluster) == {r: None for r in range(4)}
+
+
+@pytest.mark.parametrize("version, refused", [((2, 18, 5), True), ((2, 21, 5), False)])
+def test_each_ranks_loaded_nccl_version_gates_the_rules(nccl, monkeypatch, version, refused):
+    """The version each rank's torch loaded travels with its settings: NCCL 2.18 has no automatic RoCE v2 GID."""
+    import het_plugin.nccl_version as nv
+    monkeypatch.setattr(nv, "loaded_nccl_version", lambda: version)
+    cluster = load_cluster(CLUSTER)
+    plan = plan_of(cluster)
+    nccl["net"] = "Socket"
+    raised = run_ranks(plan, [{}] * 4, cluster)
+    if not refused:
+        assert raised == {r: None for r in range(4)}
+        return
+    assert {e.field for e in raised.values()} == {"NCCL_IB_GID_INDEX"}
+    assert "NCCL_IB_GID_INDEX is unset on node roce-0, and NCCL 2.18.5 (before 2.21)" in raised[0].problem

@@ -27,6 +27,9 @@ def register(sub) -> None:
                    help="--format env: one block per node (default), or per cluster (shared lines, then each "
                         "node's own as comments)")
     p.add_argument("--node", help="--format env: only this node's export lines (e.g. eval in a launcher)")
+    p.add_argument("--nccl-version", default=None,
+                   help="the NCCL/RCCL version the job loads, e.g. 2.21.5 (default: the one this torch loads, "
+                        "torch.cuda.nccl.version(); unknown on a CPU build); version-dependent rules follow it")
     p.add_argument("--timeout", type=float, default=None,
                    help="--gather: seconds to wait for the other ranks (default: HET_PLUGIN_TIMEOUT, else 300)")
     p.set_defaults(func=run)
@@ -62,7 +65,8 @@ def run(args) -> int:
                   "(pass --node-name, or run on a node of the job)", file=sys.stderr)
     for v in views:
         gids[v.name] = _gid_indices(v)
-    result = check_launch(source, os.environ, views=views, cluster=cluster, gid_index=gids)
+    result = check_launch(source, os.environ, views=views, cluster=cluster, gid_index=gids,
+                          nccl_version=_nccl_version(args))
     if args.node is not None and args.node not in result.nodes:
         raise ConfigError(f"no node {args.node!r} with known NICs", field="--node",
                           fix=f"use one of {', '.join(list(result.nodes)[:8]) or '(none)'}")
@@ -75,10 +79,24 @@ def run(args) -> int:
                 sys.stdout.write(render_env(result, per=args.per, node=args.node))
         else:
             sys.stdout.write(render_text(result))
+    who = f" (rank {rank})" if args.gather else ""
+    if rank == 0 and args.format != "text":        # text: render_text lists them
+        for w in result.warnings:
+            print(f"het-plugin check{who}: warning: {w}", file=sys.stderr)
     for r in result.refusals:
-        who = f" (rank {rank})" if args.gather else ""
         print(f"het-plugin check{who}: refused: {r.text()}", file=sys.stderr)
     return 0 if result.ok else 2
+
+
+def _nccl_version(args):
+    from ..errors import ConfigError
+    from ..nccl_version import loaded_nccl_version, parse_version
+    if args.nccl_version is None:
+        return loaded_nccl_version()
+    try:
+        return parse_version(args.nccl_version)
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="--nccl-version", fix="give it as MAJOR.MINOR.PATCH, e.g. 2.21.5") from None
 
 
 def _load(path: str):

@@ -5,10 +5,13 @@ A patch site (Megatron-Core's ``create_group``, DeepSpeed's ``deepspeed.comm.new
 
 * **backend**: what the framework asked for, except that a group spanning accelerator vendors
   ('host-staged') goes through het_plugin's ``het_shim`` backend (its gloo twins stay gloo);
-* **pg_options**: for ``het_shim``, the group's :class:`~het_plugin.comm.ShimOptions` (vendors and the
-  plan's transport rule, per group: no module state); for NCCL, the framework's own options (or new
-  ones) with ``config.net_name`` = 'IB' or 'Socket' from the group's transport -- NCCL reads
-  ``NCCL_IB_HCA`` once per process, so a per-communicator ``net_name`` is the only per-group switch;
+* **pg_options**: for ``het_shim``, the group's :class:`~het_plugin.comm.ShimOptions` (vendors, the
+  plan's transport rule and network choice, per group: no module state); for NCCL, the framework's own
+  options (or new ones) with ``config.net_name`` from :func:`network_of`: 'Socket' for a group crossing
+  fabrics, the cluster file's declared RDMA network for an RDMA group (none declared: NCCL's own choice,
+  no options added) -- NCCL reads ``NCCL_IB_HCA`` once per process, so a per-communicator ``net_name`` is
+  the only per-group switch. Every NCCL options object het_plugin builds comes from :func:`nccl_options`
+  (the shim's vendor subgroups too);
 * **gloo interface**: ``GLOO_SOCKET_IFNAME`` for the creation, from ``HET_PLUGIN_GLOO_IFNAMES``;
 * **member order**: a member's group rank is what it would be without het_plugin. Torch sorts a group's
   members by rank, and a framework's lists are derived from its coordinates (logical ranks), so members are
@@ -30,7 +33,7 @@ from datetime import timedelta
 from typing import Any, Iterator, Optional, Sequence
 
 from ..errors import ConfigError
-from ..netselect import SHIM_BACKEND, gloo_ifnames, ifname_set, nccl_net_name
+from ..netselect import RDMA_TRANSPORTS, SHIM_BACKEND, gloo_ifnames, ifname_set, nccl_net_name
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,18 @@ def spec_for(plan, ranks: Optional[Sequence[int]], policy: Policy, *, backend: O
             from ..comm import ShimOptions
             chosen, options = shim, ShimOptions.from_plan(plan)
     effective = str(chosen or policy.default_backend).lower()
+    if transport == "host-staged" and "nccl" in effective and chosen != SHIM_BACKEND:
+        raise ConfigError(f"the group of ranks {list(members)[:8]}{' ...' if len(members) > 8 else ''} spans "
+                          f"accelerator vendors, and its backend would be {effective!r}: NCCL and RCCL cannot form "
+                          "one communicator, so it could only fail or hang", field="backend",
+                          fix="use a torch that accepts third-party backends (torch.distributed.Backend."
+                              "register_backend, so that het_plugin's het_shim backend registers), or plan the model "
+                              "inside one vendor's nodes")
     net_name = None
     if "nccl" in effective and chosen != SHIM_BACKEND and not policy.native_network:
-        net_name = nccl_net_name(transport)
+        net_name = network_of(plan, members, transport)
         if net_name is not None:
-            options = with_net_name(options, net_name)
+            options = nccl_options(net_name, options)
     ifname = None
     if "gloo" in effective or chosen == SHIM_BACKEND:     # e.g. 'gloo', 'cpu:gloo,cuda:nccl', the shim's host hops
         ifname = gloo_ifnames().get(transport)
@@ -120,17 +130,59 @@ def spec_for(plan, ranks: Optional[Sequence[int]], policy: Policy, *, backend: O
                      by_logical)
 
 
-def with_net_name(options: Any, net_name: str) -> Any:
-    """NCCL options selecting ``net_name``: the framework's own (Megatron passes its per-group config)
-    or new ones; None where this torch has no NCCL (a CPU build: nothing to select)."""
+def network_of(plan, members: Sequence[int], transport: Optional[str] = None) -> Optional[str]:
+    """The one network choice: the NCCL net_name forced on a communicator over ``members`` (physical ranks),
+    or None where NCCL keeps its own (RDMA without a declared network, or inside a node)."""
+    transport = plan.transport_of(members) if transport is None else transport
+    rdma = plan.rdma_net_of(members) if transport in RDMA_TRANSPORTS else None
+    return nccl_net_name(transport, rdma)
+
+
+# Torch added ProcessGroupNCCL.Options.config (the ncclConfig_t binding, net_name among its fields) in 2.1
+# (pytorch/pytorch v2.1.0 torch/csrc/distributed/c10d/init.cpp); NCCL reads config.netName from 2.17
+# (NVIDIA/nccl v2.17.1-1 src/init.cc). Older builds have no per-communicator network.
+OPTIONS_CONFIG_FIX = ("use torch >= 2.1 built with NCCL >= 2.17 (RCCL of ROCm >= 5.6), whose "
+                      "ProcessGroupNCCL.Options has config.net_name")
+
+
+def nccl_options(net_name: Optional[str], options: Any = None, *, timeout: Optional[timedelta] = None) -> Any:
+    """Every NCCL options object het_plugin builds or changes: the framework's own (Megatron passes its
+    per-group config) or new ones, ``config.net_name`` = ``net_name`` when given; None where this torch has
+    no NCCL (a CPU build: nothing to select). A build whose Options has no ``config`` is refused."""
     if options is None:
         import torch.distributed as tdist
         pg_nccl = getattr(tdist, "ProcessGroupNCCL", None)
         if pg_nccl is None:
             return None
         options = pg_nccl.Options()
-    options.config.net_name = net_name
+    if timeout is not None:
+        options._timeout = timeout
+    if net_name is not None:
+        config = getattr(options, "config", None)
+        if config is None:
+            raise ConfigError(f"this torch's ProcessGroupNCCL.Options has no 'config', so a communicator cannot be "
+                              f"given the network {net_name!r} (torch {_torch_version()}, NCCL {_nccl_version()})",
+                              field="torch", fix=OPTIONS_CONFIG_FIX)
+        config.net_name = net_name
     return options
+
+
+def with_net_name(options: Any, net_name: str) -> Any:
+    """NCCL options selecting ``net_name`` (:func:`nccl_options`; kept for callers of the old name)."""
+    return nccl_options(net_name, options)
+
+
+def _torch_version() -> str:
+    try:
+        import torch
+        return str(torch.__version__)
+    except ImportError:
+        return "not installed"
+
+
+def _nccl_version() -> str:
+    from ..nccl_version import loaded_nccl_version, version_text
+    return version_text(loaded_nccl_version())
 
 
 def check_torch_keeps_order() -> None:

@@ -6,7 +6,9 @@ of ``het-plugin check --format env``), rank 0 runs :func:`het_plugin.preflight.p
 groups, the nodes' NICs (the cluster file's ``nics``, or discovery's) and those environments, adds the world
 group's check (:func:`het_plugin.preflight.world_refusal`) and a refusal for ranks of one node whose NCCL
 settings differ (NCCL reads them per process), and every rank raises the same ConfigError -- the text of
-``het-plugin check``. Under gloo (or het_shim) nothing runs, and a homogeneous identity plan (het_plugin a
+``het-plugin check``. Each rank also sends the NCCL/RCCL version its torch loaded (``torch.cuda.nccl.version()``)
+and the version-dependent rules follow each node's. A ``het_shim`` world is checked too (its vendor
+subgroups are NCCL/RCCL communicators); under gloo nothing runs, and a homogeneous identity plan (het_plugin a
 no-op) is never checked.
 """
 from __future__ import annotations
@@ -21,7 +23,16 @@ from .exchange import Exchange, ExchangeTimeout
 log = logging.getLogger("het_plugin")
 
 # What NCCL reads from the environment that the checks look at.
-NCCL_KEYS = ("NCCL_NET", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_IB_GID_INDEX", "NCCL_IGNORE_NET_MISMATCH")
+NCCL_KEYS = ("NCCL_NET", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_IB_GID_INDEX", "NCCL_IGNORE_NET_MISMATCH",
+             "NCCL_COMM_SPLIT_SHARE_RESOURCES", "NCCL_IB_MERGE_NICS")
+VERSION_KEY = "het_plugin:nccl_version"    # in the gathered entry beside the settings (no NCCL variable has it)
+
+
+def checked_backend(backend: str) -> bool:
+    """The world backends whose launch runs NCCL/RCCL communicators: nccl, mixed ('cpu:gloo,cuda:nccl'), het_shim."""
+    from ..netselect import SHIM_BACKEND
+    text = backend.lower()
+    return "nccl" in text or SHIM_BACKEND in text
 
 
 def world_backend() -> str:
@@ -60,7 +71,7 @@ def check_network(plan, rank: int, *, cluster=None, native_network: bool = False
         if not (tdist.is_available() and tdist.is_initialized()):
             return None                  # no job to check (as AppliedPlan.guarding: nothing without a store)
     backend = world_backend()
-    if "nccl" not in backend.lower():
+    if not checked_backend(backend):
         return None
     env = os.environ if env is None else env
     if store is None:
@@ -69,7 +80,9 @@ def check_network(plan, rank: int, *, cluster=None, native_network: bool = False
     ex = Exchange(store, "preflight", index=rank, members=range(plan.world_size), what="the NCCL pre-flight",
                   timeout=timeout_s)
     try:
-        entries = ex.gather(nccl_settings(env))
+        from ..nccl_version import loaded_nccl_version
+        version = loaded_nccl_version()
+        entries = ex.gather({**nccl_settings(env), VERSION_KEY: list(version) if version else None})
         answer, error = None, None
         if entries is not None:
             try:
@@ -98,10 +111,14 @@ def judge(plan, cluster, settings: Mapping[int, Mapping[str, str]], backend: str
     node_env: dict[str, dict[str, str]] = {}
     first_rank: dict[str, int] = {}
     refusals: list[Refusal] = []
+    node_version: dict[str, Optional[tuple]] = {}
+    settings = {r: dict(v) for r, v in settings.items()}
     for rank in sorted(settings):
         node = plan.node_of(rank).name
+        version = settings[rank].pop(VERSION_KEY, None)
         if node not in node_env:
             node_env[node], first_rank[node] = dict(settings[rank]), rank
+            node_version[node] = tuple(version) if version else None
             continue
         differ = [k for k in NCCL_KEYS if settings[rank].get(k) != node_env[node].get(k)]
         if differ and not any(r.field == differ[0] and node in r.nodes for r in refusals):
@@ -111,7 +128,7 @@ def judge(plan, cluster, settings: Mapping[int, Mapping[str, str]], backend: str
                                        "each process, so the node's ranks would disagree about its NICs",
                                     f"give every rank of {node} the same {k} (`het-plugin check --format env --node "
                                     f"{node}` prints its line)", (node,)))
-    result = check_launch(plan, {}, cluster=cluster, node_env=node_env)
+    result = check_launch(plan, {}, cluster=cluster, node_env=node_env, node_version=node_version)
     everyone = list(range(plan.world_size))
     world = GroupUse("world group", tuple(dict.fromkeys(plan.node_of(r).name for r in everyone)),
                      plan.rule_transport(everyone))
