@@ -125,14 +125,22 @@ def _writeback(flat: torch.Tensor, t: torch.Tensor) -> None:
         t.copy_(flat.view(t.shape))
 
 
-def _make_native(kind: str, store, rank: int, size: int, timeout: timedelta):
+def _make_native(kind: str, store, rank: int, size: int, timeout: timedelta, net_name: Optional[str] = None):
+    """A vendor subgroup's native backend; NCCL's options come from the group policy (runtime.groups)."""
     if kind == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if kind == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        from ..runtime.groups import nccl_options
+        opts = nccl_options(net_name, timeout=timeout)
         return dist.ProcessGroupNCCL(store, rank, size, opts)
     raise ValueError(kind)
+
+
+def _subgroup_net_name(options: Optional[ShimOptions], global_ranks: Sequence[int]) -> Optional[str]:
+    """The NCCL net_name the group policy gives a vendor subgroup over ``global_ranks``; None: NCCL's choice."""
+    if options is None or options.net_name_of is None:
+        return None
+    return options.net_name_of(global_ranks)
 
 
 def _device_native_kind() -> Optional[str]:
@@ -180,9 +188,11 @@ class ShimProcessGroup(dist.ProcessGroup):
                                                    self._local_rank, len(members), timeout)
             device_kind = _device_native_kind()
             if device_kind:
+                sub_ranks = [self.global_ranks[r] for r in members]
                 self._native["cuda"] = _make_native(device_kind,
                                                     dist.PrefixStore(f"het_shim/sub{self._sub}/dev", store),
-                                                    self._local_rank, len(members), timeout)
+                                                    self._local_rank, len(members), timeout,
+                                                    _subgroup_net_name(options, sub_ranks))
         self._host = self._leaders = None
         self._rails: dict[int, object] = {}      # stripe -> host (gloo) group of its owners, where I am one
         self._worker = None
@@ -200,6 +210,22 @@ class ShimProcessGroup(dist.ProcessGroup):
     # ---- identity ---------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - name fixed by the C++ ProcessGroup interface
         return SHIM_BACKEND
+
+    # A het_shim group is never split from (its vendor subgroups are its own communicators).
+    supports_splitting = False
+
+    def _get_backend(self, device):
+        """This group itself for a device with no registered backend. torch hands a Python ProcessGroup back as
+        the group (distributed_c10d._new_process_group_helper: 'If the type is a subclass of ProcessGroup then
+        return this process group immediately'), so nothing is registered per device, and
+        ``init_process_group('het_shim', device_id=...)`` (DeepSpeed passes one on CUDA and ROCm) would stop at
+        ``pg._get_backend(device_id).supports_splitting`` with "No backend type associated with device type"
+        (pytorch/pytorch v2.13 torch/distributed/distributed_c10d.py). Answering with this group (no splitting)
+        lets such a world be created: torch then neither connects eagerly nor splits groups from it."""
+        try:
+            return super()._get_backend(device)
+        except RuntimeError:
+            return self
 
     def __repr__(self) -> str:
         return f"ShimProcessGroup(rank={self.rank()}, size={self.size()}, {describe(self.layout, self.global_ranks)})"

@@ -52,13 +52,21 @@ class ShimOptions:
     ``vendors``: every global rank's vendor (at least the group's members). ``transport_of``: the
     transport of a set of global ranks (``Plan.transport_of``), so each vendor subgroup's gloo
     communicator uses its own fabric's interface (``HET_PLUGIN_GLOO_IFNAMES``); None: no choice.
+    ``net_name_of``: the same for its NCCL/RCCL communicator (a one-vendor subgroup spanning an IB and a RoCE
+    cluster must be a Socket communicator).
     """
     vendors: Mapping[int, str]
     transport_of: Optional[Callable[[Sequence[int]], str]] = None
+    # The NCCL net_name of a vendor subgroup over these global ranks (het_plugin.runtime.groups.network_of, the
+    # one group policy); None: NCCL's own choice.
+    net_name_of: Optional[Callable[[Sequence[int]], Optional[str]]] = None
 
     @classmethod
     def from_plan(cls, plan) -> "ShimOptions":
-        return cls({r: plan.vendor_of(r) for r in range(plan.world_size)}, plan.transport_of)
+        import functools
+        from ..runtime.groups import network_of
+        return cls({r: plan.vendor_of(r) for r in range(plan.world_size)}, plan.transport_of,
+                   functools.partial(network_of, plan))
 
 
 def normalize_vendor(name: object, where: str) -> str:
