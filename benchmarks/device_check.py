@@ -19,6 +19,13 @@ Parts (docs/device-check.md says what each can and cannot demonstrate):
 3   The ``het_shim`` backend's host-staged path: two processes declaring different vendors (the plan of an
     NVIDIA node and an AMD node), both on the one GPU, all-reduce / broadcast / all-gather of CUDA tensors
     checked against the expected values, single-vendor shim groups forwarding to NCCL, and a timing line.
+4a  Split children sharing resources (NCCL_COMM_SPLIT_SHARE_RESOURCES=1): het_plugin's pre-flight must refuse
+    it (groups with different networks); then, on the GPU, what NCCL itself does with a device-bound world and
+    a 'Socket' group split from it under that setting (recorded, not judged).
+4b  NCCL_SOCKET_IFNAME unset: which interface NCCL picks (its 'NET/Socket : Using' and 'Bootstrap' lines) next
+    to the one het_plugin's port of NCCL's choice (preflight.nccl_auto_interfaces) predicts.
+4c  The shim under CUDA_DEVICE_MAX_CONNECTIONS=1 beside a main-thread NCCL all-reduce loop: async het_shim
+    all-reduces interleaved with all-reduces on a 1-rank NCCL group, every value checked, within the limit.
 
 Without CUDA every part prints SKIP (no CUDA). ``--cpu-dry-run`` runs the same workers with gloo and CPU
 tensors (part 1 through integration_tests/support/megatron_training_cpu.py, the test-only CPU runner), so the
@@ -56,13 +63,16 @@ HET_PLUGIN_FIX = ("pip install --no-deps --no-build-isolation -e .  plus pyyaml 
                   "pydantic-core, annotated-types, typing-inspection; offline: carried wheels)")
 
 # Part time limits (s); every part also stops at the global --budget.
-LIMITS = {"1": 240.0, "2a": 60.0, "2b": 50.0, "2c": 45.0, "3": 75.0}
+LIMITS = {"1": 240.0, "2a": 60.0, "2b": 50.0, "2c": 45.0, "3": 75.0, "4a": 45.0, "4b": 40.0, "4c": 60.0}
 TITLES = {
     "1": "Megatron-LM training (megatron.training, torchrun, 1 GPU) with --heterogeneous-nic",
     "2a": "NCCL net_name from het_plugin's group policy: 'Socket' and 'IB' communicators",
     "2b": "net_name on a group split from a device-bound default group (ncclCommSplit path)",
     "2c": "two ranks on one GPU in one NCCL group (policy group over two nodes)",
     "3": "het_shim host-staged collectives of CUDA tensors between two declared vendors",
+    "4a": "NCCL_COMM_SPLIT_SHARE_RESOURCES=1 with groups on different networks: refused before any group",
+    "4b": "NCCL_SOCKET_IFNAME unset: the interface NCCL picks, next to het_plugin's prediction",
+    "4c": "het_shim under CUDA_DEVICE_MAX_CONNECTIONS=1 beside a main-thread NCCL all-reduce loop",
 }
 
 
@@ -375,15 +385,31 @@ clusters:
 links:
   - {between: [ib, roce], type: ethernet, gbps: 25, latency_us: 50}
 """,
-    # Part 2 'ib': two InfiniBand nodes of one fabric with different GPUs (heterogeneous: net_name is set).
+    # Part 2 'ib': two InfiniBand nodes of one fabric with different GPUs. An RDMA group keeps NCCL's own network
+    # unless the cluster file names it (fabric.nccl_net): named here, so that the policy forces 'IB'.
     "ib": """# device_check part 2: two nodes on one InfiniBand fabric, different GPUs (transport 'ib')
 name: device-check-ib
 clusters:
   - name: ib
-    fabric: {type: ib, gbps: 400, latency_us: 2}
+    fabric: {type: ib, gbps: 400, latency_us: 2, nccl_net: IB}
     nodes:
       - {count: 1, accelerator: H200, accelerators_per_node: 1}
       - {count: 1, accelerator: H100, accelerators_per_node: 1}
+""",
+    # Part 4a: two IB nodes and a RoCE node joined by Ethernet: 'ib' groups (NCCL's network) and 'socket' ones.
+    "share": """# device_check part 4a: groups on two networks (NCCL's default inside ib, Socket across)
+name: device-check-share
+clusters:
+  - name: ib
+    fabric: {type: ib, gbps: 400, latency_us: 2}
+    nodes:
+      - {count: 2, accelerator: H200, accelerators_per_node: 1}
+  - name: roce
+    fabric: {type: roce, gbps: 200, latency_us: 6}
+    nodes:
+      - {count: 1, accelerator: H100, accelerators_per_node: 1}
+links:
+  - {between: [ib, roce], type: ethernet, gbps: 25, latency_us: 50}
 """,
     # Part 3: an NVIDIA node and an AMD node -> the group of both is 'host-staged' (het_shim).
     "vendors": """# device_check part 3: an NVIDIA node and an AMD node joined by Ethernet (transport 'host-staged')
@@ -973,19 +999,226 @@ def worker_shim(spec: dict) -> dict:
     return out
 
 
+
+# ---------------------------------------------------------------------------------------------------------
+# Part 4: the GPU-path assumptions of issue 19 (docs/gpu-assumptions.md)
+# ---------------------------------------------------------------------------------------------------------
+
+def part4_run(args, tmp, name: str, spec: dict, world: int, limit: float, extra_env: Optional[dict] = None,
+              drop: Sequence[str] = ()) -> list[Proc]:
+    port = free_port()
+    envs, cmds, logs = [], [], []
+    for rank in range(world):
+        extra = dist_env(rank, world, port)
+        logs.append(tmp / f"part{name}-{rank}.nccl.log")
+        if not args.cpu_dry_run:
+            extra.update(NCCL_DEBUG_ENV, NCCL_DEBUG_FILE=str(logs[-1]))
+        extra.update(extra_env or {})
+        envs.append(child_env(args, extra, drop=("NCCL_NET", "NCCL_DEBUG_FILE") + tuple(drop)))
+        cmds.append(worker_cmd(args, "gpu19", dict(spec, rank=rank, world=world, dry_run=args.cpu_dry_run)))
+    procs = run_processes(cmds, envs, limit, tmp, f"part{name}")
+    for p, log in zip(procs, logs):
+        if log.exists():
+            p.output += "\n" + log.read_text(encoding="utf-8", errors="replace")
+    return procs
+
+
+def _part4_single(args, tmp, clusters, limit, part: str, spec: dict, world: int = 1, **kw) -> tuple[list[Proc], list[str]]:
+    procs = part4_run(args, tmp, part, dict(spec, case=part, clusters={k: str(v) for k, v in clusters.items()}),
+                      world, limit, **kw)
+    details = []
+    for p in procs:
+        r = p.result or {}
+        details += [f"rank {r.get('rank', '?')}: {line}" for line in r.get("lines", [])]
+        if r.get("error"):
+            details.append(f"rank {r.get('rank', '?')}: error: {r['error'][:400]}")
+        if p.rc is None:
+            details.append("killed at the time limit")
+        if not p.result:
+            details += tail(p.output, 10)
+    return procs, details
+
+
+def part4a(args, tmp, clusters, limit) -> PartResult:
+    started = time.monotonic()
+    procs, details = _part4_single(args, tmp, clusters, limit, "4a", {},
+                                   extra_env={"NCCL_COMM_SPLIT_SHARE_RESOURCES": "1"})
+    r = procs[0].result or {}
+    nccl = parse_nccl_log(procs[0].output)
+    if nccl["parent_mismatch"] or nccl["warnings"]:
+        details.append(f"NCCL said: {(nccl['warnings'] or ['(no WARN line)'])[0][:300]}")
+    if not r.get("refused"):
+        return PartResult("4a", "FAIL", f"het_plugin's pre-flight did not refuse NCCL_COMM_SPLIT_SHARE_RESOURCES=1: "
+                          f"{r.get('error') or r.get('refusals')}", details, time.monotonic() - started)
+    outcome = r.get("nccl_outcome") or f"the process ended with exit {procs[0].rc} before NCCL answered"
+    return PartResult("4a", "PASS", "refused before any group, naming NCCL_COMM_SPLIT_SHARE_RESOURCES and the fix"
+                      + ("" if args.cpu_dry_run else f"; NCCL itself: {outcome}"),
+                      details, time.monotonic() - started)
+
+
+NCCL_SOCKET_USING_RE = re.compile(r"NET/Socket : Using \[0\]([^:\s]+):")
+NCCL_BOOTSTRAP_RE = re.compile(r"Bootstrap\s*: Using ([^:\s]+):")
+
+
+def part4b(args, tmp, clusters, limit) -> PartResult:
+    started = time.monotonic()
+    procs, details = _part4_single(args, tmp, clusters, limit, "4b", {}, drop=("NCCL_SOCKET_IFNAME",))
+    r = procs[0].result or {}
+    text = procs[0].output
+    sock = NCCL_SOCKET_USING_RE.findall(text)
+    boot = NCCL_BOOTSTRAP_RE.findall(text)
+    predicted = r.get("predicted") or []
+    details.append(f"interfaces up here: {r.get('interfaces')}; het_plugin predicts NCCL takes {predicted}")
+    details.append(f"NCCL: bootstrap on {boot[:1] or '(no Bootstrap line)'}, Socket network on "
+                   f"{sock[:1] or '(no NET/Socket line)'}")
+    seconds = time.monotonic() - started
+    if not r.get("ok"):
+        return PartResult("4b", "FAIL", f"the worker failed: {r.get('error') or f'exit {procs[0].rc}'}", details, seconds)
+    if args.cpu_dry_run:
+        return PartResult("4b", "PASS", f"dry run: het_plugin predicts {predicted[:1]} (NCCL not run)", details, seconds)
+    got = (boot or sock)[:1]
+    if not got:
+        return PartResult("4b", "FAIL", "NCCL printed no Bootstrap / NET/Socket line (NCCL_DEBUG=INFO output "
+                          "missing?)", details, seconds)
+    if got[0] in predicted:
+        return PartResult("4b", "PASS", f"NCCL picked {got[0]}, as het_plugin predicts", details, seconds)
+    return PartResult("4b", "FAIL", f"NCCL picked {got[0]}, het_plugin predicted {predicted}: the port of NCCL's "
+                      "interface choice is wrong here", details, seconds)
+
+
+def part4c(args, tmp, clusters, limit) -> PartResult:
+    started = time.monotonic()
+    procs, details = _part4_single(args, tmp, clusters, limit, "4c", {}, world=2,
+                                   extra_env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+                                   drop=("HET_PLUGIN_VENDOR_MAP", "HET_PLUGIN_VENDOR"))
+    seconds = time.monotonic() - started
+    bad = [p for p in procs if p.rc != 0 or not (p.result or {}).get("ok")]
+    if bad:
+        why = [(p.result or {}).get("error") or ("timed out (a hang?)" if p.rc is None else f"exit {p.rc}") for p in bad]
+        return PartResult("4c", "FAIL", "; ".join(str(w)[:300] for w in why), details, seconds)
+    iters = (procs[0].result or {}).get("iterations")
+    return PartResult("4c", "PASS", f"{iters} rounds of an async het_shim all-reduce and a main-thread "
+                      f"{'gloo' if args.cpu_dry_run else 'NCCL'} all-reduce, every value right, no hang",
+                      details, seconds)
+
+
+def _interfaces_up() -> list[str]:
+    """This machine's interfaces that are up, in the kernel's order (what getifaddrs gives NCCL, roughly)."""
+    import socket as _socket
+    names = [n for _, n in _socket.if_nameindex()]
+    out = []
+    for n in names:
+        try:
+            state = Path(f"/sys/class/net/{n}/operstate").read_text().strip()
+        except OSError:
+            state = "unknown"
+        if state in ("up", "unknown"):
+            out.append(n)
+    return out
+
+
+def worker_gpu19(spec: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    case, rank, world, dry = spec["case"], spec["rank"], spec["world"], spec["dry_run"]
+    out: dict = {"rank": rank, "ok": False, "lines": []}
+    device = torch.device("cpu") if dry else torch.device("cuda", 0)
+    if not dry:
+        torch.cuda.set_device(0)
+    if case == "4a":
+        from het_plugin.cluster import load_cluster
+        from het_plugin.preflight import check_launch
+        cluster = load_cluster(spec["clusters"]["share"])
+        result = check_launch(cluster, dict(os.environ))
+        fields = [r.field for r in result.refusals]
+        out["refusals"] = fields
+        out["refused"] = "NCCL_COMM_SPLIT_SHARE_RESOURCES" in fields
+        for r in result.refusals:
+            out["lines"].append(f"het_plugin refuses: {r.text()[:400]}")
+        out["ok"] = out["refused"]
+        if dry:
+            return out
+        print(RESULT_TAG + json.dumps(out), flush=True)       # kept if NCCL below takes the process down
+        # What NCCL does itself: a device-bound world (no net_name), then a 'Socket' group split from it.
+        try:
+            from het_plugin.runtime.groups import nccl_options
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+            t = torch.ones(8, device=device)
+            dist.all_reduce(t)
+            g = dist.new_group([0], pg_options=nccl_options("Socket"))
+            dist.all_reduce(t, group=g)
+            torch.cuda.synchronize()
+            out["nccl_outcome"] = "NCCL accepted the split (no refusal seen)"
+        except Exception as exc:
+            out["nccl_outcome"] = f"NCCL refused: {type(exc).__name__}: {str(exc)[:300]}"
+        out["lines"].append(out["nccl_outcome"])
+        return out
+    if case == "4b":
+        from het_plugin.preflight import nccl_auto_interfaces
+        out["interfaces"] = _interfaces_up()
+        out["predicted"] = nccl_auto_interfaces(out["interfaces"])
+        if dry:
+            out["ok"] = True
+            return out
+        from het_plugin.runtime.groups import nccl_options
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+        g = dist.new_group([0], pg_options=nccl_options("Socket"))
+        t = torch.ones(8, device=device)
+        dist.all_reduce(t, group=g)
+        torch.cuda.synchronize()
+        out["ok"] = bool(torch.all(t == 1).item())
+        return out
+    if case == "4c":
+        from het_plugin.cluster import load_cluster
+        from het_plugin.model import ModelSpec
+        from het_plugin.planner import make_plan
+        from het_plugin.runtime.applied import AppliedPlan
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        model = ModelSpec(name="device-check", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                          seq_length=64, global_batch_size=4, micro_batch_size=1)
+        plan = make_plan(load_cluster(spec["clusters"]["vendors"]), model)
+        applied = AppliedPlan.start(plan, rank, default_backend="gloo")
+        shim_group = applied.create(lambda s: dist.new_group(list(s.ranks), **s.new_group_kwargs()), [0, 1])
+        if applied.records[-1].backend != "het_shim":
+            out["error"] = f"the cross-vendor group got backend {applied.records[-1].backend!r}"
+            return out
+        own = [dist.new_group([r], backend="gloo" if dry else "nccl") for r in range(world)]
+        mine = own[rank]
+        iterations = 20
+        n = 1 << 16
+        for i in range(iterations):
+            x = torch.full((n,), float(rank + 1 + i), device=device)
+            work = dist.all_reduce(x, group=shim_group, async_op=True)
+            y = torch.full((n,), 2.0, device=device)
+            for _ in range(3):
+                dist.all_reduce(y, group=mine)          # the main thread's own collectives, meanwhile
+            work.wait()
+            want = float(sum(r + 1 + i for r in range(world)))
+            if not (torch.all(x == want).item() and torch.all(y == 2.0).item()):
+                out["error"] = f"round {i}: het_shim gave {x[:2].tolist()} (want {want}), own group {y[:2].tolist()}"
+                return out
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out["iterations"] = iterations
+        out["ok"] = True
+        return out
+    raise ValueError(case)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------------------
 
-PARTS: dict[str, Callable] = {"1": part1, "2a": part2a, "2b": part2b, "2c": part2c, "3": part3}
+PARTS: dict[str, Callable] = {"1": part1, "2a": part2a, "2b": part2b, "2c": part2c, "3": part3, "4a": part4a,
+                               "4b": part4b, "4c": part4c}
 
 
 def select_parts(text: str) -> list[str]:
     chosen = []
     for item in filter(None, (t.strip() for t in text.split(","))):
-        matches = [p for p in PARTS if p == item or (item == "2" and p.startswith("2"))]
+        matches = [p for p in PARTS if p == item or (item in ("2", "4") and p.startswith(item))]
         if not matches:
-            raise SystemExit(f"--parts: unknown part {item!r} (known: {', '.join(PARTS)}, or 2 for 2a-2c)")
+            raise SystemExit(f"--parts: unknown part {item!r} (known: {', '.join(PARTS)}, or 2 / 4 for 2a-2c / 4a-4c)")
         chosen += [m for m in matches if m not in chosen]
     return chosen
 
@@ -995,7 +1228,7 @@ def run_worker(name: str, spec_text: Optional[str], rest: list[str]) -> int:
         return worker_megatron(rest)
     spec = json.loads(spec_text or "{}")
     try:
-        result = {"nccl": worker_nccl, "shim": worker_shim}[name](spec)
+        result = {"nccl": worker_nccl, "shim": worker_shim, "gpu19": worker_gpu19}[name](spec)
     except Exception as exc:
         result = {"rank": spec.get("rank"), "ok": False,
                   "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
@@ -1015,8 +1248,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, help="also write the whole report to this file")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="run the parts' workers on CPU with gloo (no GPU needed): tests the check itself")
-    ap.add_argument("--parts", default="1,2,3", help="comma-separated: 1, 2 (= 2a,2b,2c), 2a, 2b, 2c, 3")
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds for all parts together (default 450)")
+    ap.add_argument("--parts", default="1,2,3,4", help="comma-separated: 1, 2 (= 2a,2b,2c), 2a, 2b, 2c, 3, 4 "
+                    "(= 4a,4b,4c), 4a, 4b, 4c")
+    ap.add_argument("--budget", type=float, default=560.0, help="seconds for all parts together (default 560)")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the child processes")
     ap.add_argument("--pythonpath", default="", help="extra PYTHONPATH entries for the children (e.g. a "
                     "megatron-core >= 0.19 installed with --target)")

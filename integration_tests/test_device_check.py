@@ -46,10 +46,23 @@ def test_without_cuda_every_part_skips_and_the_report_is_written(tmp_path):
     proc, report = run_check(tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report == proc.stdout, "--out holds exactly what was printed"
-    for part in ("1", "2a", "2b", "2c", "3"):
+    for part in ("1", "2a", "2b", "2c", "3", "4a", "4b", "4c"):
         assert " SKIP " in part_line(report, part) and "no CUDA" in part_line(report, part)
-    assert "0 PASS, 0 FAIL, 5 SKIP" in report
+    assert "0 PASS, 0 FAIL, 8 SKIP" in report
     assert "torch " in report and "NCCL" in report, "the summary names the versions"
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_of_the_gpu_path_parts(tmp_path):
+    """Part 4 (issue 19): the split-share refusal, NCCL's interface choice predicted, the shim beside a main-thread
+    all-reduce loop."""
+    proc, report = run_check(tmp_path, "--cpu-dry-run", "--parts", "4", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for part in ("4a", "4b", "4c"):
+        assert " PASS " in part_line(report, part), report
+    assert "het_plugin refuses: NCCL_COMM_SPLIT_SHARE_RESOURCES: NCCL_COMM_SPLIT_SHARE_RESOURCES=1" in report
+    assert "het_plugin predicts NCCL takes" in report
+    assert "20 rounds of an async het_shim all-reduce and a main-thread gloo all-reduce" in report
 
 
 @pytest.mark.slow

@@ -7,9 +7,16 @@ and the hops run as a pipeline (chunk i crosses between leaders while chunk i+1 
 subgroups and chunk i-1 is sent back down). A group whose members all have one vendor forwards every
 call to the native backend.
 
-Collectives run in submission order on one worker thread per group (every member submits the same
-sequence, so the hops match up); point-to-point calls are issued directly (their peers do not
-follow the group's collective order).
+Threads and streams (so that the shim cannot deadlock beside Megatron's own collectives, issued from the
+main thread, with ``CUDA_DEVICE_MAX_CONNECTIONS=1``; NCCL needs the operations of different communicators
+issued in the same order on every rank): every native (NCCL/RCCL) collective is issued on the caller's
+thread -- the subgroup step down when the call is made, the step back up when the caller waits on the
+returned work (as torch code does, in program order) -- and the native communicators are connected eagerly
+when the group is created, on the creating thread. Only the host hop (gloo between the subgroup leaders) runs
+on the group's worker thread, in submission order (every member submits the same sequence, so the hops
+match up); it waits for the step down through a CUDA event (on a side stream of this group, so the caller's
+stream is not held) and copies on its own stream: nothing waits for the whole device. Point-to-point calls
+are issued directly (their peers do not follow the group's collective order).
 """
 from __future__ import annotations
 
@@ -143,6 +150,11 @@ def _subgroup_net_name(options: Optional[ShimOptions], global_ranks: Sequence[in
     return options.net_name_of(global_ranks)
 
 
+def _accelerated(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on the accelerator (its hops then synchronise through CUDA events)."""
+    return t.device.type == "cuda"
+
+
 def _device_native_kind() -> Optional[str]:
     """The native backend for accelerator tensors in this process (NCCL, which is RCCL on ROCm builds)."""
     if os.environ.get(ENV_NATIVE, "").strip().lower() == "gloo":
@@ -193,9 +205,15 @@ class ShimProcessGroup(dist.ProcessGroup):
                                                     dist.PrefixStore(f"het_shim/sub{self._sub}/dev", store),
                                                     self._local_rank, len(members), timeout,
                                                     _subgroup_net_name(options, sub_ranks))
+                # Connect now, on the creating thread (every member creates the group at the same point of its
+                # program), not lazily at the first collective.
+                connect = getattr(self._native["cuda"], "eager_connect_single_device", None)
+                if connect is not None:
+                    connect(torch.device("cuda", torch.cuda.current_device()))
         self._host = self._leaders = None
         self._rails: dict[int, object] = {}      # stripe -> host (gloo) group of its owners, where I am one
         self._worker = None
+        self._sync_stream = self._copy_stream = None     # created on the first accelerator call (caller's thread)
         if not layout.single_vendor:
             with gloo_network("host-staged"):
                 self._host = dist.ProcessGroupGloo(dist.PrefixStore("het_shim/host", store), rank, size, timeout)
@@ -243,24 +261,73 @@ class ShimProcessGroup(dist.ProcessGroup):
         return pg
 
     def _submit(self, job: Callable[[], None], tensors: Sequence[torch.Tensor]) -> ShimWork:
-        """Run ``job`` on the worker thread after the caller's stream produced ``tensors``."""
-        ready, device = None, None
-        for t in tensors:
-            if t.device.type == "cuda":
-                device = t.device
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(device))
-                break
+        """Run a host-only ``job`` on the worker thread (the barrier)."""
+        return ShimWork(future=self._worker.submit(job), result=tensors)
+
+    # The three steps of a hierarchical collective: ``down`` (native, caller's thread, now), the host hop
+    # (gloo, worker thread, after :meth:`_await` of the marks), ``up`` (native, caller's thread, when the caller
+    # waits: ShimWork's finish). A mark says "this data is ready": a CUDA event for accelerator tensors,
+    # recorded on this group's side stream after it waited on the native work (the caller's stream is not
+    # made to wait), or the native work itself for host tensors.
+    def _streams(self, device):
+        if self._sync_stream is None:
+            self._sync_stream = torch.cuda.Stream(device)
+            self._copy_stream = torch.cuda.Stream(device)
+        return self._sync_stream, self._copy_stream
+
+    def _mark(self, work, t: torch.Tensor):
+        if not _accelerated(t):
+            return ("work", work)
+        side, _ = self._streams(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))      # the caller's work up to this call
+        with torch.cuda.stream(side):
+            if work is not None:
+                work.wait()                                         # NCCL: the side stream waits for it
+            event = torch.cuda.Event()
+            event.record(side)
+        return ("event", event)
+
+    @staticmethod
+    def _await(mark) -> None:
+        """On the worker: until the marked data is ready (an event, not the whole device)."""
+        kind, what = mark
+        if what is None:
+            return
+        if kind == "event":
+            what.synchronize()
+        else:
+            what.wait()
+
+    def _host_copy(self, fn: Callable[[], torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        """On the worker: ``fn()`` (a host copy of device data) on this group's copy stream, then that stream's
+        own synchronisation (pinned host memory is read right after)."""
+        if not _accelerated(t):
+            return fn()
+        _, copy = self._streams(t.device)
+        with torch.cuda.stream(copy):
+            out = fn()
+        copy.synchronize()
+        return out
+
+    def _staged(self, hop: Optional[Callable[[], object]], post: Callable[[object], None],
+                result: Sequence[torch.Tensor], device: Optional[torch.device]) -> ShimWork:
+        """The handle of a hierarchical collective: ``hop`` on the worker, ``post(hop's value)`` on the thread that
+        waits (the caller's: native collectives stay on it, get_future included)."""
+        future = self._worker.submit(self._on_device(hop, device)) if hop is not None else None
+
+        def finish():
+            post(future.result() if future is not None else None)
+        return ShimWork(future=future, finish=finish, result=result, finish_on_caller=True)
+
+    @staticmethod
+    def _on_device(hop, device):
+        if device is None:
+            return hop
 
         def run():
-            if ready is not None:
-                torch.cuda.set_device(device)
-                ready.synchronize()
-            job()
-            if device is not None:
-                torch.cuda.synchronize(device)
-
-        return ShimWork(future=self._worker.submit(run), result=tensors)
+            torch.cuda.set_device(device)
+            return hop()
+        return run
 
     def _check_op(self, name: str, op: RedOp, t: torch.Tensor) -> None:
         if op not in SUPPORTED_REDUCE_OPS:
@@ -280,12 +347,7 @@ class ShimProcessGroup(dist.ProcessGroup):
         self._check_op("all_reduce", op, t)
         if self.layout.single_vendor:
             return self._native_allreduce(t, op)
-        flat = _flat(t)
-
-        def job():
-            self._hier_allreduce(flat, op)
-            _writeback(flat, t)
-        return self._submit(job, [t])
+        return self._hier_allreduce(t, op)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = _op_kind((opts or dist.AllreduceCoalescedOptions()).reduceOp)
@@ -307,10 +369,11 @@ class ShimProcessGroup(dist.ProcessGroup):
                 t.copy_(buf)
         return ShimWork(works=[work], finish=finish, result=[t])
 
-    def _hier_allreduce(self, flat: torch.Tensor, op: RedOp) -> None:
+    def _hier_allreduce(self, t: torch.Tensor, op: RedOp) -> ShimWork:
         """Striped: each piece is reduced to its stripe's owner in every subgroup, all-reduced among the
         owners through host memory, then broadcast by the owner. Pieces are issued back to back, so one
         piece crosses vendors while others are reduced or sent back inside the subgroups."""
+        flat = _flat(t)
         lay = self.layout
         red = RedOp.SUM if op == RedOp.AVG else op
         native = self._native_for(flat)
@@ -319,28 +382,38 @@ class ShimProcessGroup(dist.ProcessGroup):
         local_root = [self._members.index(o) for o in owner]
         down = [native.reduce([flat[a:b]], _reduce_opts(red, r)) for (_, a, b), r in zip(pieces, local_root)] \
             if native else []
-        across = {}
-        for k, (i, a, b) in enumerate(pieces):
-            if owner[k] == self.rank():
-                if down:
-                    down[k].wait()
-                h = _to_host(flat[a:b])
-                across[k] = (self._rails[i].allreduce([h], _allreduce_opts(red)), h)
-        up = []
-        for k, (i, a, b) in enumerate(pieces):
-            piece = flat[a:b]
-            if k in across:
-                w, h = across[k]
+        mine = [k for k in range(len(pieces)) if owner[k] == self.rank()]
+        marks = {k: self._mark(down[k] if down else None, flat) for k in mine}
+
+        def hop():
+            across = []
+            for k in mine:
+                i, a, b = pieces[k]
+                self._await(marks[k])
+                h = self._host_copy(lambda: _to_host(flat[a:b]), flat)
+                across.append((k, self._rails[i].allreduce([h], _allreduce_opts(red)), h))
+            out = {}
+            for k, w, h in across:
                 w.wait()
-                _from_host(h, piece)
-                if op == RedOp.AVG:
-                    piece.div_(self.size())
-            elif down:
-                down[k].wait()
-            if native:
-                up.append(native.broadcast([piece], _bcast_opts(local_root[k])))
-        for w in up:
-            w.wait()
+                out[k] = h
+            return out
+
+        def post(hosts):
+            for w in down:
+                w.wait()
+            up = []
+            for k, (i, a, b) in enumerate(pieces):
+                piece = flat[a:b]
+                if k in hosts:
+                    _from_host(hosts[k], piece)
+                    if op == RedOp.AVG:
+                        piece.div_(self.size())
+                if native:
+                    up.append(native.broadcast([piece], _bcast_opts(local_root[k])))
+            for w in up:
+                w.wait()
+            _writeback(flat, t)
+        return self._staged(hop if mine else None, post, [t], flat.device if _accelerated(flat) else None)
 
     # ---- broadcast --------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -353,46 +426,57 @@ class ShimProcessGroup(dist.ProcessGroup):
             buf = _contiguous(t)
             work = self._native_for(t).broadcast([buf], _bcast_opts(root))
             return work if buf is t else ShimWork(works=[work], finish=lambda: t.copy_(buf), result=[t])
+        return self._hier_broadcast(t, root)
+
+    def _hier_broadcast(self, t: torch.Tensor, root: int) -> ShimWork:
         flat = _flat(t)
-
-        def job():
-            self._hier_broadcast(flat, root)
-            _writeback(flat, t)
-        return self._submit(job, [t])
-
-    def _hier_broadcast(self, flat: torch.Tensor, root: int) -> None:
         lay = self.layout
         root_sub = lay.subgroup_index(root)
         native = self._native_for(flat)
         chunks = [flat[a:b] for a, b in chunk_bounds(flat.numel(), flat.element_size())]
+        device = flat.device if _accelerated(flat) else None
         if self._sub == root_sub:
             down = [native.broadcast([c], _bcast_opts(lay.local_rank(root))) for c in chunks] if native else []
+            hop = None
             if self._is_leader:
-                across = []
-                for i, c in enumerate(chunks):
-                    if down:
-                        down[i].wait()
-                    across.append(self._leaders.broadcast([_to_host(c)], _bcast_opts(root_sub)))
-                for w in across:
+                marks = [self._mark(down[i] if down else None, flat) for i in range(len(chunks))]
+
+                def hop():
+                    across = []
+                    for i, c in enumerate(chunks):
+                        self._await(marks[i])
+                        h = self._host_copy(lambda c=c: _to_host(c), flat)
+                        across.append((self._leaders.broadcast([h], _bcast_opts(root_sub)), h))
+                    for w, _ in across:
+                        w.wait()
+
+            def post(_):
+                for w in down:
                     w.wait()
-            for w in down:
-                w.wait()
-            return
-        up = []
+                _writeback(flat, t)
+            return self._staged(hop, post, [t], device)
+        hop = None
         if self._is_leader:
-            across = []
-            for c in chunks:
-                h = _host_buffer(c)
-                across.append((self._leaders.broadcast([h], _bcast_opts(root_sub)), h))
-            for c, (w, h) in zip(chunks, across):
-                w.wait()
-                _from_host(h, c)
+            def hop():
+                across = []
+                for c in chunks:
+                    h = _host_buffer(c)
+                    across.append((self._leaders.broadcast([h], _bcast_opts(root_sub)), h))
+                for w, _ in across:
+                    w.wait()
+                return [h for _, h in across]
+
+        def post(hosts):
+            up = []
+            for i, c in enumerate(chunks):
+                if hosts is not None:
+                    _from_host(hosts[i], c)
                 if native:
                     up.append(native.broadcast([c], _bcast_opts(0)))
-        else:
-            up = [native.broadcast([c], _bcast_opts(0)) for c in chunks]
-        for w in up:
-            w.wait()
+            for w in up:
+                w.wait()
+            _writeback(flat, t)
+        return self._staged(hop, post, [t], device)
 
     # ---- all_gather -------------------------------------------------------------------------
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's parameter name
@@ -403,13 +487,7 @@ class ShimProcessGroup(dist.ProcessGroup):
                              f"{input.numel()} {input.dtype}")
         if self.layout.single_vendor:
             return self._native_all_gather(output, input)
-        inp = _flat(input)
-        out = _flat(output)
-
-        def job():
-            self._hier_all_gather(out, inp)
-            _writeback(out, output)
-        return self._submit(job, [output, input])
+        return self._hier_all_gather(output, input)
 
     _allgather_base = all_gather_single
 
@@ -437,7 +515,8 @@ class ShimProcessGroup(dist.ProcessGroup):
                 o.copy_(part.view(o.shape))
         return ShimWork(works=[work], finish=finish, result=list(outs))
 
-    def _hier_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def _hier_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> ShimWork:  # noqa: A002
+        inp, out = _flat(input), _flat(output)
         lay, n, m = self.layout, self.size(), inp.numel()
         out2 = out.view(n, m)
         native = self._native_for(inp)
@@ -452,31 +531,40 @@ class ShimProcessGroup(dist.ProcessGroup):
                 down.append(native.gather([[r[g] for g in members]], [inp[a:b]], _gather_opts(0)))
             else:
                 down.append(native.gather([], [inp[a:b]], _gather_opts(0)))
-        up = []
+        device = inp.device if _accelerated(inp) else None
+        hop = None
         if self._is_leader:
             smax, subs = lay.max_subgroup, lay.subgroups
-            across = []
-            for i, r in enumerate(rows):
-                if down:
-                    down[i].wait()
-                pack = torch.zeros(smax, r.shape[1], dtype=r.dtype)
-                pack[:len(members)] = _to_host(r[members])
-                big = torch.empty(len(subs), smax, r.shape[1], dtype=r.dtype)
-                across.append((_all_gather_base(self._leaders, big.view(-1), pack.view(-1)), big))
-            for r, (w, big) in zip(rows, across):
+            marks = [self._mark(down[i] if down else None, inp) for i in range(len(rows))]
+
+            def hop():
+                across = []
+                for i, r in enumerate(rows):
+                    self._await(marks[i])
+                    pack = torch.zeros(smax, r.shape[1], dtype=r.dtype)
+                    pack[:len(members)] = self._host_copy(lambda r=r: _to_host(r[members]), inp)
+                    big = torch.empty(len(subs), smax, r.shape[1], dtype=r.dtype)
+                    across.append((_all_gather_base(self._leaders, big.view(-1), pack.view(-1)), big))
+                for w, _ in across:
+                    w.wait()
+                return [big for _, big in across]
+
+        def post(bigs):
+            for w in down:
                 w.wait()
-                for j, sub in enumerate(subs):
-                    r[list(sub)] = big[j, :len(sub)].to(r.device)
+            up = []
+            for i, r in enumerate(rows):
+                if bigs is not None:
+                    for j, sub in enumerate(lay.subgroups):
+                        r[list(sub)] = bigs[i][j, :len(sub)].to(r.device)
                 if native:
                     up.append(native.broadcast([r], _bcast_opts(0)))
-        else:
-            for i, r in enumerate(rows):
-                down[i].wait()
-                up.append(native.broadcast([r], _bcast_opts(0)))
-        for w in up:
-            w.wait()
-        for (a, b), r in zip(bounds, rows):
-            out2[:, a:b] = r
+            for w in up:
+                w.wait()
+            for (a, b), r in zip(bounds, rows):
+                out2[:, a:b] = r
+            _writeback(out, output)
+        return self._staged(hop, post, [output, input], device)
 
     # ---- reduce_scatter ---------------------------------------------------------------------
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
@@ -490,13 +578,7 @@ class ShimProcessGroup(dist.ProcessGroup):
                              f"{output.numel()} {output.dtype}")
         if self.layout.single_vendor:
             return self._native_reduce_scatter(output, input, op)
-        inp = _flat(input)
-        out = _flat(output)
-
-        def job():
-            self._hier_reduce_scatter(out, inp, op)
-            _writeback(out, output)
-        return self._submit(job, [output, input])
+        return self._hier_reduce_scatter(output, input, op)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -526,7 +608,8 @@ class ShimProcessGroup(dist.ProcessGroup):
         buf = torch.cat([i.reshape(-1) for i in ins])
         return self.reduce_scatter_single(out, buf, opts)
 
-    def _hier_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: RedOp) -> None:
+    def _hier_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: RedOp) -> ShimWork:  # noqa: A002
+        inp, out = _flat(input), _flat(output)
         lay, n, m = self.layout, self.size(), out.numel()
         red = RedOp.SUM if op == RedOp.AVG else op
         inp2 = inp.view(n, m)
@@ -534,35 +617,46 @@ class ShimProcessGroup(dist.ProcessGroup):
         bounds = chunk_bounds(m, inp.element_size() * n)
         parts = [inp2[:, a:b].contiguous() for a, b in bounds]       # reduced in place at the leader
         down = [native.reduce([x], _reduce_opts(red, 0)) for x in parts] if native else []
-        up = []
+        device = inp.device if _accelerated(inp) else None
+        hop = None
         if self._is_leader:
             smax, subs = lay.max_subgroup, lay.subgroups
-            across = []
-            for i, x in enumerate(parts):
-                if down:
-                    down[i].wait()
-                xh = _to_host(x)
-                packed = torch.zeros(len(subs), smax, x.shape[1], dtype=x.dtype)
-                for j, sub in enumerate(subs):
-                    packed[j, :len(sub)] = xh[list(sub)]
-                mine = torch.empty(smax, x.shape[1], dtype=x.dtype)
-                across.append((_reduce_scatter_base(self._leaders, mine.view(-1), packed.view(-1), red), mine))
-            for (a, b), (w, mine) in zip(bounds, across):
+            marks = [self._mark(down[i] if down else None, inp) for i in range(len(parts))]
+
+            def hop():
+                across = []
+                for i, x in enumerate(parts):
+                    self._await(marks[i])
+                    xh = self._host_copy(lambda x=x: _to_host(x), inp)
+                    packed = torch.zeros(len(subs), smax, x.shape[1], dtype=x.dtype)
+                    for j, sub in enumerate(subs):
+                        packed[j, :len(sub)] = xh[list(sub)]
+                    mine = torch.empty(smax, x.shape[1], dtype=x.dtype)
+                    across.append((_reduce_scatter_base(self._leaders, mine.view(-1), packed.view(-1), red), mine))
+                for w, mine in across:
+                    w.wait()
+                    if op == RedOp.AVG:
+                        mine.div_(n)
+                return [mine for _, mine in across]
+
+        def post(mines):
+            for w in down:
                 w.wait()
-                if op == RedOp.AVG:
-                    mine.div_(n)
-                mine = mine.to(out.device)
-                if native:
-                    up.append(native.scatter([out[a:b]], [[mine[k] for k in range(len(self._members))]],
-                                             _scatter_opts(0)))
-                else:
-                    out[a:b] = mine[0]
-        else:
+            up = []
             for i, (a, b) in enumerate(bounds):
-                down[i].wait()
-                up.append(native.scatter([out[a:b]], [], _scatter_opts(0)))
-        for w in up:
-            w.wait()
+                if mines is not None:
+                    mine = mines[i].to(out.device)
+                    if native:
+                        up.append(native.scatter([out[a:b]], [[mine[k] for k in range(len(self._members))]],
+                                                 _scatter_opts(0)))
+                    else:
+                        out[a:b] = mine[0]
+                else:
+                    up.append(native.scatter([out[a:b]], [], _scatter_opts(0)))
+            for w in up:
+                w.wait()
+            _writeback(out, output)
+        return self._staged(hop, post, [output, input], device)
 
     # ---- barrier ----------------------------------------------------------------------------
     def barrier(self, opts=None):

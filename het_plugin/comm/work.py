@@ -14,12 +14,16 @@ class ShimWork(dist.Work):
     """Done when its worker-thread job (``future``) and its native ``works`` are done, then ``finish`` ran.
 
     ``finish`` runs once, on the thread that waits first (e.g. copying a host-staged receive into the
-    caller's tensor); errors from the job are raised from ``wait()``.
+    caller's tensor); errors from the job are raised from ``wait()``. ``finish_on_caller``: ``finish`` issues
+    native collectives, which must stay on the caller's thread: ``get_future`` then completes on the thread
+    that asks for it (blocking there) instead of on the worker, and the work is not complete before a wait.
     """
 
     def __init__(self, *, future: Optional[Future] = None, works: Sequence[dist.Work] = (),
-                 finish: Optional[Callable[[], None]] = None, result: Sequence[torch.Tensor] = ()):
+                 finish: Optional[Callable[[], None]] = None, result: Sequence[torch.Tensor] = (),
+                 finish_on_caller: bool = False):
         super().__init__()
+        self._finish_on_caller = finish_on_caller and finish is not None
         self._future = future
         self._works = list(works)
         self._finish = finish
@@ -54,6 +58,8 @@ class ShimWork(dist.Work):
     def is_completed(self) -> bool:
         if self._done or self._error is not None:
             return True
+        if self._finish_on_caller:
+            return False
         if self._future is not None and not self._future.done():
             return False
         return all(w.is_completed() for w in self._works)
@@ -79,7 +85,7 @@ class ShimWork(dist.Work):
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 fut.set_exception(exc)
 
-        if self._future is not None and not self._works:
+        if self._future is not None and not self._works and not self._finish_on_caller:
             self._future.add_done_callback(complete)
         else:
             complete()
