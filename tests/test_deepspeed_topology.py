@@ -221,11 +221,13 @@ def test_new_group_on_nccl_sets_net_name_and_keeps_plan_order(monkeypatch):
     for g in planned:
         dsgroups.new_group(applied, g.ranks)
     for call, g in zip(fake.calls, planned):
-        expected = {"ib": "IB", "roce": "IB", "socket": "Socket", "local": None}[g.transport]
+        # only 'Socket' is forced; RDMA groups keep NCCL's own network (no cluster file declares one here)
+        expected = {"ib": None, "roce": None, "socket": "Socket", "local": None}[g.transport]
         assert call["ranks"] == g.ranks and call["backend"] is None
         assert (call["pg_options"].config.net_name if call["pg_options"] else None) == expected
         assert call["sort_ranks"] == (g.ranks == sorted(g.ranks))
-    assert {c["pg_options"].config.net_name for c in fake.calls if c["pg_options"]} == {"IB", "Socket"}
+    assert {c["pg_options"].config.net_name for c in fake.calls if c["pg_options"]} == {"Socket"}
+    assert any(g.transport in ("ib", "roce") for g in planned)
     assert any(c["sort_ranks"] is False for c in fake.calls)            # pipeline groups run [roce, ib]
     assert [r.transport for r in applied.records] == [g.transport for g in planned]
 
