@@ -9,10 +9,10 @@ import pytest
 
 torch_dist = pytest.importorskip("torch.distributed")
 
-from het_plugin import agreement  # noqa: E402
+from het_plugin.runtime import agreement  # noqa: E402
 from het_plugin.runtime import exchange  # noqa: E402
-from het_plugin.agreement import agree_on_plan, check_plan_agreement  # noqa: E402
-from het_plugin.errors import ConfigError, PlanMismatchError  # noqa: E402
+from het_plugin.runtime.agreement import agree_on_plan, check_plan_agreement  # noqa: E402
+from het_plugin.core.errors import ConfigError, PlanMismatchError  # noqa: E402
 
 
 class FakePlan:

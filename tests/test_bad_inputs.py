@@ -292,7 +292,7 @@ CASES = [
          "cannot write the plan", "choose a folder you can write to", {}),
     Case("svg-folder-missing", ["plan", "--svg", "{missing}/p.svg"], ["--svg"], "does not exist",
          "create the folder first", {}),
-    Case("svg-unwritable", ["plan", "--svg", "/proc/het_plugin.svg"], ["/proc/het_plugin.svg", "--svg"],
+    Case("svg-unwritable", ["plan", "--svg", "/proc/het_plugin.views.svg"], ["/proc/het_plugin.views.svg", "--svg"],
          "cannot write the picture", "choose a folder", {}),
     Case("wrap-config-output-is-the-config", ["wrap-config", "{ds.json}", "--cluster", "{c}", "-o", "{ds.json}"],
          ["ds.json", "-o/--output"], "is also the input (CONFIG)", "another file",
@@ -335,9 +335,9 @@ def warm():
     """Import what the cases touch, so that the time bound measures the work, not the first imports."""
     import het_plugin.cli.discover   # noqa: F401
     import het_plugin.deepspeed.config  # noqa: F401
-    import het_plugin.planner  # noqa: F401
-    import het_plugin.report  # noqa: F401
-    import het_plugin.svg  # noqa: F401
+    import het_plugin.core.planner  # noqa: F401
+    import het_plugin.views.report  # noqa: F401
+    import het_plugin.views.svg  # noqa: F401
 
 
 def materialise(case: Case, tmp_path: Path, saved_plan: Path) -> list[str]:

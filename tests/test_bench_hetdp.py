@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_hetdp  # noqa: E402
 import hetdp_profile  # noqa: E402
 from e2e_setup import TinyShape  # noqa: E402
-from het_plugin.emulate import make_layout, node_speeds  # noqa: E402
-from het_plugin.plan import Plan  # noqa: E402
-from het_plugin.planner import make_plan  # noqa: E402
-from het_plugin.profile import load_profile  # noqa: E402
+from het_plugin.tools.emulate import make_layout, node_speeds  # noqa: E402
+from het_plugin.core.plan import Plan  # noqa: E402
+from het_plugin.core.planner import make_plan  # noqa: E402
+from het_plugin.core.inputs.profile import load_profile  # noqa: E402
 
 SHAPE = TinyShape(global_batch_size=bench_hetdp.GLOBAL_BATCH)
 SLOW = bench_hetdp.GLOBAL_BATCH // 6          # a slow replica's micro-batches (of 1 sample) at 2:1

@@ -8,9 +8,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_planner  # noqa: E402
-from het_plugin.cluster import cluster_from_dict  # noqa: E402
-from het_plugin.model import preset_model  # noqa: E402
-from het_plugin.planner import plan_candidates  # noqa: E402
+from het_plugin.core.inputs.cluster import cluster_from_dict  # noqa: E402
+from het_plugin.core.inputs.model import preset_model  # noqa: E402
+from het_plugin.core.planner import plan_candidates  # noqa: E402
 
 
 def _sub(name: str, acc: str, count: int):

@@ -16,7 +16,7 @@ import pytest
 
 torch_dist = pytest.importorskip("torch.distributed")
 
-from het_plugin.errors import ConfigError  # noqa: E402
+from het_plugin.core.errors import ConfigError  # noqa: E402
 from het_plugin.runtime import exchange  # noqa: E402
 from het_plugin.runtime.exchange import configured_timeout, timeout_s  # noqa: E402
 from het_plugin.runtime.guard import (GroupCreationTimeout, GroupGuard, bounds_creation,  # noqa: E402
@@ -58,7 +58,7 @@ def test_a_bad_timeout_parameter_is_a_config_error_naming_it(bad):
 
 def test_deepspeed_section_carries_the_timeout():
     from het_plugin.deepspeed.config import HetSection, wrap
-    from het_plugin.plan import Plan  # noqa: F401 - the section parses without torch.distributed
+    from het_plugin.core.plan import Plan  # noqa: F401 - the section parses without torch.distributed
     cfg = wrap({"train_batch_size": 8}, "auto", timeout_s=45)
     assert cfg["heterogeneous"]["timeout_s"] == 45
     assert HetSection.from_dict(cfg["heterogeneous"]).timeout_s == 45

@@ -8,14 +8,14 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from het_plugin.cli import main
-from het_plugin.cluster import load_cluster
-from het_plugin.model import preset_model
-from het_plugin.placement import place
-from het_plugin.plan import FORMAT_VERSION, Plan, Prediction
-from het_plugin.planner import assemble_plan
-from het_plugin.report import node_rows, render_text, spans
-from het_plugin.svg import PALETTE, draw_plan
-from het_plugin.topology import ParallelDims
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.inputs.model import preset_model
+from het_plugin.core.ranks.placement import place
+from het_plugin.core.plan import FORMAT_VERSION, Plan, Prediction
+from het_plugin.core.planner import assemble_plan
+from het_plugin.views.report import node_rows, render_text, spans
+from het_plugin.views.svg import PALETTE, draw_plan
+from het_plugin.core.ranks.dims import ParallelDims
 
 
 def run(capsys, *argv):
@@ -259,7 +259,7 @@ def test_big_clusters_are_summarised(examples_dir):
 
 
 def test_picture_of_a_big_cluster_is_compact(tmp_path, examples_dir):
-    from het_plugin.cluster import cluster_from_dict
+    from het_plugin.core.inputs.cluster import cluster_from_dict
     cluster = cluster_from_dict({"name": "big", "clusters": [
         {"name": "a", "fabric": {"type": "ib", "gbps": 400},
          "nodes": [{"count": 300, "accelerator": "H100", "accelerators_per_node": 8}]},
@@ -289,7 +289,7 @@ def test_a_saved_plan_is_shown_without_planning(capsys, tmp_path, monkeypatch):
 
     def no_planning(*a, **k):
         raise AssertionError("planned again")
-    monkeypatch.setattr("het_plugin.planner.make_plan", no_planning)
+    monkeypatch.setattr("het_plugin.core.planner.make_plan", no_planning)
     picture = tmp_path / "p.svg"
     rc, out, err = run(capsys, saved, "--svg", picture)
     assert rc == 0, err
@@ -313,7 +313,7 @@ def test_report_names_the_links_and_what_crosses_them(examples_dir):
 
 def test_profile_flag_feeds_measured_layer_times_to_the_planner(capsys, tmp_path):
     import yaml
-    from het_plugin.profile import Profile
+    from het_plugin.core.inputs.profile import Profile
     nodes = lambda acc: [{"count": 2, "accelerator": acc, "accelerators_per_node": 8,
                           "nics": [{"type": "ethernet", "gbps": 100}]}]
     cluster = tmp_path / "two-devices.yaml"

@@ -5,11 +5,11 @@ import textwrap
 
 import pytest
 
-from het_plugin import catalog
-from het_plugin.cluster import cluster_from_dict, load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.placement import check_dims, check_world_size
-from het_plugin.topology import ParallelDims
+from het_plugin.core.inputs import catalog
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.ranks.placement import check_dims, check_world_size
+from het_plugin.core.ranks.dims import ParallelDims
 
 GOOD = """\
 name: two

@@ -4,11 +4,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from het_plugin import cost
-from het_plugin.cluster import cluster_from_dict, load_cluster
-from het_plugin.model import preset_model
-from het_plugin.placement import baseline_transport, default_placement, place, transport
-from het_plugin.topology import ParallelDims
+from het_plugin.core import cost
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
+from het_plugin.core.inputs.model import preset_model
+from het_plugin.core.ranks.placement import baseline_transport, default_placement, place, transport
+from het_plugin.core.ranks.dims import ParallelDims
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

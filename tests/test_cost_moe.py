@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin import cost
-from het_plugin.cluster import load_cluster
-from het_plugin.model import ModelSpec
-from het_plugin.placement import Placement, place, transport
-from het_plugin.topology import ParallelDims
+from het_plugin.core import cost
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.inputs.model import ModelSpec
+from het_plugin.core.ranks.placement import Placement, place, transport
+from het_plugin.core.ranks.dims import ParallelDims
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -119,8 +119,8 @@ def test_expert_gradients_are_reduced_over_expert_dp(holmes):
     node = cost.SplitCosts(model, cost.analyze(holmes, place(holmes, ParallelDims(tp=1, pp=2, dp=32, ep=8, etp=1)),
                                                transport), 1).stages[0]
     assert whole.expert_dp == 1 and node.expert_dp == 4
-    dense_only = cost._dp_reduce_s(whole, 4, 32, False, None)
-    with_experts = cost._dp_reduce_s(node, 4, 32, False, None)
+    dense_only = cost.stage._dp_reduce_s(whole, 4, 32, False, None)
+    with_experts = cost.stage._dp_reduce_s(node, 4, 32, False, None)
     assert with_experts > dense_only > 0
     # the expert-dp groups (stride 8 over the IB stage's 4 nodes) cross the IB fabric
     assert {lv.tier.kind for p in node.expert_paths for lv in p.levels} == {"ib"}
@@ -177,4 +177,4 @@ def test_dense_gradients_are_reduced_over_dp_times_cp(holmes):
     assert st.cp == 8
     # the dp-cp group holds all 64 ranks of the stage: 8 per node inside it, then 4 nodes, then 2 clusters
     assert [lv.members for p in st.paths for lv in p.levels] == [8, 4, 2]
-    assert cost._dp_reduce_s(st, 4, 8, False, None) > 0
+    assert cost.stage._dp_reduce_s(st, 4, 8, False, None) > 0

@@ -1,12 +1,12 @@
-"""Which samples each data-parallel replica reads under an uneven split (het_plugin.data)."""
+"""Which samples each data-parallel replica reads under an uneven split (het_plugin.core.ranks.batches)."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from het_plugin.data import ReplicaBatches, ReplicaSampler
-from het_plugin.errors import ConfigError
+from het_plugin.core.ranks.batches import ReplicaBatches, ReplicaSampler
+from het_plugin.core.errors import ConfigError
 
 
 @settings(max_examples=80, deadline=None)

@@ -7,16 +7,16 @@ import pytest
 import yaml
 
 from het_plugin.cli import main as cli_main
-from het_plugin.cluster import cluster_from_dict, load_cluster
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
 from het_plugin.deepspeed import SECTION, HetSection, section_of, strip_section, wrap
 from het_plugin.deepspeed.config import BatchSettings
-from het_plugin.deepspeed.resolve import RunShape, resolve_section_plan
-from het_plugin.errors import ConfigError
-from het_plugin.model import ModelSpec
-from het_plugin.placement import place
-from het_plugin.plan import Plan
-from het_plugin.planner import assemble_plan
-from het_plugin.topology import ParallelDims
+from het_plugin.deepspeed.plan_source import RunShape, resolve_section_plan
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import ModelSpec
+from het_plugin.core.ranks.placement import place
+from het_plugin.core.plan import Plan
+from het_plugin.core.planner import assemble_plan
+from het_plugin.core.ranks.dims import ParallelDims
 
 TINY = ModelSpec(name="tiny", num_layers=8, hidden_size=16, num_attention_heads=1, vocab_size=16, seq_length=4,
                  global_batch_size=8, micro_batch_size=2, dtype="fp32")
@@ -226,7 +226,7 @@ def test_resolve_derives_the_planning_model_from_the_layers(cluster_file):
 
 
 def test_resolve_auto_plans_from_discovery(monkeypatch):
-    import het_plugin.resolve as resolve_mod
+    import het_plugin.core.launch as resolve_mod
     monkeypatch.setattr(resolve_mod, "discover", lambda: cluster_from_dict(hetero_cluster()))
     section = section_of(wrap(DS, "auto", TINY, pp=2))
     plan = resolve_section_plan(section, SHAPE)

@@ -10,11 +10,11 @@ import pytest
 deepspeed = pytest.importorskip("deepspeed")
 
 import het_plugin.deepspeed as hds  # noqa: E402
-from het_plugin.cluster import cluster_from_dict  # noqa: E402
-from het_plugin.errors import ConfigError  # noqa: E402
-from het_plugin.placement import place  # noqa: E402
-from het_plugin.planner import assemble_plan  # noqa: E402
-from het_plugin.topology import ParallelDims  # noqa: E402
+from het_plugin.core.inputs.cluster import cluster_from_dict  # noqa: E402
+from het_plugin.core.errors import ConfigError  # noqa: E402
+from het_plugin.core.ranks.placement import place  # noqa: E402
+from het_plugin.core.planner import assemble_plan  # noqa: E402
+from het_plugin.core.ranks.dims import ParallelDims  # noqa: E402
 from tests.test_deepspeed_config import DS, TINY, hetero_cluster  # noqa: E402
 
 

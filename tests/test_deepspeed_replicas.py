@@ -12,15 +12,15 @@ deepspeed = pytest.importorskip("deepspeed")
 import torch  # noqa: E402
 
 import het_plugin.deepspeed as hds  # noqa: E402
-from het_plugin.cluster import cluster_from_dict  # noqa: E402
-from het_plugin.data import ReplicaSampler  # noqa: E402
+from het_plugin.core.inputs.cluster import cluster_from_dict  # noqa: E402
+from het_plugin.core.ranks.batches import ReplicaSampler  # noqa: E402
 from het_plugin.deepspeed import engine as hds_engine  # noqa: E402
 from het_plugin.deepspeed.replicas import (CountedIterator, ReplicaDataError, ReplicaSampleOrder,  # noqa: E402
                                            ReplicaShare, _refuse_even_sampler, check_batch_settings, rank_config)
-from het_plugin.errors import ConfigError  # noqa: E402
-from het_plugin.placement import place  # noqa: E402
-from het_plugin.planner import assemble_plan  # noqa: E402
-from het_plugin.topology import ParallelDims  # noqa: E402
+from het_plugin.core.errors import ConfigError  # noqa: E402
+from het_plugin.core.ranks.placement import place  # noqa: E402
+from het_plugin.core.planner import assemble_plan  # noqa: E402
+from het_plugin.core.ranks.dims import ParallelDims  # noqa: E402
 from tests.test_deepspeed_config import DS, TINY, hetero_cluster  # noqa: E402
 
 

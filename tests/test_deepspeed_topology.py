@@ -11,16 +11,16 @@ pytest.importorskip("deepspeed")
 
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
 
-from het_plugin.cluster import cluster_from_dict  # noqa: E402
+from het_plugin.core.inputs.cluster import cluster_from_dict  # noqa: E402
 from het_plugin.deepspeed import groups as dsgroups  # noqa: E402
 from het_plugin.deepspeed.partition import counted_layers, layers_in_parts, plan_parts  # noqa: E402
-from het_plugin.deepspeed.topology import PlanTopology  # noqa: E402
-from het_plugin.errors import ConfigError  # noqa: E402
-from het_plugin.model import ModelSpec  # noqa: E402
-from het_plugin.placement import place  # noqa: E402
-from het_plugin.planner import assemble_plan, uniform_layers  # noqa: E402
+from het_plugin.deepspeed.process_topology import PlanTopology  # noqa: E402
+from het_plugin.core.errors import ConfigError  # noqa: E402
+from het_plugin.core.inputs.model import ModelSpec  # noqa: E402
+from het_plugin.core.ranks.placement import place  # noqa: E402
+from het_plugin.core.planner import assemble_plan, uniform_layers  # noqa: E402
 from het_plugin.runtime.applied import AppliedPlan  # noqa: E402
-from het_plugin.topology import ParallelDims  # noqa: E402
+from het_plugin.core.ranks.dims import ParallelDims  # noqa: E402
 
 MODEL = ModelSpec(name="m", num_layers=8, hidden_size=16, num_attention_heads=1, vocab_size=16, seq_length=4,
                   global_batch_size=64, micro_batch_size=1)
@@ -160,7 +160,7 @@ def test_groups_spanning_vendors_are_host_staged():
 def test_nccl_options_select_the_network(monkeypatch):
     import torch.distributed as tdist
 
-    from het_plugin.runtime.groups import with_net_name
+    from het_plugin.runtime.group_policy import with_net_name
 
     class FakeOptions:
         def __init__(self):

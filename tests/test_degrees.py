@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from het_plugin.errors import ConfigError
-from het_plugin.topology import Degrees, ParallelDims
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.ranks.dims import Degrees, ParallelDims
 
 
 def test_minus_one_is_inferred_from_the_others():

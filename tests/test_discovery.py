@@ -12,12 +12,12 @@ import pytest
 import yaml
 
 from het_plugin.cli import main as cli_main
-from het_plugin.cluster import cluster_from_dict, load_cluster
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
 from het_plugin.discovery import (AcceleratorInfo, DiscoveryError, NodeView, RankView, build_cluster_data,
                                   cluster_from_views, discover_node, format_yaml, from_device_name, gather_discovery)
 from het_plugin.discovery.accelerator import detect, from_torch
 from het_plugin.discovery.sysfs import parse_rate
-from het_plugin.errors import ConfigError
+from het_plugin.core.errors import ConfigError
 from sysfs_tree import (ACTIVE, DOWN, INIT, RATES, Hca, NetIf, Port, ethernet_node, ib_node, loopback,
                               roce_node, write_tree)
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from het_plugin.emulate import system
-from het_plugin.emulate.system import EmulatorUnavailable, RunRecord
+from het_plugin.tools.emulate import system
+from het_plugin.tools.emulate.system import EmulatorUnavailable, RunRecord
 
 
 @pytest.fixture

@@ -11,12 +11,19 @@ from types import SimpleNamespace
 import pytest
 
 from het_plugin.cli.emulate import check_numbers, parse_speeds
-from het_plugin.cluster import cluster_from_dict
-from het_plugin.emulate import make_layout, system
-from het_plugin.emulate.speed import (CPU_BUDGET, MIN_QUOTA_US, PERIOD_US, TASK_WEIGHT, cpu_shares,
-                                      default_cpu_per_rank, node_speeds)
-from het_plugin.emulate.system import EmulatorUnavailable, RunRecord
-from het_plugin.errors import ConfigError
+from het_plugin.core.inputs.cluster import cluster_from_dict
+from het_plugin.tools.emulate import make_layout, system
+from het_plugin.tools.emulate.speed import (
+    CPU_BUDGET,
+    MIN_QUOTA_US,
+    PERIOD_US,
+    TASK_WEIGHT,
+    cpu_shares,
+    default_cpu_per_rank,
+    node_speeds,
+)
+from het_plugin.tools.emulate.system import EmulatorUnavailable, RunRecord
+from het_plugin.core.errors import ConfigError
 
 
 def two_speeds(fast_tflops: float = 400, slow_tflops: float = 200, ranks: int = 2):

@@ -7,7 +7,7 @@ import pytest
 
 torch_dist = pytest.importorskip("torch.distributed")
 
-from het_plugin.errors import ConfigError  # noqa: E402
+from het_plugin.core.errors import ConfigError  # noqa: E402
 from het_plugin.runtime import exchange  # noqa: E402
 from het_plugin.runtime.exchange import Exchange, ExchangeTimeout, RemoteError, first_error  # noqa: E402
 

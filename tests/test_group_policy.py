@@ -1,4 +1,4 @@
-"""The one group-creation policy (het_plugin.runtime.groups): backend, pg_options (NCCL net_name or the
+"""The one group-creation policy (het_plugin.runtime.group_policy): backend, pg_options (NCCL net_name or the
 shim's options), gloo interface and member order, for any group a framework creates under a plan."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import types
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.model import preset_model
-from het_plugin.planner import make_plan
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.inputs.model import preset_model
+from het_plugin.core.planner import make_plan
 from het_plugin.runtime.applied import AppliedPlan
-from het_plugin.runtime.groups import Policy, spec_for
+from het_plugin.runtime.group_policy import Policy, spec_for
 
 from megatron_common import DATA, MODEL
 
@@ -106,7 +106,7 @@ def test_transport_of_known_and_derived_groups(plan8):
 
 
 def test_a_torch_without_sort_ranks_is_refused_for_a_permuted_group(plan8, monkeypatch):
-    from het_plugin.errors import ConfigError
+    from het_plugin.core.errors import ConfigError
     from torch.distributed import distributed_c10d
 
     def old_new_group(ranks=None, timeout=None, backend=None, pg_options=None):
@@ -126,7 +126,7 @@ def test_a_torch_without_sort_ranks_is_refused_for_a_permuted_group(plan8, monke
 def test_members_are_ordered_as_torch_would_order_them_without_het_plugin(plan8):
     """Torch sorts a group's members by rank; under a plan that is the *logical* rank. An identity plan keeps
     torch's own sorting whatever order the framework lists the members in (Megatron concatenates some lists)."""
-    from het_plugin.megatron.core import resolve_megatron_plan
+    from het_plugin.megatron.mcore import resolve_megatron_plan
     from megatron_common import DATA, MODEL
     homogeneous = resolve_megatron_plan(DATA / "megatron-homogeneous-4.yaml", model=MODEL, world_size=4, tp=1, pp=2)
     assert homogeneous.is_identity

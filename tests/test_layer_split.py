@@ -3,7 +3,7 @@ import itertools
 
 from hypothesis import given, settings, strategies as st
 
-from het_plugin.layer_split import bottleneck, exact_partition, linear_costs
+from het_plugin.core.layer_split import bottleneck, exact_partition, linear_costs
 
 
 def brute_force(num_layers, costs, caps, min_layers=1):

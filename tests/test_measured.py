@@ -8,15 +8,23 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.measured import (RankTimes, comparison_lines, imbalance, imbalance_warning, measured_profile,
-                                 measured_run, rank_devices, stage_devices)
-from het_plugin.model import ModelSpec
-from het_plugin.planner import make_plan
-from het_plugin.profile import Profile, load_profile
-from het_plugin.runtime.profiling import ProfileRecorder, ProfileSettings, StageTimer
-from het_plugin.timeline import split_costs
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.cost.measured import (
+    RankTimes,
+    comparison_lines,
+    imbalance,
+    imbalance_warning,
+    measured_profile,
+    measured_run,
+    rank_devices,
+    stage_devices,
+)
+from het_plugin.core.inputs.model import ModelSpec
+from het_plugin.core.planner import make_plan
+from het_plugin.core.inputs.profile import Profile, load_profile
+from het_plugin.runtime.recorder import ProfileRecorder, ProfileSettings, StageTimer
+from het_plugin.views.timeline import split_costs
 
 DATA = Path(__file__).resolve().parents[1] / "integration_tests" / "data"
 IB_ROCE_4 = DATA / "megatron-ib-roce-4.yaml"      # 2 x H100 on IB, 2 x A100-80 on RoCE, one rank per node
@@ -147,7 +155,7 @@ def test_the_profile_predicts_each_measured_stage(plan, cluster):
     devices = set(rank_devices(plan))
     assert kinds == {(d, k) for d in devices for k in ("layer", "embedding", "output")}   # every kind on each
     # the embedding of the device that did not hold stage 0 follows from its layer by the FLOP shares
-    from het_plugin.measured import flop_shares
+    from het_plugin.core.cost.measured import flop_shares
     layer_w, emb_w, _ = flop_shares(tiny_model(), plan.micro_batch_size)
     other = next(d for d in devices if d != prof.measured.stages[0].device)
     layer = prof.compute_time(other, "layer", plan.micro_batch_size, 1)
@@ -373,8 +381,8 @@ def test_profile_settings_refuse_bad_names_and_intervals(tmp_path):
 
 def test_reporting_ranks_are_bounded_per_stage_and_device():
     """Rank 0 reads at most 8 ranks per (stage, device type): a large job's store reads stay few."""
-    from het_plugin.cluster import cluster_from_dict
-    from het_plugin.measured import reporting_ranks
+    from het_plugin.core.inputs.cluster import cluster_from_dict
+    from het_plugin.core.cost.measured import reporting_ranks
 
     def node(acc):
         return {"count": 8, "accelerator": acc, "accelerators_per_node": 8}
@@ -396,7 +404,7 @@ def test_cuda_event_clock_reads_event_pairs_in_seconds(monkeypatch):
     """On a GPU a span is two CUDA events on the current stream; reading one synchronises on its end event only
     (stand-in events: this machine has no GPU)."""
     torch = pytest.importorskip("torch")
-    from het_plugin.runtime.profiling import CudaEventClock
+    from het_plugin.runtime.recorder import CudaEventClock
     log = []
 
     class Event:
@@ -444,7 +452,7 @@ def test_iterations_without_timed_micro_batches_are_named_once(tmp_path, caplog)
 
 
 def test_the_default_clock_is_chosen_at_the_first_timed_span():
-    from het_plugin.runtime.profiling import FirstUseClock, WallClock, default_clock
+    from het_plugin.runtime.recorder import FirstUseClock, WallClock, default_clock
     clock = default_clock()
     assert isinstance(clock, FirstUseClock) and clock.chosen is None
     start = clock.mark()

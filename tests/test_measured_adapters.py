@@ -7,9 +7,9 @@ import argparse
 import pytest
 
 from het_plugin.deepspeed import SECTION, HetSection, wrap
-from het_plugin.errors import ConfigError
+from het_plugin.core.errors import ConfigError
 from het_plugin.megatron import args as hargs
-from het_plugin.runtime.profiling import ProfileSettings
+from het_plugin.runtime.recorder import ProfileSettings
 from test_deepspeed_config import DS, TINY, cluster_file  # noqa: F401  (fixture)
 from test_measured import FakeClock
 
@@ -41,7 +41,7 @@ def test_megatron_lm_flags_parse_and_are_checked_before_planning():
         hargs.check_compatible(a)
     assert exc.value.field == "--heterogeneous-profile-interval" and "--heterogeneous-profile-out" in exc.value.fix
     assert parser().parse_args([]).heterogeneous_profile_out is None
-    from het_plugin.megatron.core import profile_settings
+    from het_plugin.megatron.mcore import profile_settings
     with pytest.raises(ConfigError) as exc:
         profile_settings(None, 10)
     assert exc.value.field == "profile_every"
@@ -105,9 +105,9 @@ def fake_schedules(monkeypatch):
 
 
 def test_megatron_hooks_time_training_iterations_only_and_come_off(fake_schedules, tmp_path):
-    from het_plugin.megatron import timing
-    from het_plugin.cluster import load_cluster
-    from het_plugin.planner import make_plan
+    from het_plugin.megatron import recorder_hooks as timing
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.planner import make_plan
     from test_measured import IB_ROCE_4, tiny_model
     schedules, calls = fake_schedules
     plan = make_plan(load_cluster(IB_ROCE_4), tiny_model(), tp=1, pp=2)
@@ -156,10 +156,10 @@ class FakeEngine:
 
 
 def test_deepspeed_engine_hooks_end_an_iteration_at_the_accumulation_boundary(tmp_path):
-    from het_plugin.deepspeed.timing import _engine_hooks
-    from het_plugin.runtime.profiling import ProfileRecorder
-    from het_plugin.cluster import load_cluster
-    from het_plugin.planner import make_plan
+    from het_plugin.deepspeed.recorder_hooks import _engine_hooks
+    from het_plugin.runtime.recorder import ProfileRecorder
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.planner import make_plan
     from test_measured import IB_ROCE_4, tiny_model
     plan = make_plan(load_cluster(IB_ROCE_4), tiny_model(), tp=1, pp=2)
     rec = ProfileRecorder(plan, 0, ProfileSettings(str(tmp_path / "m.yaml"), warmup=0), "DeepSpeed",
@@ -177,10 +177,10 @@ def test_deepspeed_engine_hooks_end_an_iteration_at_the_accumulation_boundary(tm
 
 def test_deepspeed_backward_time_leaves_out_the_gradient_reduction(tmp_path):
     """DeepSpeed's backward() all-reduces the gradients at the accumulation boundary: that wait is not compute."""
-    from het_plugin.deepspeed.timing import _engine_hooks
-    from het_plugin.runtime.profiling import ProfileRecorder
-    from het_plugin.cluster import load_cluster
-    from het_plugin.planner import make_plan
+    from het_plugin.deepspeed.recorder_hooks import _engine_hooks
+    from het_plugin.runtime.recorder import ProfileRecorder
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.planner import make_plan
     from test_measured import IB_ROCE_4, FakeClock, tiny_model
     plan = make_plan(load_cluster(IB_ROCE_4), tiny_model(), tp=1, pp=2)
     clock = FakeClock()
@@ -210,10 +210,10 @@ def test_deepspeed_backward_time_leaves_out_the_gradient_reduction(tmp_path):
 def test_deepspeed_pipeline_hooks_time_the_forward_and_backward_instructions(tmp_path):
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.pipe import schedule
-    from het_plugin.deepspeed.timing import _pipeline_hooks
-    from het_plugin.runtime.profiling import ProfileRecorder
-    from het_plugin.cluster import load_cluster
-    from het_plugin.planner import make_plan
+    from het_plugin.deepspeed.recorder_hooks import _pipeline_hooks
+    from het_plugin.runtime.recorder import ProfileRecorder
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.planner import make_plan
     from test_measured import IB_ROCE_4, tiny_model
     plan = make_plan(load_cluster(IB_ROCE_4), tiny_model(), tp=1, pp=2)
     rec = ProfileRecorder(plan, 0, ProfileSettings(str(tmp_path / "m.yaml"), warmup=0), "DeepSpeed",
@@ -247,11 +247,11 @@ def test_hds_initialize_times_the_engine_it_returns(monkeypatch, tmp_path):
     import inspect
 
     import het_plugin.deepspeed as hds
-    from het_plugin.cluster import cluster_from_dict
-    from het_plugin.placement import place
-    from het_plugin.planner import assemble_plan
+    from het_plugin.core.inputs.cluster import cluster_from_dict
+    from het_plugin.core.ranks.placement import place
+    from het_plugin.core.planner import assemble_plan
     from het_plugin.runtime.applied import AppliedPlan
-    from het_plugin.topology import ParallelDims
+    from het_plugin.core.ranks.dims import ParallelDims
     from test_deepspeed_config import hetero_cluster
     engine = FakeEngine(accumulation=2)
 

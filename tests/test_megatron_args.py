@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.errors import ConfigError
+from het_plugin.core.errors import ConfigError
 from het_plugin.megatron import args as hargs
 from het_plugin.megatron import hook, lm
 from het_plugin.megatron.pipeline_layout import layout_string
-from het_plugin.plan import Plan
+from het_plugin.core.plan import Plan
 
 DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
 CLUSTER_8 = DATA / "megatron-ib-roce-8.yaml"
@@ -312,11 +312,11 @@ def test_the_plan_made_at_initialisation_goes_to_megatrons_global_args(argv, mon
 
 
 def _plan(counts, *, overlap=True, distributed_optimizer=True):
-    from het_plugin.cluster import load_cluster
-    from het_plugin.model import ModelSpec
-    from het_plugin.placement import place
-    from het_plugin.planner import assemble_plan
-    from het_plugin.topology import ParallelDims
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.inputs.model import ModelSpec
+    from het_plugin.core.ranks.placement import place
+    from het_plugin.core.planner import assemble_plan
+    from het_plugin.core.ranks.dims import ParallelDims
     cluster = load_cluster(DATA / "megatron-ib-roce-4.yaml")
     model = ModelSpec(name="t", num_layers=sum(counts), hidden_size=32, num_attention_heads=4, vocab_size=128,
                       seq_length=16, global_batch_size=8, micro_batch_size=2)
@@ -377,8 +377,8 @@ def test_the_timeout_flag_is_checked_before_planning(argv, monkeypatch):
 
 def test_the_timeout_flag_bounds_the_plan_check_and_group_creation(argv, monkeypatch):
     import torch.distributed as dist
-    from het_plugin import agreement
-    from het_plugin.megatron import core
+    from het_plugin.runtime import agreement
+    from het_plugin.megatron import mcore as core
     argv(*MODEL, "--pipeline-model-parallel-size", "2", "--heterogeneous-timeout", "12",
          "--heterogeneous-nic", str(CLUSTER_8))
     mod = fake_arguments_module()
@@ -398,11 +398,11 @@ def test_the_timeout_flag_bounds_the_plan_check_and_group_creation(argv, monkeyp
 def test_a_homogeneous_plan_keeps_the_users_overlap_setting():
     """het_plugin is a no-op on a homogeneous cluster: the plan's overlap assumption does not turn Megatron's
     --overlap-grad-reduce on, neither in args nor in a config container."""
-    from het_plugin.cluster import load_cluster
-    from het_plugin.model import ModelSpec
-    from het_plugin.placement import place
-    from het_plugin.planner import assemble_plan
-    from het_plugin.topology import ParallelDims
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.inputs.model import ModelSpec
+    from het_plugin.core.ranks.placement import place
+    from het_plugin.core.planner import assemble_plan
+    from het_plugin.core.ranks.dims import ParallelDims
     cluster = load_cluster(DATA / "megatron-homogeneous-4.yaml")
     model = ModelSpec(name="t", num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128,
                       seq_length=16, global_batch_size=8, micro_batch_size=2)
@@ -422,9 +422,9 @@ def test_megatron_lms_world_group_gets_its_own_network_when_the_plan_spans_fabri
     and a world inside one fabric are left alone."""
     import torch.distributed as dist
 
-    from het_plugin import netselect
-    from het_plugin.cluster import load_cluster
-    from het_plugin.planner import make_plan
+    from het_plugin.runtime import netselect
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.planner import make_plan
     from megatron_common import MODEL
     calls = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append(kw))

@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.megatron import core
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.megatron import mcore as core
 from het_plugin.megatron.pipeline_layout import layout_for_plan, layout_string
-from het_plugin.model import ModelSpec
-from het_plugin.planner import make_plan
+from het_plugin.core.inputs.model import ModelSpec
+from het_plugin.core.planner import make_plan
 
 from megatron_common import DATA, MODEL
 
@@ -115,9 +115,9 @@ def test_cost_model_charges_the_embedding_all_reduce_only_when_stages_share_the_
     tied, untied, mtp = _plan(MODEL), _plan(UNTIED), _plan(MTP)
     assert tied.embedding_stages == [0, 1] and untied.embedding_stages == [0] and mtp.embedding_stages == [0, 1]
     assert [len(g.ranks) for g in untied.groups["embedding"]] == [1] * 4
-    from het_plugin import cost
-    from het_plugin.placement import place
-    from het_plugin.topology import ParallelDims
+    from het_plugin.core import cost
+    from het_plugin.core.ranks.placement import place
+    from het_plugin.core.ranks.dims import ParallelDims
     cluster = load_cluster(DATA / "megatron-ib-roce-8.yaml")
     placement = place(cluster, ParallelDims(tp=2, pp=2, dp=2))
     p_tied, p_untied, p_mtp = (cost.predict(cluster, m, placement, [3, 2], 2) for m in (MODEL, UNTIED, MTP))

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.megatron import core
-from het_plugin.model import ModelSpec
-from het_plugin.planner import make_plan
-from het_plugin.topology import EXPERT_KINDS, GROUP_KINDS
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.megatron import mcore as core
+from het_plugin.core.inputs.model import ModelSpec
+from het_plugin.core.planner import make_plan
+from het_plugin.core.ranks.dims import EXPERT_KINDS, GROUP_KINDS
 
 ps = pytest.importorskip("megatron.core.parallel_state")
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from het_plugin.cluster import load_cluster
+from het_plugin.core.inputs.cluster import load_cluster
 from het_plugin.megatron import groups as hgroups
-from het_plugin.megatron.core import resolve_megatron_plan
-from het_plugin.planner import placeable_degrees
-from het_plugin.report import startup_summary
+from het_plugin.megatron.mcore import resolve_megatron_plan
+from het_plugin.core.planner import placeable_degrees
+from het_plugin.views.report import startup_summary
 from het_plugin.runtime.applied import AppliedPlan
-from het_plugin.errors import ConfigError
-from het_plugin.planner import make_plan
-from het_plugin.plan import Plan
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.planner import make_plan
+from het_plugin.core.plan import Plan
 
 from megatron_common import DATA, MODEL
 
@@ -126,7 +126,7 @@ def test_create_group_wrapper_sets_network_order_and_backend(plan8, monkeypatch)
 def test_build_groups_passes_plan_degrees_and_megatrons_settings(plan8, monkeypatch, capsys):
     import torch.distributed as dist
 
-    from het_plugin.megatron import core
+    from het_plugin.megatron import mcore as core
 
     calls = []
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 5)
@@ -149,7 +149,7 @@ def test_build_groups_passes_plan_degrees_and_megatrons_settings(plan8, monkeypa
 def test_build_groups_on_a_homogeneous_cluster_passes_megatrons_settings_through(monkeypatch, tmp_path, capsys):
     import torch.distributed as dist
 
-    from het_plugin.megatron import core
+    from het_plugin.megatron import mcore as core
 
     plan = make_plan(load_cluster(DATA / "megatron-homogeneous-4.yaml"), MODEL, tp=2, pp=2)
     calls = []

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.megatron import core
-from het_plugin.megatron.core import resolve_megatron_plan
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.megatron import mcore as core
+from het_plugin.megatron.mcore import resolve_megatron_plan
 from het_plugin.megatron.pipeline_layout import layout_for_plan
-from het_plugin.plan import Plan
-from het_plugin.planner import make_plan
+from het_plugin.core.plan import Plan
+from het_plugin.core.planner import make_plan
 
 from megatron_common import DATA, MODEL
 

@@ -5,15 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.layer_split import virtual_split
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.layer_split import virtual_split
 from het_plugin.megatron.pipeline_layout import (apply_plan_to_config, layout_for_plan, layout_string,
                                                  virtual_layout_string)
-from het_plugin.model import ModelSpec
-from het_plugin.planner import assemble_plan
-from het_plugin.placement import place
-from het_plugin.topology import ParallelDims
+from het_plugin.core.inputs.model import ModelSpec
+from het_plugin.core.planner import assemble_plan
+from het_plugin.core.ranks.placement import place
+from het_plugin.core.ranks.dims import ParallelDims
 
 DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
 

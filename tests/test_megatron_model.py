@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from het_plugin.errors import ConfigError
+from het_plugin.core.errors import ConfigError
 from het_plugin.megatron.modelspec import DEFAULT_VOCAB_SIZE, model_from_args
 
 

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.megatron import core, replicas
-from het_plugin.planner import make_plan
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.megatron import mcore as core, replicas
+from het_plugin.core.planner import make_plan
 from het_plugin.runtime.applied import AppliedPlan
-from het_plugin.runtime.groups import Policy
+from het_plugin.runtime.group_policy import Policy
 from tests.megatron_common import DATA, MODEL
 
 pytest.importorskip("megatron.core")
@@ -130,8 +130,8 @@ def test_forget_plan_gives_megatron_its_own_schedules_back(applied, even, tmp_pa
     """Uneven replicas and the measured-profile timing both wrap the schedules; forget_plan takes both off."""
     from megatron.core.pipeline_parallel import schedules
 
-    from het_plugin.megatron import core, forget_plan, timing
-    from het_plugin.runtime.profiling import ProfileSettings
+    from het_plugin.megatron import mcore as core, forget_plan, recorder_hooks as timing
+    from het_plugin.runtime.recorder import ProfileSettings
     own = {name: getattr(schedules, name) for name in replicas.SCHEDULES + timing.STEPS}
     uneven = dataclasses.replace(even, replica_micro_batches=[3, 1])
     try:
@@ -196,7 +196,7 @@ def test_a_global_aux_loss_across_replicas_is_refused_with_uneven_counts():
     the replica with more micro-batches would wait forever, so the schedule call stops first."""
     import types
 
-    from het_plugin.errors import ConfigError
+    from het_plugin.core.errors import ConfigError
     from het_plugin.megatron.replicas import _check_no_cross_replica_collectives
     from het_plugin.runtime.replicas import ReplicaShare
     share = ReplicaShare(replica=0, count=3, even_count=2, dp=2, micro_batch_size=1, samples=(0, 3), uneven=True,

@@ -1,10 +1,10 @@
-"""het_plugin.schedule's interleaved order against the installed Megatron-Core's own schedule functions
+"""het_plugin.core.cost.interleaved's interleaved order against the installed Megatron-Core's own schedule functions
 (make test runs this on megatron-core 0.16.1 and 0.19.2)."""
 from types import SimpleNamespace
 
 import pytest
 
-from het_plugin.schedule import check_micro_batches, interleaved_order, schedule_table, warmup_count
+from het_plugin.core.cost.interleaved import check_micro_batches, interleaved_order, schedule_table, warmup_count
 
 CASES = [(2, 2, 2), (2, 2, 8), (2, 3, 4), (4, 2, 4), (4, 2, 16), (3, 4, 6), (8, 2, 16), (4, 3, 12)]
 

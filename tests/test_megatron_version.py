@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from het_plugin.errors import ConfigError
+from het_plugin.core.errors import ConfigError
 from het_plugin.megatron import version as mv
 
 
@@ -35,7 +35,7 @@ def test_the_installed_megatron_is_in_range(monkeypatch):
 
 def test_the_drop_in_refuses_an_untested_megatron_before_touching_it(monkeypatch):
     pytest.importorskip("megatron.core")
-    from het_plugin.megatron import core
+    from het_plugin.megatron import mcore as core
     monkeypatch.delenv(mv.ENV_ANY, raising=False)
     monkeypatch.setattr(mv, "installed_version", lambda: "0.99.0")
     with pytest.raises(ConfigError, match="megatron-core 0.99.0 is outside"):

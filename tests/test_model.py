@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from het_plugin.errors import ConfigError
-from het_plugin.model import ModelSpec, load_model, preset_model
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import ModelSpec, load_model, preset_model
 
 GOOD = """\
 name: tiny

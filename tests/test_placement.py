@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from het_plugin.cluster import cluster_from_dict  # noqa: E402
-from het_plugin.placement import (default_placement, domain_orders, place, stage_domains,  # noqa: E402
-                                  transport)
-from het_plugin.topology import GROUP_KINDS, ParallelDims  # noqa: E402
+from het_plugin.core.inputs.cluster import cluster_from_dict  # noqa: E402
+from het_plugin.core.ranks.placement import default_placement, domain_orders, place, stage_domains, transport
+from het_plugin.core.ranks.dims import GROUP_KINDS, ParallelDims  # noqa: E402
 
 PARTS = ["A100-80", "H100", "MI250X", "MI300X", "other-vendor"]
 
@@ -154,7 +153,7 @@ def test_default_placement_is_identity_and_place_is_too_on_one_domain(cluster, d
 
 
 def test_holmes_shape_keeps_tp_dp_inside_fabrics(examples_dir):
-    from het_plugin.cluster import load_cluster
+    from het_plugin.core.inputs.cluster import load_cluster
     cluster = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
     p = place(cluster, ParallelDims(tp=8, pp=2, dp=4))
     for kind, expected in (("tp", {"local"}), ("dp", {"ib", "roce"})):
@@ -182,15 +181,15 @@ def test_domain_orders_keep_clusters_contiguous():
 
 
 def test_place_rejects_a_wrong_domain_order(examples_dir):
-    from het_plugin.cluster import load_cluster
+    from het_plugin.core.inputs.cluster import load_cluster
     cluster = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
     with pytest.raises(ValueError, match="domain order"):
         place(cluster, ParallelDims(dp=64), [("ib", "A100-80")])
 
 
 def test_baseline_forces_sockets_on_mixed_fabrics(examples_dir):
-    from het_plugin.cluster import load_cluster
-    from het_plugin.placement import baseline_transport
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.ranks.placement import baseline_transport
     holmes = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
     homog = load_cluster(examples_dir / "clusters" / "homogeneous-ib.yaml")
     ib_ranks = list(range(0, 32, 8))

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from het_plugin.cluster import load_cluster  # noqa: E402
-from het_plugin.errors import ConfigError  # noqa: E402
-from het_plugin.model import ModelSpec, preset_model  # noqa: E402
-from het_plugin.plan import FORMAT_VERSION, Plan, Prediction, looks_like_plan  # noqa: E402
-from het_plugin.planner import assemble_plan, make_plan  # noqa: E402
-from het_plugin.topology import GROUP_KINDS  # noqa: E402
+from het_plugin.core.inputs.cluster import load_cluster  # noqa: E402
+from het_plugin.core.errors import ConfigError  # noqa: E402
+from het_plugin.core.inputs.model import ModelSpec, preset_model  # noqa: E402
+from het_plugin.core.plan import FORMAT_VERSION, Plan, Prediction, looks_like_plan  # noqa: E402
+from het_plugin.core.planner import assemble_plan, make_plan  # noqa: E402
+from het_plugin.core.ranks.dims import GROUP_KINDS  # noqa: E402
 
 from test_placement import placed  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -93,8 +93,8 @@ def test_plan_helpers_agree_with_the_placement(case):
 def test_hash_changes_with_content(examples_dir):
     cluster = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
     model = preset_model("gpt-7.5b")
-    from het_plugin.placement import place
-    from het_plugin.topology import ParallelDims
+    from het_plugin.core.ranks.placement import place
+    from het_plugin.core.ranks.dims import ParallelDims
     p = place(cluster, ParallelDims(tp=8, pp=2, dp=4))
     base = assemble_plan(cluster, model, p, [18, 18], 1)
     assert assemble_plan(cluster, model, p, [20, 16], 1).hash != base.hash
@@ -237,8 +237,8 @@ def test_replica_split_ranges_weights_and_hash(examples_dir):
     """Per-replica micro-batch counts: sample ranges tile the global batch in dp order, weights are the
     shares, the even split keeps the hash of a plan written before the field, and bad counts are refused."""
     cluster = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
-    from het_plugin.placement import place
-    from het_plugin.topology import ParallelDims
+    from het_plugin.core.ranks.placement import place
+    from het_plugin.core.ranks.dims import ParallelDims
     p = place(cluster, ParallelDims(tp=8, pp=2, dp=4))
     model = preset_model("gpt-7.5b")
     even = assemble_plan(cluster, model, p, [18, 18], 1)
@@ -271,7 +271,7 @@ def test_replica_split_ranges_weights_and_hash(examples_dir):
 def test_a_plan_file_with_unknown_group_keys_is_one_message_for_every_reader(saved):
     """The adapters load plan files through resolve.load_source: a hand-edited group is a ConfigError there
     too (it was a TypeError outside the CLI)."""
-    from het_plugin.resolve import load_source
+    from het_plugin.core.launch import load_source
     plan, path = saved
     data = json.loads(path.read_text())
     del data["hash"]
@@ -286,8 +286,8 @@ def test_a_plan_file_with_unknown_group_keys_is_one_message_for_every_reader(sav
 def test_uneven_replicas_refused_where_they_would_hang():
     """Replicas with different counts must not meet in a group that runs a collective every micro-batch (the
     MoE all-to-all of expert-ep, expert-TP), nor run Megatron's interleaved schedule."""
-    from het_plugin.plan import check_replica_split, replica_split_conflict
-    from het_plugin.topology import ParallelDims
+    from het_plugin.core.plan import check_replica_split, replica_split_conflict
+    from het_plugin.core.ranks.dims import ParallelDims
     dims = ParallelDims(tp=1, pp=1, dp=4, ep=2)
     pairs = [sorted(dims.coord(r)["dp"] for r in g) for g in dims.groups("expert-ep")]
     assert all(len(p) == 2 for p in pairs)
@@ -319,8 +319,8 @@ def test_replica_split_conflict_is_the_first_group_joining_two_counts(tp, ep, dp
     """The planner's cached check names the same group as walking every per-micro-batch group member by member."""
     import random
 
-    from het_plugin.plan import PER_MICRO_BATCH_KINDS, replica_split_conflict
-    from het_plugin.topology import ParallelDims
+    from het_plugin.core.plan import PER_MICRO_BATCH_KINDS, replica_split_conflict
+    from het_plugin.core.ranks.dims import ParallelDims
     try:
         dims = ParallelDims(tp=tp, pp=pp, dp=dp, ep=ep, order=order)
     except ValueError:

@@ -3,11 +3,11 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin import planner
-from het_plugin.cluster import cluster_from_dict, load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.model import preset_model
-from het_plugin.planner import make_plan, uniform_layers
+from het_plugin.core import planner
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import preset_model
+from het_plugin.core.planner import make_plan, uniform_layers
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 RDMA_OR_LOCAL = {"local", "ib", "roce"}
@@ -188,7 +188,7 @@ def test_faster_devices_get_more_layers():
 
 
 def test_a_measured_profile_changes_the_split():
-    from het_plugin.profile import Profile
+    from het_plugin.core.inputs.profile import Profile
     prof = Profile()
     prof.add_compute("A100-80", "layer", 1, 8, 0.0001, 0.0002)     # "measured": ~3x faster than the H100 estimate
     plan = make_plan(_two_device_cluster(), preset_model("gpt-7.5b"), tp=8, pp=2, micro_batch_size=1, profile=prof)
@@ -199,7 +199,7 @@ def test_a_measured_profile_changes_the_split():
 def test_homogeneous_cluster_where_no_pp_divides_the_layers_still_gets_an_identity_plan():
     # 40 ranks, 24 layers, batch 96: no (pp, dp) the degrees allow has a pp dividing 24, so Megatron's uniform
     # default is impossible; this used to end in "memory cannot hold ... nan GiB".
-    from het_plugin.model import ModelSpec
+    from het_plugin.core.inputs.model import ModelSpec
     cluster = cluster_from_dict({"clusters": [{"name": "c0", "fabric": {"type": "roce", "gbps": 100},
                                                "nodes": [{"count": 5, "accelerator": "other-vendor",
                                                           "accelerators_per_node": 8}]}]})

@@ -6,16 +6,16 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from het_plugin import cost
+from het_plugin.core import cost
 from het_plugin.cli import main as cli_main
-from het_plugin.cluster import cluster_from_dict, load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.model import preset_model
-from het_plugin.placement import place, place_replicas, transport
-from het_plugin.plan import Plan
-from het_plugin.planner import SHAPE_DATA, SHAPE_MIXED, make_plan
-from het_plugin.report import render_text, replica_rows
-from het_plugin.topology import ParallelDims
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import preset_model
+from het_plugin.core.ranks.placement import place, place_replicas, transport
+from het_plugin.core.plan import Plan
+from het_plugin.core.planner import SHAPE_DATA, SHAPE_MIXED, make_plan
+from het_plugin.views.report import render_text, replica_rows
+from het_plugin.core.ranks.dims import ParallelDims
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -102,7 +102,7 @@ def test_replicas_on_different_devices_form_classes_and_uneven_counts_shorten_th
 
 
 def test_replicas_predicted_on_their_own_pay_the_profiles_iteration_overhead_once(mixed, gpt7):
-    from het_plugin.profile import Profile
+    from het_plugin.core.inputs.profile import Profile
     analysis = cost.analyze(mixed, place(mixed, ParallelDims(tp=8, pp=1, dp=4)), transport)
     base = cost.SplitCosts(gpt7, analysis, 1, profile=Profile())
     prof = Profile()

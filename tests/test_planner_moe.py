@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 
 from het_plugin.cli import main
-from het_plugin.cluster import cluster_from_dict, load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.model import ModelSpec, preset_model
-from het_plugin.planner import make_plan
-from het_plugin.topology import Degrees
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import ModelSpec, preset_model
+from het_plugin.core.planner import make_plan
+from het_plugin.core.ranks.dims import Degrees
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -1,4 +1,4 @@
-"""Mixed-NIC pre-flight (het_plugin.preflight, `het-plugin check`): nodes from fabricated sysfs trees,
+"""Mixed-NIC pre-flight (het_plugin.core.nccl_env, `het-plugin check`): nodes from fabricated sysfs trees,
 environments that NCCL would hang on, the derived per-node settings, and the CLI's exit codes."""
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from het_plugin.cli import main as cli_main
-from het_plugin.cluster import load_cluster
+from het_plugin.core.inputs.cluster import load_cluster
 from het_plugin.discovery import cluster_from_views, discover_node
-from het_plugin.errors import ConfigError
-from het_plugin.preflight import NameFilter, check_launch, groups_from_plan, render_env
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.nccl_env import NameFilter, check_launch, groups_from_plan, render_env
 from sysfs_tree import ACTIVE, RATES, Hca, NetIf, Port, ib_node, loopback, roce_node, write_tree
 
-HOLMES = Path(__file__).resolve().parent.parent / "het_plugin" / "data" / "clusters" / "holmes-ib-roce.yaml"
+HOLMES = Path(__file__).resolve().parent.parent / "het_plugin" / "core" / "inputs" / "presets" / "clusters" / "holmes-ib-roce.yaml"
 
 
 def view(root, name, **env):
@@ -197,8 +197,8 @@ def test_name_filter_follows_nccl_prefix_exact_exclude_and_port():
 # ---- from a plan and from a cluster file ---------------------------------------------------------------
 
 def test_plan_groups_and_the_file_nics():
-    from het_plugin.planner import make_plan
-    from het_plugin.resolve import model_from_arg
+    from het_plugin.core.planner import make_plan
+    from het_plugin.core.launch import model_from_arg
     cluster = load_cluster(HOLMES)
     plan = make_plan(cluster, model_from_arg("gpt-7.5b"))
     groups = groups_from_plan(plan)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from het_plugin.cluster import cluster_from_dict, load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.model import ModelSpec
-from het_plugin.planner import make_plan
-from het_plugin.preflight import GroupUse, world_refusal
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import ModelSpec
+from het_plugin.core.planner import make_plan
+from het_plugin.core.nccl_env import GroupUse, world_refusal
 from het_plugin.runtime import preflight as rp
 from het_plugin.runtime.applied import AppliedPlan
 
@@ -89,7 +89,7 @@ def test_an_unreadable_world_net_name_warns_instead_of_refusing(nccl, caplog):
     """Never checked on a GPU build: if torch does not show the world group's NCCL options, a world group made
     right must not be refused; rank 0 logs the warning with the fix."""
     import logging
-    from het_plugin.preflight import NET_NAME_UNREADABLE
+    from het_plugin.core.nccl_env import NET_NAME_UNREADABLE
     plan = plan_of(load_cluster(CLUSTER))
     nccl["net"] = NET_NAME_UNREADABLE
     with caplog.at_level(logging.WARNING, logger="het_plugin"):
@@ -143,7 +143,7 @@ def test_world_refusal_rules():
     assert world_refusal(sock, "nccl", None, {"a": "Socket", "b": None}).field == "init_process_group(pg_options=)"
     assert world_refusal(GroupUse("world group", ("a", "b"), "ib"), "nccl", None, {}) is None
     assert world_refusal(GroupUse("world group", ("a",), "socket"), "nccl", None, {}) is None
-    from het_plugin.preflight import NET_NAME_UNREADABLE
+    from het_plugin.core.nccl_env import NET_NAME_UNREADABLE
     assert world_refusal(sock, "nccl", NET_NAME_UNREADABLE, {}) is None
     assert world_refusal(GroupUse("world group", ("a", "b"), "host-staged"), "nccl", NET_NAME_UNREADABLE, {})
     vendors = world_refusal(GroupUse("world group", ("a", "b"), "host-staged"), "nccl", "Socket", {})

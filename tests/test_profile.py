@@ -3,13 +3,13 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin import cost
-from het_plugin.cluster import load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.model import preset_model
-from het_plugin.placement import place
-from het_plugin.profile import Profile, bandwidth_at, load_profile
-from het_plugin.topology import ParallelDims
+from het_plugin.core import cost
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import preset_model
+from het_plugin.core.ranks.placement import place
+from het_plugin.core.inputs.profile import Profile, bandwidth_at, load_profile
+from het_plugin.core.ranks.dims import ParallelDims
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin import cost
-from het_plugin.cluster import load_cluster
-from het_plugin.model import preset_model
-from het_plugin.placement import place
-from het_plugin.planner import make_plan
-from het_plugin.profile import Profile, load_profile
-from het_plugin.topology import ParallelDims
-from het_plugin.yamlio import read_data
+from het_plugin.core import cost
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.inputs.model import preset_model
+from het_plugin.core.ranks.placement import place
+from het_plugin.core.planner import make_plan
+from het_plugin.core.inputs.profile import Profile, load_profile
+from het_plugin.core.ranks.dims import ParallelDims
+from het_plugin.core.inputs.yamlio import read_data
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "data" / "profile_format1_golden.json"

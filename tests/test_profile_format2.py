@@ -4,15 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin import cost
-from het_plugin.cluster import load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.model import preset_model
-from het_plugin.placement import place
-from het_plugin.planner import make_plan
-from het_plugin.profile import Profile, curve_at, fixed_plus_per_sample, load_profile
-from het_plugin.report import render_text
-from het_plugin.topology import ParallelDims
+from het_plugin.core import cost
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import preset_model
+from het_plugin.core.ranks.placement import place
+from het_plugin.core.planner import make_plan
+from het_plugin.core.inputs.profile import Profile, curve_at, fixed_plus_per_sample, load_profile
+from het_plugin.views.report import render_text
+from het_plugin.core.ranks.dims import ParallelDims
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 A100 = "A100-80"
@@ -122,7 +122,7 @@ def test_per_layer_overrides_cost_the_stage_that_holds_the_layer(holmes, gpt7):
     # the interleaved schedule: layer 20 is on rank 0's second chunk ([[9, 9], [9, 9]]: v2 = chunk 1 of rank 0)
     prof.add_compute(A100, "layer", 2, 4, 15.0, 30.0, layer=20)
     split = cost.SplitCosts(gpt7, cost.analyze(holmes, placement), 2, profile=prof, vpp=2)
-    fwd, bwd = cost._virtual_times(split.stages, [[9, 9], [9, 9]])
+    fwd, bwd = cost.pipeline._virtual_times(split.stages, [[9, 9], [9, 9]])
     assert [f + b for f, b in zip(fwd[0], bwd[0])] == pytest.approx([8 * 4.5 + 45 + 0.06, 8 * 4.5 + 45])
     assert [f + b for f, b in zip(fwd[1], bwd[1])] == pytest.approx([9 * 4.5, 9 * 4.5 + 0.9])
 

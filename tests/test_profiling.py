@@ -4,15 +4,23 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import cluster_from_dict, load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.model import ModelSpec, preset_model
-from het_plugin.planner import make_plan
-from het_plugin.profile import load_profile
-from het_plugin.profiling import records as rec
-from het_plugin.profiling.records import bus_gbps, build_profile, link_gbps
-from het_plugin.profiling.settings import (check_memory, compute_jobs, device_types, link_jobs, make_settings,
-                                           memory_need_bytes, sender_counts, tp_degrees)
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import ModelSpec, preset_model
+from het_plugin.core.planner import make_plan
+from het_plugin.core.inputs.profile import load_profile
+from het_plugin.tools.profiler import records as rec
+from het_plugin.tools.profiler.records import bus_gbps, build_profile, link_gbps
+from het_plugin.tools.profiler.settings import (
+    check_memory,
+    compute_jobs,
+    device_types,
+    link_jobs,
+    make_settings,
+    memory_need_bytes,
+    sender_counts,
+    tp_degrees,
+)
 
 DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
 TINY = ModelSpec(name="tiny", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32,
@@ -169,7 +177,7 @@ def test_the_measured_faster_device_gets_more_layers():
 
 
 def test_megatron_layers_need_its_tp_groups_to_be_the_measuring_ones():
-    from het_plugin.profiling.megatron_layers import aligned
+    from het_plugin.tools.profiler.megatron_layers import aligned
     assert aligned(8, [(0,), (0, 1), (4, 5), (0, 1, 2, 3)])
     assert not aligned(6, [(0, 1, 2, 3)])               # Megatron needs tp to divide the world
     assert not aligned(6, [(3, 4)])                     # a node of 3 ranks: its TP-2 group starts at rank 3
@@ -177,8 +185,8 @@ def test_megatron_layers_need_its_tp_groups_to_be_the_measuring_ones():
 
 def test_a_point_the_device_cannot_hold_now_is_refused_not_crashed(monkeypatch):
     torch = pytest.importorskip("torch")
-    from het_plugin.profiling import compute
-    from het_plugin.profiling.settings import ComputeJob
+    from het_plugin.tools.profiler import compute
+    from het_plugin.tools.profiler.settings import ComputeJob
     job = ComputeJob("A100-80", "layer", 2, 8, (0, 1))
     dev = compute.Device(torch.device("cpu"), torch.float32)
     monkeypatch.setattr(compute, "free_bytes", lambda d: 1.0 * 2**30)

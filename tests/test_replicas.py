@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.planner import make_plan
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.planner import make_plan
 from het_plugin.runtime.replicas import ReplicaShare
 from tests.megatron_common import DATA, MODEL
 

@@ -4,15 +4,15 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from het_plugin import cost
-from het_plugin.cluster import load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.model import preset_model
-from het_plugin.placement import default_placement, domain_orders, place
-from het_plugin.planner import make_plan
-from het_plugin.plan import Plan
-from het_plugin.schedule import interleaved_order, simulate_interleaved, warmup_count
-from het_plugin.topology import ParallelDims
+from het_plugin.core import cost
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import preset_model
+from het_plugin.core.ranks.placement import default_placement, domain_orders, place
+from het_plugin.core.planner import make_plan
+from het_plugin.core.plan import Plan
+from het_plugin.core.cost.interleaved import interleaved_order, simulate_interleaved, warmup_count
+from het_plugin.core.ranks.dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from het_plugin.comm import vendors as V
-from het_plugin.errors import ConfigError
+from het_plugin.core.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)
@@ -40,10 +40,10 @@ def test_set_vendor_map_accepts_list_and_mapping_and_rejects_bad_keys():
 
 
 def test_shim_options_from_a_plan_carry_vendors_and_the_plan_transport_rule(examples_dir):
-    from het_plugin.cluster import load_cluster
-    from het_plugin.model import preset_model
-    from het_plugin.placement import transport
-    from het_plugin.planner import make_plan
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.inputs.model import preset_model
+    from het_plugin.core.ranks.placement import transport
+    from het_plugin.core.planner import make_plan
     cluster = load_cluster(examples_dir / "clusters" / "hethub-mix.yaml")
     plan = make_plan(cluster, preset_model("gpt-7.5b"))
     options = V.ShimOptions.from_plan(plan)

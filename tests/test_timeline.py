@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from het_plugin.cli import main
-from het_plugin.cluster import load_cluster
-from het_plugin.cost import simulate_1f1b
-from het_plugin.errors import ConfigError
-from het_plugin.measured import RankTimes, duration, measured_profile, stage_devices
-from het_plugin.planner import make_plan
-from het_plugin.timeline import bubbles, layout, plan_timeline, simulate_1f1b_ops, split_costs
-from het_plugin.svg import to_svg
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.cost.pipeline import simulate_1f1b
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.cost.measured import RankTimes, duration, measured_profile, stage_devices
+from het_plugin.core.planner import make_plan
+from het_plugin.views.timeline import bubbles, layout, plan_timeline, simulate_1f1b_ops, split_costs
+from het_plugin.views.svg import to_svg
 from test_measured import IB_ROCE_4, tiny_model, times_for
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -180,8 +180,8 @@ def test_rank_times_for_a_plan_helper_is_consistent(plan):
 def test_uneven_replicas_draw_the_slowest_replica_groups_pipeline():
     """Data parallelism across H100 and A100 replicas with uneven micro-batch counts: the picture is the
     pipeline that finishes last (its own count), and its iteration is the plan's."""
-    from het_plugin.cluster import cluster_from_dict
-    from het_plugin.model import preset_model
+    from het_plugin.core.inputs.cluster import cluster_from_dict
+    from het_plugin.core.inputs.model import preset_model
     from test_planner_hetdp import _node
     mixed = cluster_from_dict({"name": "mixed", "clusters": [
         {"name": "a", "fabric": {"type": "ib", "gbps": 1600}, "nodes": [_node("H100"), _node("A100-80")]}]})

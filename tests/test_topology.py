@@ -10,7 +10,7 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from het_plugin.topology import GROUP_KINDS, ParallelDims  # noqa: E402
+from het_plugin.core.ranks.dims import GROUP_KINDS, ParallelDims  # noqa: E402
 
 ps = pytest.importorskip("megatron.core.parallel_state")
 pytestmark = pytest.mark.megatron     # compared with the installed Megatron: make test runs it on 0.16.1 and 0.19.2

@@ -7,14 +7,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from het_plugin.cluster import cluster_from_dict
-from het_plugin.errors import ConfigError
-from het_plugin.model import ModelSpec
-from het_plugin.placement import place, transport
-from het_plugin.plan import FORMAT_VERSION, Plan
-from het_plugin.planner import assemble_plan
-from het_plugin.topology import ParallelDims
-from het_plugin.transport import Member, transport_rule
+from het_plugin.core.inputs.cluster import cluster_from_dict
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import ModelSpec
+from het_plugin.core.ranks.placement import place, transport
+from het_plugin.core.plan import FORMAT_VERSION, Plan
+from het_plugin.core.planner import assemble_plan
+from het_plugin.core.ranks.dims import ParallelDims
+from het_plugin.core.ranks.transport import Member, transport_rule
 
 from test_placement import placed  # noqa: E402  (tests/ is on sys.path under pytest)
 
