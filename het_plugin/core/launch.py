@@ -65,6 +65,13 @@ def load_source(source: Source, what: str = "cluster") -> Union[Plan, Cluster, N
     return Plan.load(path) if looks_like_plan(path) else load_cluster(path)
 
 
+def no_discovery() -> Cluster:
+    """What a caller without ranks gets for "discover": discovery runs on ranks (het_plugin.discovery), and the
+    pure core cannot reach it; the adapters pass ``discover=het_plugin.discovery.discover_cluster``."""
+    raise ConfigError("no cluster given, and discovery runs only on the job's ranks", field="cluster",
+                      fix="pass a cluster file or a plan file")
+
+
 @dataclass(frozen=True)
 class Resolved:
     """The plan a launch runs and the cluster it was made from (a cluster file or discovery; None for a plan
@@ -179,9 +186,4 @@ def check_plan_fits(plan: Plan, launch: Launch, degrees: Degrees, model: Optiona
                                                          f"model file), or pass {flag} {planned}")
 
 
-def no_discovery() -> Cluster:
-    """What a caller without ranks gets for "discover": discovery runs on ranks (het_plugin.discovery), and the
-    pure core cannot reach it; the adapters pass ``discover=het_plugin.discovery.discover_cluster``."""
-    raise ConfigError("no cluster given, and discovery runs only on the job's ranks", field="cluster",
-                      fix="pass a cluster file or a plan file")
 
