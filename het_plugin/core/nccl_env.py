@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .errors import ConfigError
-from ..runtime.netselect import ENV_GLOO_IFNAMES, nccl_net_name
+from .ranks.transport import ENV_GLOO_IFNAMES, nccl_net_name
 
 RDMA_KINDS = ("ib", "roce")
 KIND_TEXT = {"ib": "InfiniBand", "roce": "RoCE"}

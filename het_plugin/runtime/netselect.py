@@ -15,18 +15,8 @@ import contextlib
 import os
 from typing import Iterator, Optional
 
-ENV_GLOO_IFNAMES = "HET_PLUGIN_GLOO_IFNAMES"
-
-# Groups whose transport is 'host-staged' (spanning vendors) are created with this backend, which
-# ``import het_plugin.comm`` registers (imported only when such a group exists).
-SHIM_BACKEND = "het_shim"
-
-NCCL_NET_NAME = {"ib": "IB", "roce": "IB", "socket": "Socket", "host-staged": "Socket"}
-
-
-def nccl_net_name(transport: str) -> Optional[str]:
-    """NCCL's net_name for a transport; None for 'local' (NVLink/shared memory: NCCL needs no NIC)."""
-    return NCCL_NET_NAME.get(transport)
+# The names per transport are pure data, shared with the pre-flight's rules: core.ranks.transport.
+from ..core.ranks.transport import ENV_GLOO_IFNAMES, NCCL_NET_NAME, SHIM_BACKEND, nccl_net_name  # noqa: F401
 
 
 def gloo_ifnames(env: Optional[dict] = None) -> dict[str, str]:

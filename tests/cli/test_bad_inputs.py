@@ -22,7 +22,7 @@ import pytest
 
 from het_plugin.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CPU_BOUND_S = 1.0      # CPU seconds of this process per case: loose, the bug was minutes
 WALL_BOUND_S = 5.0     # wall seconds per case (the machine may be shared)
 

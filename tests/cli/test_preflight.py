@@ -14,7 +14,7 @@ from het_plugin.core.errors import ConfigError
 from het_plugin.core.nccl_env import NameFilter, check_launch, groups_from_plan, render_env
 from sysfs_tree import ACTIVE, RATES, Hca, NetIf, Port, ib_node, loopback, roce_node, write_tree
 
-HOLMES = Path(__file__).resolve().parent.parent / "het_plugin" / "core" / "inputs" / "presets" / "clusters" / "holmes-ib-roce.yaml"
+HOLMES = Path(__file__).resolve().parents[2] / "het_plugin" / "core" / "inputs" / "presets" / "clusters" / "holmes-ib-roce.yaml"
 
 
 def view(root, name, **env):

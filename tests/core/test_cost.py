@@ -10,7 +10,7 @@ from het_plugin.core.inputs.model import preset_model
 from het_plugin.core.ranks.placement import baseline_transport, default_placement, place, transport
 from het_plugin.core.ranks.dims import ParallelDims
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")

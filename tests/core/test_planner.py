@@ -9,7 +9,7 @@ from het_plugin.core.errors import ConfigError
 from het_plugin.core.inputs.model import preset_model
 from het_plugin.core.planner import make_plan, uniform_layers
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RDMA_OR_LOCAL = {"local", "ib", "roce"}
 
 

@@ -17,7 +17,7 @@ from het_plugin.core.planner import SHAPE_DATA, SHAPE_MIXED, make_plan
 from het_plugin.views.report import render_text, replica_rows
 from het_plugin.core.ranks.dims import ParallelDims
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _node(acc: str, count: int = 2) -> dict:

@@ -11,7 +11,7 @@ from het_plugin.core.inputs.model import ModelSpec, preset_model
 from het_plugin.core.planner import make_plan
 from het_plugin.core.ranks.dims import Degrees
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def cluster(name):

@@ -11,7 +11,7 @@ from het_plugin.core.ranks.placement import place
 from het_plugin.core.inputs.profile import Profile, bandwidth_at, load_profile
 from het_plugin.core.ranks.dims import ParallelDims
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def sample() -> Profile:

@@ -19,7 +19,7 @@ from het_plugin.core.inputs.profile import Profile, load_profile
 from het_plugin.core.ranks.dims import ParallelDims
 from het_plugin.core.inputs.yamlio import read_data
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "data" / "profile_format1_golden.json"
 # The format-1 example docs/planner.md showed (documented.yaml) and copies of the benchmark's measured profiles
 # as benchmarks/results held them (a new benchmark run rewrites those in format 2).

@@ -14,7 +14,7 @@ from het_plugin.core.inputs.profile import Profile, curve_at, fixed_plus_per_sam
 from het_plugin.views.report import render_text
 from het_plugin.core.ranks.dims import ParallelDims
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 A100 = "A100-80"
 
 
@@ -291,7 +291,7 @@ def test_format2_round_trip(tmp_path, suffix):
 
 
 def test_a_format1_profile_saves_as_format1_and_refuses_format2_fields(tmp_path):
-    old = load_profile(Path(__file__).parent / "data" / "format1" / "documented.yaml")
+    old = load_profile(Path(__file__).resolve().parents[1] / "data" / "format1" / "documented.yaml")
     assert old.legacy
     old.save(tmp_path / "again.yaml")
     assert "het_plugin-profile/1" in (tmp_path / "again.yaml").read_text()
@@ -344,7 +344,7 @@ def test_bad_format2_files_are_config_errors_naming_file_field_and_fix(tmp_path,
 
 def test_the_documented_example_and_snippet_work(tmp_path, monkeypatch):
     import re
-    text = (Path(__file__).resolve().parent.parent / "docs" / "planner.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
     section = text[text.index("## Measured profiles"):]
     example = next(b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "het_plugin-profile/2" in b)
     (tmp_path / "example.yaml").write_text(example)

@@ -14,7 +14,7 @@ from het_plugin.core.plan import Plan
 from het_plugin.core.cost.interleaved import interleaved_order, simulate_interleaved, warmup_count
 from het_plugin.core.ranks.dims import ParallelDims
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 DATA = ROOT / "integration_tests" / "data"
 

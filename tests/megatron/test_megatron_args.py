@@ -15,7 +15,7 @@ from het_plugin.megatron import hook, lm
 from het_plugin.megatron.pipeline_layout import layout_string
 from het_plugin.core.plan import Plan
 
-DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
+DATA = Path(__file__).resolve().parents[2] / "integration_tests" / "data"
 CLUSTER_8 = DATA / "megatron-ib-roce-8.yaml"
 
 

@@ -15,7 +15,7 @@ from het_plugin.core.planner import assemble_plan
 from het_plugin.core.ranks.placement import place
 from het_plugin.core.ranks.dims import ParallelDims
 
-DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
+DATA = Path(__file__).resolve().parents[2] / "integration_tests" / "data"
 
 
 def megatron_layout(text: str, pp: int):

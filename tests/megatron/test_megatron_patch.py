@@ -150,7 +150,7 @@ def test_one_patch_per_line_each_saying_which_versions():
 
 
 def test_setup_ships_every_patch():
-    text = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    text = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
     assert 'rglob("*.patch")' in text and '"_patches"' in text
 
 

@@ -20,7 +20,7 @@ from het_plugin.core.nccl_env import GroupUse, world_refusal
 from het_plugin.runtime import preflight as rp
 from het_plugin.runtime.applied import AppliedPlan
 
-DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
+DATA = Path(__file__).resolve().parents[2] / "integration_tests" / "data"
 CLUSTER = DATA / "preflight-ib-roce-4.yaml"
 MODEL = ModelSpec(name="m", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32,
                   global_batch_size=8, micro_batch_size=1)

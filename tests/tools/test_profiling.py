@@ -22,7 +22,7 @@ from het_plugin.tools.profiler.settings import (
     tp_degrees,
 )
 
-DATA = Path(__file__).resolve().parent.parent / "integration_tests" / "data"
+DATA = Path(__file__).resolve().parents[2] / "integration_tests" / "data"
 TINY = ModelSpec(name="tiny", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32,
                  global_batch_size=8, dtype="fp32")
 

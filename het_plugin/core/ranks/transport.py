@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 TRANSPORTS = ("local", "ib", "roce", "socket", "host-staged")
 RDMA = ("ib", "roce")
@@ -50,3 +50,21 @@ def transport_rule(members: Iterable[Member], link_kind: LinkKind) -> str:
 def pair_key(a: str, b: str) -> str:
     """How a Plan names the link between two clusters: the names sorted, joined by '|'."""
     return "|".join(sorted((a, b)))
+
+
+# ---- what each transport is called by the communication libraries -----------------------------------
+# (pure data: the runtime's group policy and the pre-flight's rules both read these)
+
+ENV_GLOO_IFNAMES = "HET_PLUGIN_GLOO_IFNAMES"   # transport=ifname,... : gloo's interface per transport
+
+# Groups whose transport is 'host-staged' (spanning vendors) are created with this backend, which
+# ``import het_plugin.comm`` registers (imported only when such a group exists).
+SHIM_BACKEND = "het_shim"
+
+NCCL_NET_NAME = {"ib": "IB", "roce": "IB", "socket": "Socket", "host-staged": "Socket"}
+
+
+def nccl_net_name(transport: str) -> Optional[str]:
+    """NCCL's net_name for a transport; None for 'local' (NVLink/shared memory: NCCL needs no NIC)."""
+    return NCCL_NET_NAME.get(transport)
+
