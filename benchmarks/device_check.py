@@ -343,7 +343,7 @@ def child_probe(args) -> subprocess.CompletedProcess:
         [args.python, "-c",
          "import sys\n"
          "out = []\n"
-         "try:\n import het_plugin, het_plugin.cluster; out.append('het_plugin ok')\n"
+         "try:\n import het_plugin, het_plugin.core.inputs.cluster; out.append('het_plugin ok')\n"
          "except Exception as e: out.append(f'het_plugin NOT importable: {type(e).__name__}: {e}')\n"
          "try:\n import megatron.core as mc; out.append('megatron-core ' + str(getattr(mc, '__version__', '?')))\n"
          "except Exception as e: out.append(f'megatron-core NOT importable: {type(e).__name__}: {e}')\n"
@@ -739,10 +739,10 @@ def worker_nccl(spec: dict) -> dict:
     pg_options (world of 1: a 1-rank group; world of 2: the 2-rank group itself) and an all-reduce on it."""
     import torch
     import torch.distributed as dist
-    from het_plugin.cluster import load_cluster
-    from het_plugin.model import ModelSpec
-    from het_plugin.netselect import nccl_net_name
-    from het_plugin.planner import make_plan
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.inputs.model import ModelSpec
+    from het_plugin.runtime.netselect import nccl_net_name
+    from het_plugin.core.planner import make_plan
     from het_plugin.runtime.applied import AppliedPlan
 
     rank, world, dry = spec["rank"], spec["world"], spec["dry_run"]
@@ -853,9 +853,9 @@ def part3(args, tmp, clusters, limit) -> PartResult:
 def worker_shim(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
-    from het_plugin.cluster import load_cluster
-    from het_plugin.model import ModelSpec
-    from het_plugin.planner import make_plan
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.inputs.model import ModelSpec
+    from het_plugin.core.planner import make_plan
     from het_plugin.runtime.applied import AppliedPlan
     import het_plugin.comm as comm
 
@@ -1126,8 +1126,8 @@ def worker_gpu19(spec: dict) -> dict:
     if not dry:
         torch.cuda.set_device(0)
     if case == "4a":
-        from het_plugin.cluster import load_cluster
-        from het_plugin.preflight import check_launch
+        from het_plugin.core.inputs.cluster import load_cluster
+        from het_plugin.core.nccl_env import check_launch
         cluster = load_cluster(spec["clusters"]["share"])
         result = check_launch(cluster, dict(os.environ))
         fields = [r.field for r in result.refusals]
@@ -1141,7 +1141,7 @@ def worker_gpu19(spec: dict) -> dict:
         print(RESULT_TAG + json.dumps(out), flush=True)       # kept if NCCL below takes the process down
         # What NCCL does itself: a device-bound world (no net_name), then a 'Socket' group split from it.
         try:
-            from het_plugin.runtime.groups import nccl_options
+            from het_plugin.runtime.group_policy import nccl_options
             dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
             t = torch.ones(8, device=device)
             dist.all_reduce(t)
@@ -1154,13 +1154,13 @@ def worker_gpu19(spec: dict) -> dict:
         out["lines"].append(out["nccl_outcome"])
         return out
     if case == "4b":
-        from het_plugin.preflight import nccl_auto_interfaces
+        from het_plugin.core.nccl_env import nccl_auto_interfaces
         out["interfaces"] = _interfaces_up()
         out["predicted"] = nccl_auto_interfaces(out["interfaces"])
         if dry:
             out["ok"] = True
             return out
-        from het_plugin.runtime.groups import nccl_options
+        from het_plugin.runtime.group_policy import nccl_options
         dist.init_process_group("nccl", rank=rank, world_size=world)
         g = dist.new_group([0], pg_options=nccl_options("Socket"))
         t = torch.ones(8, device=device)
@@ -1169,7 +1169,7 @@ def worker_gpu19(spec: dict) -> dict:
         out["ok"] = bool(torch.all(t == 1).item())
         return out
     if case == "4c":
-        from het_plugin.cluster import load_cluster
+        from het_plugin.core.inputs.cluster import load_cluster
         from het_plugin.model import ModelSpec
         from het_plugin.planner import make_plan
         from het_plugin.runtime.applied import AppliedPlan

@@ -29,8 +29,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import HetPluginError
-from ..netselect import SHIM_BACKEND, gloo_network
+from ..core.errors import HetPluginError
+from ..runtime.netselect import SHIM_BACKEND, gloo_network
 from .shim_layout import ShimLayout, chunk_bounds, describe, stripe_pieces
 from ..runtime.exchange import timeout_s
 from .vendors import ShimOptions, agree_on_vendors
@@ -133,11 +133,11 @@ def _writeback(flat: torch.Tensor, t: torch.Tensor) -> None:
 
 
 def _make_native(kind: str, store, rank: int, size: int, timeout: timedelta, net_name: Optional[str] = None):
-    """A vendor subgroup's native backend; NCCL's options come from the group policy (runtime.groups)."""
+    """A vendor subgroup's native backend; NCCL's options come from the group policy (runtime.group_policy)."""
     if kind == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if kind == "nccl":
-        from ..runtime.groups import nccl_options
+        from ..runtime.group_policy import nccl_options
         opts = nccl_options(net_name, timeout=timeout)
         return dist.ProcessGroupNCCL(store, rank, size, opts)
     raise ValueError(kind)

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..runtime.exchange import Exchange, ExchangeTimeout
 
 ENV_VENDOR = "HET_PLUGIN_VENDOR"
@@ -57,14 +57,14 @@ class ShimOptions:
     """
     vendors: Mapping[int, str]
     transport_of: Optional[Callable[[Sequence[int]], str]] = None
-    # The NCCL net_name of a vendor subgroup over these global ranks (het_plugin.runtime.groups.network_of, the
+    # The NCCL net_name of a vendor subgroup over these global ranks (het_plugin.runtime.group_policy.network_of, the
     # one group policy); None: NCCL's own choice.
     net_name_of: Optional[Callable[[Sequence[int]], Optional[str]]] = None
 
     @classmethod
     def from_plan(cls, plan) -> "ShimOptions":
         import functools
-        from ..runtime.groups import network_of
+        from ..runtime.group_policy import network_of
         return cls({r: plan.vendor_of(r) for r in range(plan.world_size)}, plan.transport_of,
                    functools.partial(network_of, plan))
 

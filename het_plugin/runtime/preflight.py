@@ -2,9 +2,9 @@
 
 Both adapters call :func:`check_network` through :meth:`AppliedPlan.begin`, right after plan agreement.
 When the world group runs NCCL (or RCCL, torch's ``nccl`` backend), every rank sends the NCCL settings of its own environment to rank 0 (a launcher may give each node its own: the per-node lines
-of ``het-plugin check --format env``), rank 0 runs :func:`het_plugin.preflight.preflight` over the plan's
+of ``het-plugin check --format env``), rank 0 runs :func:`het_plugin.core.nccl_env.preflight` over the plan's
 groups, the nodes' NICs (the cluster file's ``nics``, or discovery's) and those environments, adds the world
-group's check (:func:`het_plugin.preflight.world_refusal`) and a refusal for ranks of one node whose NCCL
+group's check (:func:`het_plugin.core.nccl_env.world_refusal`) and a refusal for ranks of one node whose NCCL
 settings differ (NCCL reads them per process), and every rank raises the same ConfigError -- the text of
 ``het-plugin check``. Each rank also sends the NCCL/RCCL version its torch loaded (``torch.cuda.nccl.version()``)
 and the version-dependent rules follow each node's. A ``het_shim`` world is checked too (its vendor
@@ -17,7 +17,15 @@ import logging
 import os
 from typing import Mapping, Optional
 
-from ..preflight import NET_NAME_UNREADABLE, GroupUse, Preflight, Refusal, check_launch, world_refusal, world_warning
+from ..core.nccl_env import (
+    NET_NAME_UNREADABLE,
+    GroupUse,
+    Preflight,
+    Refusal,
+    check_launch,
+    world_refusal,
+    world_warning,
+)
 from .exchange import Exchange, ExchangeTimeout
 
 log = logging.getLogger("het_plugin")
@@ -30,7 +38,7 @@ VERSION_KEY = "het_plugin:nccl_version"    # in the gathered entry beside the se
 
 def checked_backend(backend: str) -> bool:
     """The world backends whose launch runs NCCL/RCCL communicators: nccl, mixed ('cpu:gloo,cuda:nccl'), het_shim."""
-    from ..netselect import SHIM_BACKEND
+    from .netselect import SHIM_BACKEND
     text = backend.lower()
     return "nccl" in text or SHIM_BACKEND in text
 
@@ -80,7 +88,7 @@ def check_network(plan, rank: int, *, cluster=None, native_network: bool = False
     ex = Exchange(store, "preflight", index=rank, members=range(plan.world_size), what="the NCCL pre-flight",
                   timeout=timeout_s)
     try:
-        from ..nccl_version import loaded_nccl_version
+        from .nccl_version import loaded_nccl_version
         version = loaded_nccl_version()
         entries = ex.gather({**nccl_settings(env), VERSION_KEY: list(version) if version else None})
         answer, error = None, None
