@@ -9,7 +9,7 @@ Parts (docs/device-check.md says what each can and cannot demonstrate):
 1   Megatron-LM training through the real ``megatron.training`` (integration_tests/ranks/pretrain_gpt.py) on one
     GPU under torchrun, with ``--heterogeneous-nic <one-node cluster file>`` and ``--heterogeneous-plan-out``:
     exit 0, a finite 'lm loss' on every iteration, the plan file written and the same hash in the log.
-2a  NCCL communicators created with the ``pg_options`` het_plugin's group policy (runtime.groups.spec_for)
+2a  NCCL communicators created with the ``pg_options`` het_plugin's group policy (runtime.group_policy.spec_for)
     gives a group whose transport is 'socket' and one whose transport is 'ib': NCCL_DEBUG=INFO must say
     'Using network Socket' for the first, and 'Using network IB' or NCCL's own refusal for the second.
 2b  The same through a default group bound to the device (``init_process_group(device_id=...)``), where torch
@@ -23,7 +23,7 @@ Parts (docs/device-check.md says what each can and cannot demonstrate):
     it (groups with different networks); then, on the GPU, what NCCL itself does with a device-bound world and
     a 'Socket' group split from it under that setting (recorded, not judged).
 4b  NCCL_SOCKET_IFNAME unset: which interface NCCL picks (its 'NET/Socket : Using' and 'Bootstrap' lines) next
-    to the one het_plugin's port of NCCL's choice (preflight.nccl_auto_interfaces) predicts.
+    to the one het_plugin's port of NCCL's choice (core.nccl_env.nccl_auto_interfaces) predicts.
 4c  The shim under CUDA_DEVICE_MAX_CONNECTIONS=1 beside a main-thread NCCL all-reduce loop: async het_shim
     all-reduces interleaved with all-reduces on a 1-rank NCCL group, every value checked, within the limit.
 
@@ -776,7 +776,7 @@ def worker_nccl(spec: dict) -> dict:
     fake = dry and not hasattr(dist, "ProcessGroupNCCL")
     if fake:
         # Dry run on a CPU-only torch: a stand-in for ProcessGroupNCCL.Options, so that the policy's own code
-        # (runtime.groups.with_net_name) builds the options it would hand to NCCL; removed before any group.
+        # (runtime.group_policy.with_net_name) builds the options it would hand to NCCL; removed before any group.
         import types
 
         class _Options:

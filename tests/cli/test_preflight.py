@@ -176,7 +176,7 @@ def test_groups_spanning_different_nic_counts_warn(tmp_path, setting, version):
 
 
 def test_nic_count_merges_the_ports_of_one_nic_as_nccl_does():
-    from het_plugin.preflight import Hca as H, nic_count
+    from het_plugin.core.nccl_env import Hca as H, nic_count
     dual = [H("mlx5_0", 1, "ib"), H("mlx5_0", 2, "ib"), H("mlx5_1", 1, "ib")]
     assert nic_count(dual, {}, (2, 30, 7)) == 2                          # NCCL_IB_MERGE_NICS=1 (default)
     assert nic_count(dual, {"NCCL_IB_MERGE_NICS": "0"}, (2, 30, 7)) == 3
