@@ -1170,8 +1170,8 @@ def worker_gpu19(spec: dict) -> dict:
         return out
     if case == "4c":
         from het_plugin.core.inputs.cluster import load_cluster
-        from het_plugin.model import ModelSpec
-        from het_plugin.planner import make_plan
+        from het_plugin.core.inputs.model import ModelSpec
+        from het_plugin.core.planner import make_plan
         from het_plugin.runtime.applied import AppliedPlan
         dist.init_process_group("gloo", rank=rank, world_size=world)
         model = ModelSpec(name="device-check", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128,
