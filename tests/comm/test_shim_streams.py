@@ -139,6 +139,9 @@ def test_native_collectives_stay_on_the_callers_thread_and_no_device_wide_sync(f
             wx, wy = pg.allreduce([x]), pg.allreduce([y])
             wx.wait()
             wy.wait()
+            one = torch.tensor([float(r)])       # one element: one stripe, so two of the four ranks own no piece
+            pg.allreduce([one]).wait()
+            assert one.tolist() == [float(sum(range(n)))]
             return t.tolist(), b.tolist(), out.tolist(), rs.tolist(), x.tolist(), y.tolist()
         finally:
             pg.shutdown()
