@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 import e2e_compute  # noqa: E402
 from e2e_plans import (ALL_CONFIGS, CONFIGS, DS_CONFIGS, FAST_LINKS, LINKS, VPP_CONFIGS, calibrate_pipeline_overhead,  # noqa: E402
                        predict_configs, setup_ratio, with_pipeline_overhead)
-from e2e_drift import DRIFT_MARGIN, run_verdict  # noqa: E402
+from e2e_drift import DRIFT_MARGIN, drift_verdict, round_to_repeat, run_verdict  # noqa: E402
 from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
 from het_plugin.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
 
@@ -76,6 +76,9 @@ class Parent:
         self.ref_link = None
         self.round_calibrations: list[float] = []     # per round: median step after warm-up
         self.round = 0
+        self.rounds_run = args.rounds                 # round numbers handed out so far (repeats add to it)
+        self.repeats_left = args.repeat_drifted
+        self.repeated: list[dict] = []                # the rounds dropped and run again, and why
         self.compute = compute
         self.scale = scale
         self.eth_links = None
@@ -115,7 +118,7 @@ class Parent:
             log(f"Ethernet -> {self.scale['eth_mbit']:.1f} Mbit/s, held for the run ({describe_scale(self.scale)})")
             return {}
         if name == "next":
-            if not self.visits:
+            if not self.visits and not self.repeat_drifted_round():
                 return {"done": True}
             self.round, visit = self.visits.pop(0)
             if visit == CALIBRATE:
@@ -155,6 +158,42 @@ class Parent:
                 self.report_ratio(self.current)
             return {}
         raise RuntimeError(f"unknown request {name}")
+
+    def repeat_drifted_round(self) -> bool:
+        """``--repeat-drifted``: when the rounds so far are not reliable, drop the round that strays furthest
+        (e2e_drift.round_to_repeat) and queue a new one (calibration first, every ratio); recorded in
+        ``self.repeated`` and the JSON. False when there is nothing (more) to repeat."""
+        if self.repeats_left <= 0 or self.args.rounds < 2 or not self.measured:
+            return False
+        rounds = self._config_rounds()
+        cal = ([self.compute["calibration_step_s"]] if "calibration_step_s" in self.compute else []) \
+            + self.round_calibrations
+        verdict = drift_verdict(cal, rounds, self.args.drift_margin)
+        if verdict.reliable:
+            return False
+        k = round_to_repeat(self.round_calibrations, rounds)
+        self.repeated.append({"dropped_round_index": k, "reasons": verdict.reasons,
+                              "calibration_s": self.round_calibrations[k] if k < len(self.round_calibrations)
+                              else None,
+                              "configs_s": {name: v[k] for name, v in rounds.items() if k < len(v)}})
+        if k < len(self.round_calibrations):
+            del self.round_calibrations[k]
+        for per_config in self.measured.values():
+            for runs in per_config.values():
+                if k < len(runs):
+                    del runs[k]
+        self.repeats_left -= 1
+        rnd, self.rounds_run = self.rounds_run, self.rounds_run + 1
+        ratios = self.args.ratios
+        self.visits = [(rnd, v) for v in ([CALIBRATE] if not self.args.no_calibration else [])
+                       + ratios[rnd % len(ratios):] + ratios[:rnd % len(ratios)]]
+        log(f"rounds drifted ({'; '.join(verdict.reasons)}): dropping round #{k + 1} of those kept and running "
+            f"round {rnd} instead ({self.repeats_left} repeat(s) left)")
+        return True
+
+    def _config_rounds(self) -> dict[str, list[float]]:
+        return {f"{ratio:g}:1 {cfg}": [statistics.median(r[self.args.warmup:]) for r in runs]
+                for ratio, per_config in self.measured.items() for cfg, runs in per_config.items()}
 
     def repredict(self) -> None:
         """Every prediction again, with the pipelined code path's cost fitted to the median of the rounds'
@@ -298,6 +337,7 @@ def run(args) -> dict:
     parent.repredict()
     if getattr(parent, "scale_rounds", None):
         out["scale_rounds"] = parent.scale_rounds
+    out["repeated_rounds"] = parent.repeated
     for ratio in args.ratios:
         st = parent.setups[ratio]
         row = summarize(ratio, parent.measured[ratio], st, args.warmup)
@@ -309,8 +349,8 @@ def run(args) -> dict:
     out["reliability"] = verdict.to_dict()
     log(("RELIABLE" if verdict.reliable else "UNRELIABLE (not a headline)") + f": calibration spread "
         + (f"{verdict.calibration_spread:.0%}" if verdict.calibration_spread is not None else "n/a")
-        + f", widest configuration {verdict.worst_config} {verdict.worst_config_spread:.0%} (margin "
-        f"{verdict.margin:.0%})" + "".join(f"\n    {r}" for r in verdict.reasons))
+        + (f", widest configuration {verdict.worst_config} {verdict.worst_config_spread:.0%}" if verdict.worst_config
+           else ", one round per configuration") + f" (margin {verdict.margin:.0%})" + "".join(f"\n    {r}" for r in verdict.reasons))
     if out.get("scale_rounds"):
         log("proportions over the rounds (the rate held, the rounds' calibration): "
             + describe_scale(out["scale_rounds"]))
@@ -384,6 +424,9 @@ def main(argv=None) -> int:
     p.add_argument("--drift-margin", type=float, default=DRIFT_MARGIN,
                    help=f"largest spread (max-min over median) of the calibration run's times and of a "
                         f"configuration's rounds for a reliable run (default {DRIFT_MARGIN:g}; e2e_drift.py says why)")
+    p.add_argument("--repeat-drifted", type=int, default=0, metavar="N",
+                   help="when the rounds drifted past the margin, drop the round that strays furthest and run a new "
+                        "one, at most N times (recorded in the JSON; default 0: report the drift, repeat nothing)")
     p.add_argument("--results", help="raw results folder (default benchmarks/results, quick: a temp folder)")
     p.add_argument("--docs", help="docs folder for the table and chart (default docs/, quick: the results folder)")
     p.add_argument("--timeout", type=float, default=1500)

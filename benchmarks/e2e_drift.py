@@ -71,3 +71,19 @@ def run_verdict(out: dict, margin: float = DRIFT_MARGIN) -> Verdict:
         + list(compute.get("rounds_calibration_step_s", []))
     rounds = {f"{row['ratio']:g}:1 {c['name']}": c["rounds_s"] for row in out["ratios"] for c in row["configs"]}
     return drift_verdict(calibrations, rounds, margin)
+
+
+def round_to_repeat(round_calibrations: list[float], config_rounds: dict[str, list[float]]) -> int:
+    """The round that strays furthest from the others (``bench_e2e --repeat-drifted``: it is dropped and run
+    again): per round, the largest |value / median - 1| over its calibration run and every configuration; the
+    later round on a tie. Lists shorter than the round count (a configuration not run every round) are skipped."""
+    n = max([len(round_calibrations), *(len(v) for v in config_rounds.values())])
+    if n < 2:
+        raise ValueError("a round to repeat needs at least two rounds")
+    score = [0.0] * n
+    for values in [round_calibrations, *config_rounds.values()]:
+        if len(values) == n:
+            med = statistics.median(values)
+            for i, v in enumerate(values):
+                score[i] = max(score[i], abs(v / med - 1))
+    return max(range(n), key=lambda i: (score[i], i))

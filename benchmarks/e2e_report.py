@@ -66,6 +66,10 @@ def results_markdown(out: dict, chart: Path | None, markers: tuple[str, str] = (
              "",
              verdict_sentence(verdict_of(out)),
              "",
+             *([("Rounds repeated (`--repeat-drifted`): " + "; ".join(
+                 f"dropped the round then #{r['dropped_round_index'] + 1} of those kept ("
+                 + ", ".join(r["reasons"]) + ")" for r in out["repeated_rounds"]) + "; the verdict above is on "
+                 "the rounds kept."), ""] if out.get("repeated_rounds") else []),
              scale_sentence(s) + ". "
              f"Measured compute: {sum(out['compute']['layer']) * 1e3:.1f} ms per layer fwd+bwd "
              f"(micro-batch {out['compute']['micro_batch_size']}, all ranks computing at once), framework overhead "

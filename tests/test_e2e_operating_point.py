@@ -157,3 +157,45 @@ def test_the_latest_reliable_run_of_a_kind_is_picked(tmp_path):
     best = e2e_headline.latest_reliable([(tmp_path, "e2e-interleaved.json")])
     assert best["started_utc"] == "2026-12-01 05:00 UTC"
     assert "1.22" in e2e_headline.headline(None, None, best)
+
+
+def test_the_round_to_repeat_is_the_one_that_strays():
+    from e2e_drift import round_to_repeat
+    # the calibration says round 2; a configuration agrees
+    assert round_to_repeat([0.44, 0.45, 0.71], {"a": [0.47, 0.48, 0.85], "b": [0.30, 0.31, 0.30]}) == 2
+    # no calibration rounds (--no-calibration): the configurations decide; round 0 strays in one of them
+    assert round_to_repeat([], {"a": [0.90, 0.50, 0.52], "b": [0.30, 0.31, 0.30]}) == 0
+    # two rounds stray equally from their median: the later one
+    assert round_to_repeat([0.4, 0.6], {}) == 1
+    with pytest.raises(ValueError):
+        round_to_repeat([0.4], {"a": [0.3]})
+
+
+def test_a_drifted_run_repeats_its_worst_round_and_records_it():
+    import argparse
+    import bench_e2e
+
+    class FakeEmu:
+        def __init__(self):
+            self.rates = []
+
+        def set_rate(self, ifname, mbit):
+            self.rates.append((ifname, mbit))
+
+    args = argparse.Namespace(rounds=3, ratios=[10.0], no_calibration=False, repeat_drifted=1,
+                              drift_margin=DRIFT_MARGIN, warmup=1, calibration_rounds=1)
+    scale = derive_scale(TinyShape(), 0.02)
+    parent = bench_e2e.Parent(FakeEmu(), args, TinyShape(), Path("."), {"calibration_step_s": 0.44}, scale)
+    parent.visits = []                        # the three planned rounds have run:
+    parent.round_calibrations = [0.44, 0.45, 0.71]
+    parent.measured = {10.0: {"4-het_plugin": [[9, 0.47], [9, 0.48], [9, 0.85]], "3": [[9, 0.9]] * 3}}
+    step = parent.handle("next", {})
+    assert step == {"calibrate": None, "round": 3}                     # a new round, calibration first
+    assert parent.round_calibrations == [0.44, 0.45]                   # round #3 (index 2) dropped
+    assert parent.measured[10.0]["4-het_plugin"] == [[9, 0.47], [9, 0.48]]
+    assert parent.repeated[0]["dropped_round_index"] == 2 and parent.repeated[0]["calibration_s"] == 0.71
+    assert parent.handle("next", {})["round"] == 3 and not parent.visits   # then the ratio, then done
+    parent.round_calibrations.append(0.70)
+    for runs in parent.measured[10.0].values():
+        runs.append([9, 0.86])
+    assert parent.handle("next", {}) == {"done": True}                 # no repeat left: report the drift
