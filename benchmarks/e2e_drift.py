@@ -52,7 +52,7 @@ def drift_verdict(calibrations: list[float], config_rounds: dict[str, list[float
     cal = spread(calibrations) if len(calibrations) >= 2 else None
     if cal is not None and cal > margin:
         reasons.append(f"calibration run drifted: {' / '.join(f'{t * 1e3:.0f}' for t in calibrations)} ms, "
-                       f"spread {cal:.0%} > {margin:.0%}")
+                       f"spread {cal:.1%} > {margin:.0%}")
     worst, worst_spread = None, 0.0
     for name, rounds in config_rounds.items():
         s = spread(rounds)
@@ -60,7 +60,7 @@ def drift_verdict(calibrations: list[float], config_rounds: dict[str, list[float
             worst, worst_spread = name, s
         if s > margin:
             reasons.append(f"{name}: rounds {' / '.join(f'{t * 1e3:.0f}' for t in rounds)} ms, "
-                           f"spread {s:.0%} > {margin:.0%}")
+                           f"spread {s:.1%} > {margin:.0%}")
     return Verdict(not reasons, margin, cal, worst, worst_spread, reasons)
 
 

@@ -44,7 +44,10 @@ def verdict_sentence(v: dict) -> str:
                else "one round each: no spread to see") + "); benchmarks/e2e_drift.py")
     if v["reliable"]:
         return f"**Reliable** ({what})."
-    return f"**UNRELIABLE: the machine moved during this run; not a headline** ({what}): " + "; ".join(v["reasons"]) + "."
+    shown = v["reasons"][:4]
+    more = len(v["reasons"]) - len(shown)
+    return (f"**UNRELIABLE: the machine moved during this run; not a headline** ({what}): " + "; ".join(shown)
+            + (f"; and {more} more over the margin (all in the JSON's `reliability`)" if more else "") + ".")
 
 
 def results_markdown(out: dict, chart: Path | None, markers: tuple[str, str] = (START, END)) -> str:
