@@ -34,7 +34,7 @@ from e2e_plans import (ALL_CONFIGS, CONFIGS, DS_CONFIGS, FAST_LINKS, LINKS, VPP_
                        predict_configs, setup_ratio, with_pipeline_overhead)
 from e2e_drift import DRIFT_MARGIN, drift_verdict, round_to_repeat, run_verdict  # noqa: E402
 from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
-from het_plugin.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
+from het_plugin.tools.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
 
 CALIBRATION_MBIT = 20_000      # the reference network "unshaped" for the calibration run
 # The emulated Ethernet rate. Default: set once, after the start-of-run calibration, so that dp_eth and pp_eth

@@ -8,7 +8,7 @@ Sources: the Megatron sweep recorded in docs/benchmark-e2e.md's RESULTS section 
 bench_e2e writes it only for a full, reliable, proportion-matched run); the latest reliable DeepSpeed
 (benchmarks/results/{both,deepspeed}/<time>/) and interleaved (benchmarks/results/interleaved/<time>/) runs.
 "Reliable" is e2e_drift's verdict, recomputed from the numbers for runs recorded before it existed. Every
-figure carries its run's date and proportions. tests/test_e2e_headline.py fails when README disagrees.
+figure carries its run's date and proportions. tests/tools/test_e2e_operating_point.py fails when README disagrees.
 """
 from __future__ import annotations
 
