@@ -427,7 +427,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat-drifted", type=int, default=0, metavar="N",
                    help="when the rounds drifted past the margin, drop the round that strays furthest and run a new "
                         "one, at most N times (recorded in the JSON; default 0: report the drift, repeat nothing)")
-    p.add_argument("--results", help="raw results folder (default benchmarks/results, quick: a temp folder)")
+    p.add_argument("--results", help="raw results folder (default: under benchmarks/results/ as the run's verdict "
+                                     "says, see record(); quick: a temp folder)")
     p.add_argument("--docs", help="docs folder for the table and chart (default docs/, quick: the results folder)")
     p.add_argument("--timeout", type=float, default=1500)
     args = p.parse_args(argv)
