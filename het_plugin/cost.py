@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 from .catalog import Accelerator
+from .compute_curve import Analytic, measured_compute_s
 from .cluster import RDMA, Cluster, Link, Node
 from .model import ModelSpec
 from .placement import Placement, baseline_transport, transport as placement_transport
@@ -725,9 +726,11 @@ class StageModel:
 
 
 def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, cp: int, tp_tier: Tier,
-               profile: Optional[Profile]) -> tuple[float, float]:
-    if profile is not None:
-        measured = profile.compute_s(acc.name, kind, mb, tp, model.moe_fraction)
+               profile: Optional[Profile], apart: bool = False) -> tuple[float, float]:
+    """(forward, backward); ``apart``: the analytic (forward compute, TP communication per direction)."""
+    if profile is not None and not apart:
+        measured = measured_compute_s(profile, acc.name, kind, mb, tp, model.moe_fraction, lambda b, t: Analytic(
+            *_compute_s(acc, kind, model, b, t, cp, tp_tier, profile, apart=True)))
         if measured is not None:
             return measured
     if kind == "layer":
@@ -745,9 +748,11 @@ def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, 
         ar = 2 * (tp - 1) * tp_tier.step_s(act / tp, 1, profile)   # one all-reduce equivalent
         # attention and MLP one each; an MoE layer's MLP moves its tokens by all-to-all instead (_moe_comm_s)
         per_layer = 2 - model.moe_fraction
+        if apart:
+            return fwd, per_layer * ar
         fwd += per_layer * ar
         bwd += per_layer * ar
-    return fwd, bwd
+    return (fwd, 0.0) if apart else (fwd, bwd)
 
 
 def _layer_deltas(model: ModelSpec, info: StageInfo, mb: int, tp: int, cp: int, mean: tuple[float, float],
@@ -760,7 +765,8 @@ def _layer_deltas(model: ModelSpec, info: StageInfo, mb: int, tp: int, cp: int, 
     L = model.num_layers
     worst = None
     for acc in info.accelerators:
-        over = {i: t for i, t in profile.layer_overrides(acc.name, mb, tp).items() if i < L}
+        roof = _compute_s(acc, "layer", model, mb, tp, cp, info.tp_tier, profile, apart=True)[0] / mb
+        over = {i: t for i, t in profile.layer_overrides(acc.name, mb, tp, (roof, 2 * roof)).items() if i < L}
         if not over:
             continue
         own = _compute_s(acc, "layer", model, mb, tp, cp, info.tp_tier, profile)
