@@ -43,7 +43,7 @@ def fixed_plus_per_sample(sizes: Sequence[int], times: Sequence[float], floor: f
     if n == 1:
         if low <= 0:
             return 0.0, times[0] / sizes[0]
-        return times[0] - low * sizes[0], low
+        return max(0.0, times[0] - low * sizes[0]), low
     mx, my = sum(sizes) / n, sum(times) / n
     sxx = sum((x - mx) ** 2 for x in sizes)
     slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx
