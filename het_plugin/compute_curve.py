@@ -139,17 +139,23 @@ class Extrapolation:
                 "size for a measured time")
 
 
-def suggestion(extrapolations: Sequence[Extrapolation]) -> Optional[str]:
+def suggestion(found: Sequence[Extrapolation]) -> Optional[str]:
     """The ``het-plugin profile`` options that would measure what these predictions extrapolated."""
-    if not extrapolations:
+    if not found:
         return None
-    sizes = sorted({e.micro_batch_size for e in extrapolations} | {s for e in extrapolations
-                                                                   for s in e.measured_sizes})
-    tps = sorted({e.tp for e in extrapolations})
-    devices = sorted({e.device for e in extrapolations})
-    return (f"the plan was chosen on extrapolated compute ({', '.join(devices)}); measure it: het-plugin profile "
-            f"CLUSTER --model MODEL --micro-batch-sizes {','.join(map(str, sizes))} --tp {','.join(map(str, tps))} "
-            "-o PROFILE, then plan again with --profile PROFILE")
+    sizes = sorted({e.micro_batch_size for e in found} | {s for e in found for s in e.measured_sizes})
+    tps = sorted({e.tp for e in found})
+    devices = sorted({e.device for e in found})
+    return (f"the plan was chosen on extrapolated compute ({', '.join(devices)}: "
+            f"{', '.join(sorted({e.reason for e in found}))}); measure those points and plan again: het-plugin "
+            f"profile CLUSTER --model MODEL --micro-batch-sizes {','.join(map(str, sizes))} "
+            f"--tp {','.join(map(str, tps))} -o PROFILE, then het-plugin plan CLUSTER --profile PROFILE")
+
+
+def extrapolation_advice(profile, model, devices, mb: int, tp: int) -> Optional[str]:
+    """The warning of a plan chosen on extrapolated compute: what it guessed and the points to measure."""
+    kinds = ("layer", "embedding", "output") + (("moe_layer",) if model.is_moe else ())
+    return suggestion(extrapolations(profile, devices, mb, tp, kinds))
 
 
 AnalyticFn = Callable[[int, int], Analytic]     # (micro-batch size, tp) -> the analytic view

@@ -1461,16 +1461,23 @@ class SplitCosts:
     def predict(self, layers_per_stage: Sequence[int], description: str = "") -> Prediction:
         """The prediction of one split (``fits == False`` and the reason in its description if it does not fit)."""
         if self.per_replica and self.vpp == 1:
-            return _evaluate_replicas(self, layers_per_stage, description)
+            return _extrapolated(_evaluate_replicas(self, layers_per_stage, description), self.notes)
         virtual = None
         if self.vpp > 1:
             from .layer_split import virtual_split
             virtual = virtual_split(layers_per_stage, self.vpp)
         if self.notes:
             description = "; ".join(([description] if description else []) + self.notes)
-        return _evaluate(self.model, self.analysis, self.stages, self.num_micro_batches, layers_per_stage,
-                         self.overlap_grad_reduce, self.distributed_optimizer, self.profile, description,
-                         virtual, self.overlap_p2p_comm, self.wrap_send_s)
+        return _extrapolated(_evaluate(self.model, self.analysis, self.stages, self.num_micro_batches,
+                                       layers_per_stage, self.overlap_grad_reduce, self.distributed_optimizer,
+                                       self.profile, description, virtual, self.overlap_p2p_comm, self.wrap_send_s),
+                             self.notes)
+
+
+def _extrapolated(pred: Prediction, notes: Sequence[str]) -> Prediction:
+    """The prediction with the profile notes of its compute outside the measured points (issue 23)."""
+    pred.extrapolated = list(notes)
+    return pred
 
 
 def _class_analysis(analysis: Analysis, cls: ReplicaClass) -> Analysis:
