@@ -9,14 +9,15 @@ What it does, side by side in one process tree:
 1. The CPU's "peak": a single-thread fp32 1024^3 GEMM's FLOP rate (median of repeats), written as a cluster
    file's accelerator ``{peak_tflops: that, efficiency: 0.5}`` (0.5: the project's default for a part the
    catalog lacks; the table also shows 0.8 as a sensitivity line, not a tuned value).
-2. One decoder layer (het_plugin.profiling.layers.Block, the layer ``het-plugin profile`` times on a CPU) at
+2. One decoder layer (het_plugin.tools.profiler.layers.Block, the layer ``het-plugin profile`` times on a CPU) at
    micro-batch 1, 2, 4, 8, 16, 32, TP 1 (one process, one thread) and TP 2 (two processes on loopback gloo, one
-   thread each), forward and backward, in two independent passes: the *profile* pass and, later, the
-   *measured* pass the predictions are held against. Each point is the median of rounds; a round visits every
-   size (so load changes spread over all of them); the load average is recorded before and after.
-3. Predictions of the measured pass through the cost model's own path (``cost._compute_s``), from
+   thread each), forward and backward, in two independent passes: the *profile* pass and the *measured* pass
+   the predictions are held against, their rounds alternating (no sample shared). Each point is the median of
+   a pass's rounds; a round visits every size (so load changes spread over all of them); the load average is
+   recorded before, between TP 1 and TP 2, and after.
+3. Predictions of the measured pass through the cost model's own path (``core.cost.stage._compute_s``), from
    * a micro-batch-1 profile (TP 1 only, plus the loopback link a profile measures): *before* = the old rule
-     (linear through the origin; TP 2 analytic), *after* = het_plugin.compute_curve (fixed + per-sample
+     (linear through the origin; TP 2 analytic), *after* = het_plugin.core.inputs.compute_curve (fixed + per-sample
      bounded by the roofline; TP 2 scaled from TP 1);
    * a full TP-1 profile (every size; TP 2 extrapolated) and a full TP-1+2 profile (every point measured:
      the error here is the machine's run-to-run noise).
@@ -43,14 +44,15 @@ import torch                                   # noqa: E402
 import torch.distributed as dist               # noqa: E402
 import torch.multiprocessing as mp             # noqa: E402
 
-from het_plugin import cost                    # noqa: E402
-from het_plugin.cluster import cluster_from_dict   # noqa: E402
-from het_plugin.compute_curve import Analytic, curve_at   # noqa: E402
-from het_plugin.model import ModelSpec         # noqa: E402
-from het_plugin.placement import place         # noqa: E402
-from het_plugin.profile import Profile         # noqa: E402
-from het_plugin.profiling import layers        # noqa: E402
-from het_plugin.topology import ParallelDims   # noqa: E402
+from het_plugin.core import cost                                     # noqa: E402
+from het_plugin.core.cost.stage import _compute_s                     # noqa: E402
+from het_plugin.core.inputs.cluster import cluster_from_dict          # noqa: E402
+from het_plugin.core.inputs.compute_curve import Analytic, curve_at   # noqa: E402
+from het_plugin.core.inputs.model import ModelSpec                    # noqa: E402
+from het_plugin.core.inputs.profile import Profile                    # noqa: E402
+from het_plugin.core.ranks.dims import ParallelDims                   # noqa: E402
+from het_plugin.core.ranks.placement import place                     # noqa: E402
+from het_plugin.tools.profiler import layers                          # noqa: E402
 
 SIZES = (1, 2, 4, 8, 16, 32)
 MODEL = ModelSpec(name="cpu-small", num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=1024,
@@ -98,13 +100,18 @@ def time_layer(block, mb: int, reps: int, group) -> tuple[float, float]:
     return fwd / reps, bwd / reps
 
 
-def pass_points(block, rounds: int, quick: bool, group) -> dict[int, tuple[float, float]]:
-    """Median over rounds of each size's (forward, backward); a round visits every size."""
+def two_passes(block, rounds: int, quick: bool, group) -> tuple[dict, dict]:
+    """The profile pass and the measured pass: each size's median (forward, backward) over the even rounds and
+    over the odd ones. A round visits every size; alternating the rounds keeps the machine's load drift (it
+    changed 45 -> 65 over one run) out of the comparison without sharing a sample between the two."""
     seen: dict[int, list] = {mb: [] for mb in SIZES}
-    for _ in range(rounds):
+    for _ in range(2 * rounds):
         for mb in SIZES:
             seen[mb].append(time_layer(block, mb, reps_for(mb, quick), group))
-    return {mb: (statistics.median(f for f, _ in v), statistics.median(b for _, b in v)) for mb, v in seen.items()}
+
+    def median(v):
+        return statistics.median(f for f, _ in v), statistics.median(b for _, b in v)
+    return ({mb: median(v[0::2]) for mb, v in seen.items()}, {mb: median(v[1::2]) for mb, v in seen.items()})
 
 
 def allreduce_link(group, repeats: int) -> list[tuple[int, float]]:
@@ -132,8 +139,7 @@ def tp2_worker(rank: int, port: int, rounds: int, quick: bool, queue) -> None:
         torch.manual_seed(0)
         block = layers.build("layer", MODEL, 2, rank, dist.group.WORLD)
         link = allreduce_link(dist.group.WORLD, 5 if quick else 11)
-        first = pass_points(block, rounds, quick, dist.group.WORLD)
-        second = pass_points(block, rounds, quick, dist.group.WORLD)
+        first, second = two_passes(block, rounds, quick, dist.group.WORLD)
         queue.put((rank, {"link": link, "profile": first, "measured": second}))
     finally:
         dist.destroy_process_group()
@@ -145,7 +151,8 @@ def measure(rounds: int, quick: bool) -> dict:
     load = {"before": os.getloadavg()[0]}
     peak = gemm_tflops(5 if quick else 11)
     block = layers.build("layer", MODEL, 1, 0, None)
-    tp1_profile = pass_points(block, rounds, quick, None)
+    tp1_profile, tp1_measured = two_passes(block, rounds, quick, None)
+    load["middle"] = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29500 + os.getpid() % 2000
@@ -155,9 +162,6 @@ def measure(rounds: int, quick: bool) -> dict:
     got = dict(queue.get(timeout=1800) for _ in procs)
     for p in procs:
         p.join()
-    # the TP-1 measured pass runs after both TP-2 passes (later in time than its profile, as a re-run would)
-    load["middle"] = os.getloadavg()[0]
-    tp1_measured = pass_points(block, rounds, quick, None)
     load["after"] = os.getloadavg()[0]
     r0, r1 = got[0], got[1]
     worst = lambda a, b: {mb: (max(a[mb][0], b[mb][0]), max(a[mb][1], b[mb][1])) for mb in SIZES}   # noqa: E731
@@ -192,7 +196,7 @@ def make_profile(points: dict, sizes_by_tp: dict, link) -> Profile:
 
 
 def predict(acc, tier, prof: Profile, mb: int, tp: int) -> float:
-    f, b = cost._compute_s(acc, "layer", MODEL, mb, tp, 1, tier, prof)
+    f, b = _compute_s(acc, "layer", MODEL, mb, tp, 1, tier, prof)
     return f + b
 
 
@@ -203,7 +207,7 @@ def predict_before(acc, tier, prof: Profile, mb: int, tp: int) -> float:
     if curve:
         sizes = [c.micro_batch_size for c in curve]
         return (curve_at(sizes, [c.forward_s for c in curve], mb) + curve_at(sizes, [c.backward_s for c in curve], mb))
-    a = Analytic(*cost._compute_s(acc, "layer", MODEL, mb, tp, 1, tier, prof, apart=True))
+    a = Analytic(*_compute_s(acc, "layer", MODEL, mb, tp, 1, tier, prof, apart=True))
     return 3 * a.compute_fwd_s + 2 * a.comm_s
 
 
@@ -234,7 +238,7 @@ def mean_abs(rows: dict, tp=None) -> float:
 def table(data: dict, results: dict) -> str:
     lines = [f"peak (1-thread fp32 GEMM) {data['peak_tflops'] * 1e3:.1f} GFLOPS; load average (1 min) "
              + ", ".join(f"{k} {v:.1f}" for k, v in data["load_avg_1min"].items()) + f" on {data['cpus']} CPUs; "
-             f"median of {data['rounds']} rounds; CPU seconds (process_time)",
+             f"median of {data['rounds']} rounds per pass (the passes alternate); CPU seconds (process_time)",
              "", "| profile | rule | efficiency | TP 1 mean abs | TP 2 mean abs | all | worst point |",
              "|---|---|---|---|---|---|---|"]
     for (eff, res) in results.items():
@@ -261,7 +265,7 @@ def main() -> None:
         for part in ("profile", "measured"):
             data[part] = {int(tp): {int(mb): tuple(v) for mb, v in pts.items()} for tp, pts in data[part].items()}
     else:
-        data = measure(args.rounds or (3 if args.quick else 7), args.quick)
+        data = measure(args.rounds or (2 if args.quick else 6), args.quick)
     results = {eff: errors(data, eff) for eff in (0.5, 0.8)}
     print(table(data, results))
     if not args.quick and not args.from_json:
