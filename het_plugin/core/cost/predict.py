@@ -14,6 +14,7 @@ from ..inputs.profile import Profile
 from ..ranks.dims import ParallelDims
 from .analysis import Analysis, ReplicaClass, analyze
 from .network import GIB, GRAD_BYTES, OPTIMIZER_STATE_BYTES, TransportFn, WEIGHT_BYTES
+from .fixed_costs import iteration_overhead_s, with_slots
 from .pipeline import _interleaved_pipeline, _interleaved_stage_costs, simulate_1f1b, wrap_send_s
 from .stage import StageModel, _dp_reduce_s, _max_layers_fitting, _memory_bytes, _optimizer_s, _stage_cost_parts, _stage_costs, _stage_models
 
@@ -55,7 +56,7 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
         finish, interleaved_ends = _interleaved_pipeline(sts, virtual_layers, m, overlap_p2p_comm, wrap_send, dims.dp,
                                                          overlap_grad_reduce, distributed_optimizer, profile)
     else:
-        finish = simulate_1f1b(fwd, bwd, send, m, [st.back_s for st in sts])
+        finish = simulate_1f1b(*with_slots(fwd, bwd, sts), send, m, [st.back_s for st in sts])
     pipeline = max(finish)
     ends = []
     opt = 0.0
@@ -90,11 +91,8 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
 
 
 def _iteration_overhead_s(analysis: Analysis, profile: Optional[Profile]) -> float:
-    """The profile's fixed cost per iteration: the slowest device type's (0 without one)."""
-    if profile is None or not profile.overhead:
-        return 0.0
-    return max((profile.iteration_overhead_s(a.name) or 0.0 for st in analysis.stages for a in st.accelerators),
-               default=0.0)
+    """The fixed cost per iteration: the slowest device type's, measured or defaulted (fixed_costs)."""
+    return iteration_overhead_s(profile, [a for st in analysis.stages for a in st.accelerators])
 
 
 def profile_notes(profile: Optional[Profile], model: ModelSpec, devices, micro_batch_size: int, tp: int) -> list[str]:
@@ -344,7 +342,7 @@ def _evaluate_replicas(sc: "SplitCosts", layers_per_stage: Sequence[int], descri
         fwd = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers_per_stage)]
         bwd = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers_per_stage)]
         send = [st.send_s for st in sts]
-        finish = simulate_1f1b(fwd, bwd, send, m)
+        finish = simulate_1f1b(*with_slots(fwd, bwd, sts), send, m)
         # A replica of the group with fewer micro-batches (one less: a group's counts differ by at most one when
         # balanced) finishes a steady-state step of the slowest stage earlier per micro-batch.
         step = max(f + b + send[s] * (s + 1 < pp) + (send[s - 1] if s else 0.0)

@@ -12,6 +12,7 @@ from ..inputs.model import ModelSpec
 from ..inputs.profile import Profile
 from ..ranks.dims import ParallelDims
 from .analysis import Analysis, StageInfo
+from .fixed_costs import slot_s
 from .network import _hops_s, CollectivePath, FRAMEWORK_OVERHEAD_GIB, GIB, GRAD_BYTES, HBM_BYTES_PER_S, HOST_COPY_GBPS, LOGITS_BYTES, OPTIMIZER_BYTES_MOVED, OPTIMIZER_STATE_BYTES, Tier, WEIGHT_BYTES
 
 # ---- per-stage times and memory -------------------------------------------------------------------
@@ -47,6 +48,7 @@ class StageModel:
     layer_deltas: tuple[tuple[float, float], ...] = ()
     optimizer_s_per_param: Optional[float] = None
     send_back_s: Optional[float] = None
+    slot_s: float = 0.0             # the schedule's own work per forward or backward (fixed_costs)
 
     @property
     def back_s(self) -> float:
@@ -241,7 +243,8 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
                               info.capacity_gib, info.dp_paths, expert_params_per_layer,
                               expert.dp_paths if expert is not None else None, dims.expert_dp, cp,
                               f_moe * a2a, ring[0] + ring[1], layer_deltas=deltas,
-                              optimizer_s_per_param=_optimizer_per_param(info, tp, profile), send_back_s=back))
+                              optimizer_s_per_param=_optimizer_per_param(info, tp, profile), send_back_s=back,
+                              slot_s=slot_s(profile, info.accelerators)))
     return out
 
 

@@ -92,6 +92,7 @@ class Profile:
     description: str = ""
     optimizer: list[OptimizerMeasurement] = field(default_factory=list)
     overhead: list[OverheadMeasurement] = field(default_factory=list)
+    slots: list[OverheadMeasurement] = field(default_factory=list)   # format 2: seconds per pipeline slot
     format_version: int = 2                     # 1: read from a format-1 file, answers as format 1 did
     measured: Optional[MeasuredRun] = None      # format 2: what a training run of one plan measured per stage
 
@@ -114,6 +115,10 @@ class Profile:
 
     def add_overhead(self, device: str, seconds: float) -> None:
         self.overhead.append(OverheadMeasurement(device, seconds))
+
+    def add_pipeline_slot(self, device: str, seconds: float) -> None:
+        """The schedule's own seconds per forward or backward of one micro-batch on one stage of ``device``."""
+        self.slots.append(OverheadMeasurement(device, seconds))
 
     @property
     def legacy(self) -> bool:
@@ -142,6 +147,7 @@ class Profile:
             "format": FORMAT_V2, "description": self.description, "compute": list(curves.values()),
             "optimizer": [asdict(o) for o in self.optimizer],
             "iteration_overhead": [asdict(o) for o in self.overhead],
+            **({"pipeline_slot": [asdict(o) for o in self.slots]} if self.slots else {}),
             "links": [{"tier": link.tier, **({"cluster": link.cluster} if link.cluster is not None else {}),
                        "latency_us": link.latency_us, "bandwidth": _points(link.bandwidth),
                        **({"concurrency": [{"senders": k, "bandwidth": _points(pts)} for k, pts in link.concurrency]}
@@ -159,6 +165,7 @@ class Profile:
                  + [f"links[{i}].concurrency" for i, link in enumerate(self.links) if link.concurrency]
                  + [f"links[{i}].allreduce" for i, link in enumerate(self.links) if link.allreduce]
                  + (["optimizer"] if self.optimizer else []) + (["overhead"] if self.overhead else [])
+                 + (["pipeline_slot"] if self.slots else [])
                  + (["measured"] if self.measured is not None else []))
         if extra:
             raise ConfigError(f"a format-1 profile cannot hold {', '.join(extra)}", source="<profile>",
@@ -190,6 +197,7 @@ class Profile:
             description=spec.description,
             optimizer=[OptimizerMeasurement(o.device, o.tp, o.seconds_per_param) for o in spec.optimizer],
             overhead=[OverheadMeasurement(o.device, o.seconds) for o in spec.iteration_overhead],
+            slots=[OverheadMeasurement(o.device, o.seconds) for o in spec.pipeline_slot],
             format_version=2, measured=spec.measured)
 
     # ---- compute --------------------------------------------------------------------------------
@@ -289,6 +297,13 @@ class Profile:
             return None
         return min(same, key=lambda o: (abs(math.log(o.tp / tp)), o.tp)).seconds_per_param
 
+    def pipeline_slot_s(self, device: str) -> Optional[float]:
+        """Measured seconds per pipeline slot of ``device`` (None: not measured)."""
+        for o in self.slots:
+            if o.device.lower() == device.lower():
+                return o.seconds
+        return None
+
     def iteration_overhead_s(self, device: str) -> Optional[float]:
         for o in self.overhead:
             if o.device.lower() == device.lower():
@@ -358,7 +373,7 @@ def bandwidth_at(points: list[tuple[int, float]], nbytes: float) -> float:
 
 
 def _format2_fields(data: dict) -> list[str]:
-    found = [k for k in ("optimizer", "iteration_overhead", "measured") if k in data]
+    found = [k for k in ("optimizer", "iteration_overhead", "pipeline_slot", "measured") if k in data]
     for section, keys in (("compute", ("points", "layer")), ("links", ("cluster", "concurrency", "allreduce"))):
         items = data.get(section)
         for i, item in enumerate(items if isinstance(items, list) else []):
