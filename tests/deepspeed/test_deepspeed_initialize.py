@@ -15,7 +15,7 @@ from het_plugin.core.errors import ConfigError  # noqa: E402
 from het_plugin.core.ranks.placement import place  # noqa: E402
 from het_plugin.core.planner import assemble_plan  # noqa: E402
 from het_plugin.core.ranks.dims import ParallelDims  # noqa: E402
-from tests.test_deepspeed_config import DS, TINY, hetero_cluster  # noqa: E402
+from tests.deepspeed.test_deepspeed_config import DS, TINY, hetero_cluster  # noqa: E402
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from het_plugin.deepspeed import p2p as hop  # noqa: E402
 from het_plugin.deepspeed.process_topology import PlanTopology  # noqa: E402
 from het_plugin.runtime.applied import AppliedPlan  # noqa: E402
 
-from tests.test_deepspeed_topology import homogeneous, interleaved, plan_for  # noqa: E402
+from tests.deepspeed.test_deepspeed_topology import homogeneous, interleaved, plan_for  # noqa: E402
 
 
 class Grid:

@@ -323,38 +323,27 @@ def _dp_reduce_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: 
     return total
 
 
+def exposed_reduction_s(reduction_s: float, last_backward_s: float, overlap: bool) -> float:
+    """The part of a stage's gradient reduction the iteration waits for: with ``overlap`` (Megatron's bucketed
+    overlap) it starts with the last micro-batch's backward and only what outlasts it shows."""
+    return max(0.0, reduction_s - last_backward_s) if overlap else reduction_s
+
+
 def _stage_costs(sts: list[StageModel], num_layers: int, num_micro_batches: int, dp: int, overlap: bool,
                  distributed_optimizer: bool, profile: Optional[Profile]) -> list[list[float]]:
     """Cost tables for the exact partition: one stage's busy time in an iteration with n layers."""
-    m = num_micro_batches
-    tables = []
-    for s, st in enumerate(sts):
-        recv_side = sts[s - 1].back_s if s > 0 else 0.0      # this stage sends gradients back over it
-        row = []
-        if profile is None:     # the analytic reduction is affine in the layer count: two points suffice
-            red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
-            red_step = _dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0
-        for n in range(num_layers + 1):
-            fwd = st.fixed_fwd_s + n * st.layer_fwd_s
-            bwd = st.fixed_bwd_s + n * st.layer_bwd_s
-            if profile is None:
-                red = red0 + n * red_step
-            else:
-                red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
-            exposed = max(0.0, red - bwd) if overlap else red
-            row.append(m * (fwd + bwd + st.send_s + recv_side) + exposed)
-        tables.append(row)
-    return tables
+    per_rows, exposed_rows = _stage_cost_parts(sts, num_layers, dp, overlap, distributed_optimizer, profile)
+    return [[num_micro_batches * a + e for a, e in zip(per, exposed)] for per, exposed in zip(per_rows, exposed_rows)]
 
 
 def _stage_cost_parts(sts: list[StageModel], num_layers: int, dp: int, overlap: bool, distributed_optimizer: bool,
                       profile: Optional[Profile]) -> tuple[list[list[float]], list[list[float]]]:
-    """:func:`_stage_costs` in two parts, (per micro-batch, exposed reduction), so that a table for any micro-batch
-    count m is ``m * per + exposed`` (replica groups with their own counts)."""
+    """The exact partition's cost tables in two parts, (per micro-batch, exposed reduction): a stage's busy time
+    with n layers and m micro-batches is ``m * per + exposed`` (every replica group with its own m)."""
     per_rows, exposed_rows = [], []
     for s, st in enumerate(sts):
-        recv_side = sts[s - 1].send_s if s > 0 else 0.0
-        if profile is None:
+        recv_side = sts[s - 1].back_s if s > 0 else 0.0      # this stage sends gradients back over it
+        if profile is None:     # the analytic reduction is affine in the layer count: two points suffice
             red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
             red_step = _dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0
         per, exposed = [], []
@@ -363,7 +352,7 @@ def _stage_cost_parts(sts: list[StageModel], num_layers: int, dp: int, overlap: 
             bwd = st.fixed_bwd_s + n * st.layer_bwd_s
             red = red0 + n * red_step if profile is None else _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
             per.append(fwd + bwd + st.send_s + recv_side)
-            exposed.append(max(0.0, red - bwd) if overlap else red)
+            exposed.append(exposed_reduction_s(red, bwd, overlap))
         per_rows.append(per)
         exposed_rows.append(exposed)
     return per_rows, exposed_rows
