@@ -238,7 +238,8 @@ def mean_abs(rows: dict, tp=None) -> float:
 def table(data: dict, results: dict) -> str:
     lines = [f"peak (1-thread fp32 GEMM) {data['peak_tflops'] * 1e3:.1f} GFLOPS; load average (1 min) "
              + ", ".join(f"{k} {v:.1f}" for k, v in data["load_avg_1min"].items()) + f" on {data['cpus']} CPUs; "
-             f"median of {data['rounds']} rounds per pass (the passes alternate); CPU seconds (process_time)",
+             f"median of {data['rounds']} rounds per pass (passes: {data.get('protocol', 'alternating')}); CPU seconds "
+             "(process_time)",
              "", "| profile | rule | efficiency | TP 1 mean abs | TP 2 mean abs | all | worst point |",
              "|---|---|---|---|---|---|---|"]
     for (eff, res) in results.items():
@@ -259,6 +260,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--from-json", help="recompute the table from a saved run")
+    ap.add_argument("--out", default=str(RESULTS), help=f"where the run is written (default {RESULTS})")
     args = ap.parse_args()
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())["data"]
@@ -269,8 +271,9 @@ def main() -> None:
     results = {eff: errors(data, eff) for eff in (0.5, 0.8)}
     print(table(data, results))
     if not args.quick and not args.from_json:
-        RESULTS.write_text(json.dumps({"data": data, "results": {str(k): v for k, v in results.items()}}, indent=1))
-        print(f"wrote {RESULTS}")
+        Path(args.out).write_text(json.dumps({"data": data, "results": {str(k): v for k, v in results.items()}},
+                                             indent=1))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
