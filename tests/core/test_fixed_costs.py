@@ -98,3 +98,16 @@ def test_the_training_run_recorder_measures_the_iteration_overhead():
     assert run_overhead_s(run.model_copy(update={"schedule_s": None}), plan) is None
     assert run_overhead_s(run, SimpleNamespace(prediction=None)) is None
     assert run_overhead_s(run.model_copy(update={"schedule_s": 1.49}), plan) == 0.0   # never negative
+
+
+def test_a_training_runs_profile_gets_no_default_fixed_costs():
+    from het_plugin.core.inputs.profile_schema import MeasuredRun, MeasuredStage
+    prof = layers_profile()
+    prof.measured = MeasuredRun(plan_hash="x", micro_batch_size=1, num_micro_batches=4, layers_per_stage=[2],
+                                iterations=3, iteration_s=1.5, stages=[MeasuredStage(stage=0, layers=2, device=A100,
+                                                                                     forward_s=0.1, backward_s=0.2)])
+    from types import SimpleNamespace
+    accs = [SimpleNamespace(name=A100)]
+    assert slot_s(prof, accs) == 0.0 and iteration_overhead_s(prof, accs) == 0.0
+    prof.add_overhead(A100, 0.3)
+    assert iteration_overhead_s(prof, accs) == 0.3              # what the run measured is used

@@ -7,7 +7,9 @@ Measured values come from the profile (``pipeline_slot``, ``iteration_overhead``
 profile's prediction gets a small analytic default: a count of framework launches x one launch's latency
 (``DEFAULT_SLOT_S``, ``DEFAULT_ITERATION_S``). Without a profile, and with a format-1 profile, both stay 0: the
 analytic model and format-1 predictions are unchanged (a format-1 file predicts as it did; plans keep their
-hashes). The slot cost lengthens every forward and backward of the 1F1B simulation, not a stage's compute
+hashes). A training run's profile (with a ``measured`` section) gets no default either: its re-plan is calibrated
+on the run's own stage timers, and a guessed slot cost of 0.2 ms would outweigh a tiny model's whole stage (it
+flipped the re-planned split of tests/views/test_timeline.py); it carries the overhead it measured. The slot cost lengthens every forward and backward of the 1F1B simulation, not a stage's compute
 (``stage_compute_s`` stays the compute a run's stage timers compare with); the interleaved schedule
 (``vpp > 1``) does not add it yet.
 """
@@ -26,6 +28,8 @@ def _measured_or_default(profile, names: Iterable[str], read: Callable[[str], Op
                          default: float) -> float:
     if profile is None or profile.legacy:
         return 0.0
+    if profile.measured is not None:        # a training run's profile: re-plans are calibrated on its stage timers
+        default = 0.0
     values = [read(n) for n in names]
     return max((default if v is None else v for v in values), default=0.0)
 
