@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from het_plugin.core import cost
 from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
 from het_plugin.core.inputs.model import preset_model
-from het_plugin.core.ranks.placement import baseline_transport, default_placement, place, transport
+from het_plugin.core.ranks.placement import baseline_transport, default_placement, place, cluster_transport
 from het_plugin.core.ranks.dims import ParallelDims
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

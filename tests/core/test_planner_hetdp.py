@@ -11,7 +11,7 @@ from het_plugin.cli import main as cli_main
 from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
 from het_plugin.core.errors import ConfigError
 from het_plugin.core.inputs.model import preset_model
-from het_plugin.core.ranks.placement import place, place_replicas, transport
+from het_plugin.core.ranks.placement import place, place_replicas, cluster_transport
 from het_plugin.core.plan import Plan
 from het_plugin.core.planner import SHAPE_DATA, SHAPE_MIXED, make_plan
 from het_plugin.views.report import render_text, replica_rows
@@ -201,7 +201,7 @@ def test_replica_dealing_keeps_each_pipeline_in_one_domain(two_clusters):
     p = place_replicas(two_clusters, dims)
     assert p.dealing == "replica"
     for d in range(4):
-        ranks = [p.rank_of_logical[s * dims.stage_size + d * 4 + j] for s in range(2) for j in range(4)]
+        ranks = [p.rank_of_canonical[s * dims.stage_size + d * 4 + j] for s in range(2) for j in range(4)]
         assert len({two_clusters.node_of(r).domain for r in ranks}) == 1
     for s in range(2):                           # every stage spans both clusters
         assert len({two_clusters.node_of(r).cluster for r in p.stage_ranks(s)}) == 2
@@ -210,7 +210,7 @@ def test_replica_dealing_keeps_each_pipeline_in_one_domain(two_clusters):
 def _stages_per_node(cluster, p):
     S = p.dims.stage_size
     out: dict = {}
-    for logical, rank in enumerate(p.rank_of_logical):
+    for logical, rank in enumerate(p.rank_of_canonical):
         out.setdefault(cluster.rank_node[rank], set()).add(logical // S)
     return out
 
@@ -219,9 +219,9 @@ def test_replicas_dealt_together_hold_one_stage_of_several_replicas_per_node(mix
     dims = ParallelDims(tp=4, pp=2, dp=4)
     apart, together = place_replicas(mixed, dims), place_replicas(mixed, dims, together=2)
     for p in (apart, together):
-        assert sorted(p.rank_of_logical) == list(range(dims.world_size)) and p.dealing == "replica"
+        assert sorted(p.rank_of_canonical) == list(range(dims.world_size)) and p.dealing == "replica"
         for d in range(4):                       # each pipeline inside one domain
-            ranks = [p.rank_of_logical[s * dims.stage_size + d * 4 + j] for s in range(2) for j in range(4)]
+            ranks = [p.rank_of_canonical[s * dims.stage_size + d * 4 + j] for s in range(2) for j in range(4)]
             assert len({mixed.node_of(r).domain for r in ranks}) == 1
     assert all(len(s) == 2 for s in _stages_per_node(mixed, apart).values())      # a replica's two stages
     assert all(len(s) == 1 for s in _stages_per_node(mixed, together).values())   # one stage of two replicas

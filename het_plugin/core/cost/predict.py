@@ -8,9 +8,10 @@ from typing import Optional, Sequence
 
 from ..inputs.cluster import Cluster
 from ..inputs.model import ModelSpec
-from ..ranks.placement import Placement, transport as placement_transport
+from ..ranks.placement import Placement, cluster_transport
 from ..plan import Prediction
 from ..inputs.profile import Profile
+from ..ranks.batches import ReplicaBatches
 from ..ranks.dims import ParallelDims
 from .analysis import Analysis, ReplicaClass, analyze
 from .network import GIB, GRAD_BYTES, OPTIMIZER_STATE_BYTES, TransportFn, WEIGHT_BYTES
@@ -221,10 +222,7 @@ class SplitCosts:
     def set_counts(self, counts: Sequence[int]) -> None:
         """Micro-batches per replica ([] or all equal: the even split); the first stages hold up to pp of the
         largest count in flight (1F1B), so the memory follows the largest."""
-        counts = list(counts)
-        if counts and (len(counts) != self.dp or sum(counts) != self.dp * self.num_micro_batches or min(counts) < 1):
-            raise ValueError(f"replica counts {counts} must be {self.dp} counts >= 1 adding up to "
-                             f"{self.dp * self.num_micro_batches}")
+        counts = list(ReplicaBatches.of(counts, self.dp, self.num_micro_batches, self.micro_batch_size).counts)
         if counts and self.vpp > 1 and len(set(counts)) > 1:
             raise ValueError("uneven replica counts are not modelled with an interleaved pipeline (vpp > 1)")
         self.counts = counts if counts and len(set(counts)) > 1 else []
@@ -388,7 +386,7 @@ def memory_problem(pred: Prediction) -> Optional[str]:
 
 
 def predict(cluster: Cluster, model: ModelSpec, placement: Placement, layers_per_stage: Sequence[int],
-            micro_batch_size: int, *, transport_fn: TransportFn = placement_transport,
+            micro_batch_size: int, *, transport_fn: TransportFn = cluster_transport,
             overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
             profile: Optional[Profile] = None, description: str = "", vpp: int = 1,
             overlap_p2p_comm: Optional[bool] = None) -> Prediction:
