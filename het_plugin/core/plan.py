@@ -80,6 +80,10 @@ class Prediction:
     # in dp order; [] when every replica runs the same devices with the same count (then pipeline_s is theirs).
     replica_pipeline_s: list[float] = field(default_factory=list)
     shape: str = ""                    # how a heterogeneous plan spreads over its domains (planner.SHAPE_*)
+    # Where its compute lies outside the measured profile (compute_curve.Extrapolation lines: a micro-batch size
+    # beyond the measured ones, a TP degree not measured, a device type with no entry); [] = all measured or no
+    # format-2 profile. Hashed only when set.
+    extrapolated: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -455,7 +459,7 @@ def _drop_zero_alltoall(data: dict) -> None:
     for key in ("prediction", "baseline"):
         if data.get(key) is not None and data[key].get("alltoall_s") == 0.0:
             del data[key]["alltoall_s"]
-        for name, empty in (("replica_pipeline_s", []), ("shape", "")):
+        for name, empty in (("replica_pipeline_s", []), ("shape", ""), ("extrapolated", [])):
             if data.get(key) is not None and data[key].get(name) == empty:
                 del data[key][name]
 

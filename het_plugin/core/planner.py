@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 from . import cost
 from .inputs.cluster import Cluster
+from .inputs.compute_curve import extrapolation_advice
 from .errors import ConfigError
 from .inputs.model import ModelSpec
 from .layer_split import bottleneck, exact_partition, virtual_split
@@ -714,6 +715,10 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
         warnings.append("no framework-default plan fits in memory (uniform layers); no baseline to compare")
     warnings += cost.profile_notes(profile, model, {n.accelerator.name for n in cluster.nodes},
                                    best.micro_batch_size, best.placement.dims.tp)
+    advice = extrapolation_advice(profile, model, {n.accelerator.name for n in cluster.nodes},
+                                  best.micro_batch_size, best.placement.dims.tp) if best.prediction.extrapolated else None
+    if advice:                                # chosen on guessed numbers: say so, and what to measure
+        warnings.append(advice)
     others = list(planned.best[1:])
     if het:     # the best of every other shape too, so the report can say why this shape won
         others += [c for shape, c in sorted(planned.by_shape.items()) if shape != best.shape and c not in others]
