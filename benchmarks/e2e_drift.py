@@ -21,6 +21,12 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 DRIFT_MARGIN = 0.25
+# The compute the proportions are set from (the busiest stage's per-iteration compute, from the single-rank fit
+# plus the calibration's pipelined cost) must be most of the calibration step (unshaped network: compute, bubble,
+# per-step work). 89% in the idle 2026-12-01 11:50 run and in the loaded full run of 2026-12-01 22:31; 30% and
+# ~0% when the fit, under heavy load, put the time into its per-step term (548 and 3673 ms per step): the rate
+# set from such a fit is not the real job's proportions.
+MIN_COMPUTE_SHARE = 0.5
 
 
 def spread(values: list[float]) -> float:
@@ -64,13 +70,30 @@ def drift_verdict(calibrations: list[float], config_rounds: dict[str, list[float
     return Verdict(not reasons, margin, cal, worst, worst_spread, reasons)
 
 
+def compute_share_reason(compute_s: float, calibration_step_s: float,
+                         minimum: float = MIN_COMPUTE_SHARE) -> str | None:
+    """Why the compute the proportions were set from cannot be trusted (None: it can)."""
+    share = compute_s / calibration_step_s
+    if share < minimum:
+        return (f"compute fit unsound: the proportions' compute {compute_s * 1e3:.0f} ms is {share:.0%} of the "
+                f"calibration step {calibration_step_s * 1e3:.0f} ms (< {minimum:.0%})")
+    return None
+
+
 def run_verdict(out: dict, margin: float = DRIFT_MARGIN) -> Verdict:
-    """The verdict from a results JSON (bench_e2e's ``out``): its calibration times and configurations' rounds."""
+    """The verdict from a results JSON (bench_e2e's ``out``): its calibration times and configurations' rounds,
+    and whether the compute the rate was set from is sound."""
     compute = out.get("compute", {})
     calibrations = ([compute["calibration_step_s"]] if "calibration_step_s" in compute else []) \
         + list(compute.get("rounds_calibration_step_s", []))
     rounds = {f"{row['ratio']:g}:1 {c['name']}": c["rounds_s"] for row in out["ratios"] for c in row["configs"]}
-    return drift_verdict(calibrations, rounds, margin)
+    verdict = drift_verdict(calibrations, rounds, margin)
+    why = (compute_share_reason(out["scale"]["tiny"]["compute_s"], compute["calibration_step_s"])
+           if "calibration_step_s" in compute and "tiny" in out.get("scale", {}) else None)
+    if why is None:
+        return verdict
+    return Verdict(False, verdict.margin, verdict.calibration_spread, verdict.worst_config,
+                   verdict.worst_config_spread, [why, *verdict.reasons])
 
 
 def round_to_repeat(round_calibrations: list[float], config_rounds: dict[str, list[float]]) -> int:

@@ -199,3 +199,13 @@ def test_a_drifted_run_repeats_its_worst_round_and_records_it():
     for runs in parent.measured[10.0].values():
         runs.append([9, 0.86])
     assert parent.handle("next", {}) == {"done": True}                 # no repeat left: report the drift
+
+
+def test_a_compute_fit_that_lost_the_compute_is_unreliable():
+    from e2e_drift import compute_share_reason
+    assert compute_share_reason(0.164, 0.185) is None                     # the idle recorded run: 89%
+    assert "unsound" in compute_share_reason(0.28, 0.823)                 # the per-step term took the time
+    broken = copy.deepcopy(RECORDED)
+    broken["scale"]["tiny"]["compute_s"] = 0.001
+    v = run_verdict(broken)
+    assert not v.reliable and v.reasons[0].startswith("compute fit unsound")
