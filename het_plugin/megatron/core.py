@@ -163,7 +163,7 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
     timing.uninstall()            # a plan applied before in this process: its timing ends here
     install_replicas(plan)        # uneven replicas: per-rank counts, weights and samples; even: Megatron's own
     if profile is not None:
-        timing.install(plan, applied.rank, profile)
+        timing.install(plan, applied.rank, profile, cluster=cluster)
     note = embedding_note(plan, applied.records)
     if note and applied.rank == 0:
         log.warning("het_plugin: %s", note)
@@ -246,7 +246,7 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     rank, world = dist.get_rank(), dist.get_world_size()
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     cp = megatron_kwargs.pop("context_parallel_size", None)
-    settings = profile_settings(profile_out, profile_every, cluster)
+    settings = profile_settings(profile_out, profile_every, cluster if cluster is not None else plan, model=model)
     resolved: list[Resolved] = []
 
     def make() -> Plan:
@@ -264,10 +264,12 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
 
 
 def profile_settings(profile_out: Optional[PathLike], every: Optional[int], cluster: Any = None,
-                     field: str = "profile_out", every_field: str = "profile_every") -> Optional["ProfileSettings"]:
-    """The measured-profile settings (None without a path); checked before any group exists. ``cluster``: the
-    cluster file, named in the re-plan command of the imbalance warning; ``field``/``every_field``: the names
-    errors give the two settings."""
+                     field: str = "profile_out", every_field: str = "profile_every",
+                     model: Any = None) -> Optional["ProfileSettings"]:
+    """The measured-profile settings (None without a path); checked before any group exists. ``cluster`` and
+    ``model``: the run's cluster file and model file or preset, named in the re-plan command of the imbalance
+    warning (others are written beside the profile); ``field``/``every_field``: the names errors give the two
+    settings."""
     if profile_out is None:
         if every is not None:
             raise ConfigError(f"a profile interval ({every}) was given without a file to write the profile to",
@@ -275,10 +277,10 @@ def profile_settings(profile_out: Optional[PathLike], every: Optional[int], clus
                               fix=f"add {field} FILE, or drop the interval")
         return None
     from ..runtime.profiling import DEFAULT_EVERY, ProfileSettings
-    source = cluster if isinstance(cluster, (str, Path)) and str(cluster) != "discover" else "CLUSTER"
+    from ..replan_command import cluster_file, model_name
     try:
         return ProfileSettings(str(profile_out), every=DEFAULT_EVERY if every is None else every,
-                               replan=f"het-plugin plan {source} --profile {profile_out}")
+                               cluster=cluster_file(cluster), model=model_name(model))
     except ConfigError as exc:
         name = every_field if exc.field == "profile_every" else field
         raise ConfigError(exc.problem, source=exc.source, field=name, fix=exc.fix) from None

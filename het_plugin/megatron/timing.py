@@ -8,6 +8,11 @@ the function ``get_forward_backward_func()`` returns (also looked up in that mod
 five module attributes times every script (Megatron-LM's ``train_step``, Megatron-Core scripts) without an edit;
 ``forward_only`` calls (evaluation) are not timed. The pipeline's send and receive happen between those calls,
 so a forward or backward span is the stage's compute (and, on the last stage, the loss).
+
+Checkpoint saves and evaluation run between two training iterations; their wall time is taken out of the
+measured iteration interval (:meth:`StageTimer.excluded`): Megatron-LM's ``save_checkpoint_and_time`` and
+``evaluate_and_print_results`` (module functions of ``megatron.training.training``, looked up at each call in
+``train``; core_r0.19.0) and ``megatron.core.dist_checkpointing.save`` (what a Megatron-Core script saves with).
 """
 from __future__ import annotations
 
@@ -21,6 +26,10 @@ STEPS = ("forward_step", "backward_step")
 SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
              "forward_backward_pipelining_with_interleaving")
 MODULE = "megatron.core.pipeline_parallel.schedules"
+
+#: (module, functions) whose calls are not training time (looked up at each call by their callers)
+EXCLUDED = (("megatron.training.training", ("save_checkpoint_and_time", "evaluate_and_print_results")),
+            ("megatron.core.dist_checkpointing", ("save",)))
 
 _recorder: Optional[ProfileRecorder] = None
 
@@ -60,6 +69,19 @@ def _timed_schedule(fn):
     return schedule
 
 
+def _left_out(fn):
+    @functools.wraps(fn, updated=())
+    def call(*args, **kwargs):
+        rec = _recorder
+        if rec is None:
+            return fn(*args, **kwargs)
+        with rec.timer.excluded():
+            return fn(*args, **kwargs)
+
+    call.__het_plugin_timed__ = fn
+    return call
+
+
 def _untimed(fn):
     while getattr(fn, "__het_plugin_timed__", None) is not None:
         fn = fn.__het_plugin_timed__
@@ -72,27 +94,33 @@ def uninstall() -> None:
     if _recorder is not None:
         _recorder.close()
         _recorder = None
-    schedules = sys.modules.get(MODULE)
-    if schedules is None:
-        return
-    for name in STEPS + SCHEDULES:
-        fn = getattr(schedules, name, None)
-        if fn is not None:
-            setattr(schedules, name, _untimed(fn))
+    for module_name, names in ((MODULE, STEPS + SCHEDULES),) + EXCLUDED:
+        module = sys.modules.get(module_name)
+        for name in names if module is not None else ():
+            fn = getattr(module, name, None)
+            if fn is not None:
+                setattr(module, name, _untimed(fn))
 
 
-def install(plan, rank: int, settings: ProfileSettings, framework: str = "Megatron") -> ProfileRecorder:
-    """Time this rank's forward and backward per micro-batch and its iterations for ``settings``."""
+def install(plan, rank: int, settings: ProfileSettings, framework: str = "Megatron", cluster=None) -> ProfileRecorder:
+    """Time this rank's forward and backward per micro-batch and its iterations for ``settings`` (``cluster``: the
+    Cluster the plan came from, for the re-plan command)."""
     global _recorder
     uninstall()
     from megatron.core.pipeline_parallel import schedules
 
     from ..runtime.profiling import default_store
-    _recorder = ProfileRecorder(plan, rank, settings, framework, store=default_store())
+    _recorder = ProfileRecorder(plan, rank, settings, framework, store=default_store(), cluster=cluster)
     for name in STEPS:
         setattr(schedules, name, _timed_step(getattr(schedules, name), name.split("_")[0]))
     for name in SCHEDULES:
         fn = getattr(schedules, name, None)
         if fn is not None:
             setattr(schedules, name, _timed_schedule(fn))
+    for module_name, names in EXCLUDED:      # only where loaded: a Megatron-Core script has no megatron.training
+        module = sys.modules.get(module_name)
+        for name in names if module is not None else ():
+            fn = getattr(module, name, None)
+            if fn is not None:
+                setattr(module, name, _left_out(fn))
     return _recorder
