@@ -88,8 +88,9 @@ def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
 def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
                    degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
                    names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
-                   overlap_p2p_comm: Optional[bool] = None) -> Resolved:
-    """:func:`resolve_plan`, with the cluster the plan was made from."""
+                   overlap_p2p_comm: Optional[bool] = None, profile: Any = None) -> Resolved:
+    """:func:`resolve_plan`, with the cluster the plan was made from. ``profile``: a measured profile the planner
+    uses (re-planning on restart, :mod:`het_plugin.restart_replan`; not used for a plan file)."""
     degrees = degrees or Degrees(launch.world_size)
     names = names or {}
     loaded = load_source(source)
@@ -110,7 +111,7 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
     try:
         plan = make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
                          ep=degrees.ep, etp=degrees.etp, order=degrees.order, micro_batch_size=micro_batch_size,
-                         vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm)
+                         vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm, profile=profile)
         return Resolved(plan, cluster)
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):

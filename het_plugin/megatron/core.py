@@ -82,13 +82,15 @@ def resolve_megatron_launch(source: Union[Plan, Cluster, PathLike, None] = None,
                             local_world_size: Optional[int] = None, tp: Optional[int] = None,
                             pp: Optional[int] = None, cp: Optional[int] = None, micro_batch_size: Optional[int] = None,
                             ep: int = 1, etp: Optional[int] = None, order: str = DEFAULT_ORDER,
-                            vpp: Optional[int] = None, overlap_p2p_comm: Optional[bool] = None) -> Resolved:
-    """:func:`resolve_megatron_plan` with the cluster the plan was made from (the pre-flight reads its NICs)."""
+                            vpp: Optional[int] = None, overlap_p2p_comm: Optional[bool] = None,
+                            profile: Any = None) -> Resolved:
+    """:func:`resolve_megatron_plan` with the cluster the plan was made from (the pre-flight reads its NICs);
+    ``profile``: a measured profile to plan with (re-planning on restart)."""
     degrees = Degrees(world_size, tp=tp, pp=pp, cp=cp or 1, ep=ep or 1, etp=etp, order=order or DEFAULT_ORDER,
                       names=MEGATRON_NAMES, source="Megatron arguments")
     return resolve_launch(source, launch=Launch(world_size, rank, local_world_size), model=model, degrees=degrees,
                           micro_batch_size=micro_batch_size, names=MEGATRON_NAMES, vpp=vpp,
-                          overlap_p2p_comm=overlap_p2p_comm)
+                          overlap_p2p_comm=overlap_p2p_comm, profile=profile)
 
 
 # ---- applying a plan to Megatron-Core ---------------------------------------------------------------
@@ -219,6 +221,8 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
                               timeout_s: Optional[float] = None,
                               profile_out: Optional[PathLike] = None,
                               profile_every: Optional[int] = None,
+                              replan_on_restart: bool = False,
+                              checkpoint: Any = None,
                               **megatron_kwargs: Any) -> Plan:
     """Drop-in for ``megatron.core.parallel_state.initialize_model_parallel`` on a heterogeneous cluster.
 
@@ -234,6 +238,9 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     ``profile_out``: rank 0 writes the measured profile there (each stage's forward and backward per micro-batch
     and the iteration time) every ``profile_every`` iterations (default 100) and at exit, for
     ``het-plugin plan --profile`` (docs/planner.md, "Plans that learn from the run").
+    ``replan_on_restart`` (with ``profile_out``): the next start re-plans from the profile this run writes
+    (:mod:`het_plugin.restart_replan`); ``checkpoint``: the :class:`~het_plugin.checkpoint_fit.CheckpointShape` of
+    the checkpoint it resumes (or a callable returning it): a re-plan it would not load under is not taken.
     """
     import torch.distributed as dist
     from .version import check_megatron_version
@@ -247,14 +254,30 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     cp = megatron_kwargs.pop("context_parallel_size", None)
     settings = profile_settings(profile_out, profile_every, cluster if cluster is not None else plan, model=model)
+    if replan_on_restart:
+        if settings is None:
+            raise ConfigError("replan_on_restart needs profile_out: the next start re-plans from the measured "
+                              "profile this run writes there", field="replan_on_restart", fix="add profile_out=FILE")
+        settings.replan_on_restart = True
     resolved: list[Resolved] = []
 
-    def make() -> Plan:
-        resolved.append(resolve_megatron_launch(
+    def resolve(profile=None) -> Resolved:
+        return resolve_megatron_launch(
             plan if plan is not None else cluster, model=model, world_size=world, rank=rank,
             local_world_size=int(lws) if lws else None, tp=tensor_model_parallel_size,
-            pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size, **plan_degrees(megatron_kwargs)))
-        return resolved[-1].plan
+            pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size, profile=profile,
+            **plan_degrees(megatron_kwargs))
+
+    def make() -> Plan:
+        if not replan_on_restart:
+            resolved.append(resolve())
+            return resolved[-1].plan
+        from ..restart_replan import resolve_on_restart
+        chosen, decision = resolve_on_restart(resolve, settings.path, checkpoint=checkpoint)
+        if rank == 0:
+            print("\n".join(f"het_plugin: {line}" for line in decision.lines), flush=True)
+        resolved.append(chosen)
+        return chosen.plan
 
     with configured_timeout(timeout_s):
         agreed = agree_on_plan(make, rank=rank, world_size=world, timeout_s=timeout_s)

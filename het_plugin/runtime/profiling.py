@@ -48,6 +48,7 @@ class ProfileSettings:
     replan: str = ""                     # the command that re-plans (named in the warning; "": made from the plan)
     cluster: Optional[str] = None        # the run's cluster file (None: discovered, or a plan file)
     model: Optional[str] = None          # the run's model file or preset name (None: written beside the profile)
+    replan_on_restart: bool = False      # also write the plan run beside the profile (het_plugin.restart_replan)
     exit_wait_s: float = 10.0            # rank 0 at exit: the longest wait for the other ranks' final sums
 
     def __post_init__(self):
@@ -333,6 +334,12 @@ class ProfileRecorder:
         except OSError as exc:
             log.warning("het_plugin: cannot write the measured profile %s: %s", self.settings.path, exc)
             return None
+        if self.written is None and self.settings.replan_on_restart:
+            from ..restart_replan import ran_plan_path
+            try:
+                self.plan.save(ran_plan_path(self.settings.path))
+            except Exception as exc:      # noqa: BLE001 -- the next start then plans as usual
+                log.warning("het_plugin: cannot write the plan beside the measured profile: %s", exc)
         self.written = self.settings.path
         if not self.warned and self.settings.warn_above is not None:
             message = imbalance_warning(prof.measured, self.settings.warn_above, self.replan_command())
