@@ -90,7 +90,9 @@ def check_load(engine, load_dir: str, tag: Optional[str] = None, *, load_optimiz
 
 def install(engine) -> None:
     """Record the plan in the engine's checkpoints and check each load first (see the module docstring)."""
-    save, load = engine.save_checkpoint, engine.load_checkpoint
+    save, load = getattr(engine, "save_checkpoint", None), getattr(engine, "load_checkpoint", None)
+    if save is None or load is None:         # not a DeepSpeed engine (a stand-in): nothing to check
+        return
 
     @functools.wraps(save)
     def save_checkpoint(save_dir, tag=None, client_state=None, *args, **kwargs):
