@@ -26,8 +26,10 @@ What each format can follow (sources: Megatron-LM core_r0.19.0 docs and ``dist_c
   degrees, unless converted to a universal checkpoint (``ds_to_universal``) and loaded with
   ``checkpoint.load_universal``.
 
-A placement-only change (the same degrees and split, stages on other ranks) loads in every format: files are
-keyed by parallel coordinates, not by launch rank.
+A placement-only change (the same degrees and split, stages on other ranks) loads in Megatron's formats: files
+are keyed by parallel coordinates, not by launch rank. DeepSpeed's per-stage engine files are not: they are named
+by the sorted launch ranks of each pipeline (:func:`deepspeed_file_index`), so a placement that changes that order
+is refused for the optimizer state (the weights still follow).
 """
 from __future__ import annotations
 
@@ -65,6 +67,9 @@ class CheckpointShape:
     has_optimizer: bool = True                         # optimizer state present (and to be loaded)
     plan_hash: Optional[str] = None                    # the plan it was saved under (het_plugin records it)
     iteration: Optional[int] = None
+    # DeepSpeed: the mp_rank_XX index each (stage, TP rank) of the writing replica saved its engine file under,
+    # stage-major (deepspeed_file_index); None: not recorded
+    stage_files: Optional[Sequence[int]] = None
 
     def layout(self) -> tuple:
         return (self.tp, self.pp, tuple(self.layers_per_stage) if self.layers_per_stage is not None else None)
@@ -152,6 +157,33 @@ def _megatron(shape: CheckpointShape, plan: Plan, dist_opt: bool) -> Optional[Re
     return None
 
 
+def deepspeed_file_index(plan: Plan) -> list[list[int]]:
+    """Per data-parallel replica, the ``mp_rank_XX`` index of each (stage, TP rank), stage-major. DeepSpeed names a
+    pipeline rank's engine file by its position among the *sorted launch ranks* of its model-parallel group (all
+    stages and TP ranks of its replica: ``PipelineParallelGrid``, ``runtime/pipe/topology.py``: ``ranks =
+    sorted(...)``, ``ds_model_rank = ranks.index(global_rank)``), which is the stage order only when the plan
+    puts stages on ascending ranks."""
+    out = []
+    for d in range(plan.dp):
+        members = [(s, t, plan.rank_of_logical[plan.dims.logical_rank(pp=s, dp=d, tp=t)])
+                   for s in range(plan.pp) for t in range(plan.tp)]
+        ordered = sorted(r for _, _, r in members)
+        out.append([ordered.index(r) for _, _, r in members])
+    return out
+
+
+def _file_order_problem(shape: CheckpointShape, plan: Plan) -> Optional[str]:
+    if shape.stage_files is None:
+        return None
+    saved = list(shape.stage_files)
+    for d, index in enumerate(deepspeed_file_index(plan)):
+        if index != saved:
+            return (f"replica {d} of this plan would read the engine files in the order {index} (stage-major "
+                    f"mp_rank_XX), the checkpoint's stages wrote {saved}: DeepSpeed names them by the sorted launch "
+                    "ranks of each pipeline, so a stage would load another stage's optimizer state")
+    return None
+
+
 def _deepspeed(shape: CheckpointShape, plan: Plan) -> Optional[ResumeProblem]:
     where = f"the checkpoint {shape.path}"
     if shape.tp is not None and shape.tp != plan.tp:
@@ -163,6 +195,14 @@ def _deepspeed(shape: CheckpointShape, plan: Plan) -> Optional[ResumeProblem]:
     if shape.format == DS_UNIVERSAL or not shape.has_optimizer:
         return None
     changes = layout_changes(shape, plan) + (dp_changes(shape, plan) if shape.zero_stage else [])
+    order = None if changes else _file_order_problem(shape, plan)
+    if order is not None:
+        return ResumeProblem(
+            f"{where} holds optimizer state per pipeline stage, but under this placement {order}",
+            "resume on a placement that keeps each pipeline's stages on ascending launch ranks, or convert it "
+            "once with deepspeed.checkpoint.ds_to_universal and set \"checkpoint\": {\"load_universal\": true}, "
+            "or load the weights only (load_optimizer_states=False: the optimizer starts afresh)",
+            "checkpoint.load_universal", ("engine file order",))
     if changes:
         kind = f"ZeRO stage {shape.zero_stage}" if shape.zero_stage else "optimizer"
         return ResumeProblem(

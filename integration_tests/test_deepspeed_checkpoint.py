@@ -17,7 +17,7 @@ pytest.importorskip("deepspeed")
 from het_plugin.cluster import load_cluster  # noqa: E402
 from het_plugin.deepspeed import wrap, write_config  # noqa: E402
 from het_plugin.model import load_model  # noqa: E402
-from het_plugin.placement import place  # noqa: E402
+from het_plugin.placement import Placement, place  # noqa: E402
 from het_plugin.planner import assemble_plan  # noqa: E402
 from het_plugin.topology import ParallelDims  # noqa: E402
 from integration_tests.support.deepspeed_cpu import cpu_environment  # noqa: E402
@@ -37,7 +37,9 @@ TIMEOUT = 420          # a hang bound (each launch takes 1-2 min on a loaded 2-c
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
     """Plan A: 5/3 blocks, stage 0 on the H100s (ranks 0, 2); B: 3/5 with stage 0 on the A100s (ranks 1, 3), so
-    both the partition and the placement change; A2: A's split on B's placement (placement only)."""
+    both the partition and the placement change; A2: A's split on B's placement (stage 1 now on the lower launch
+    rank of each pipeline); A3: A's split with the two replicas swapped (stage 0 on ranks 2, 0: each pipeline's
+    stages still on ascending ranks)."""
     work = tmp_path_factory.mktemp("ds_ckpt")
     cluster = load_cluster(DATA / "ds_hetero_4.yaml")
     model = load_model(DATA / "ds_tiny_model.yaml")
@@ -45,13 +47,15 @@ def configs(tmp_path_factory):
     flipped = tuple(reversed(cluster.domains))
     plans = {"A": assemble_plan(cluster, model, place(cluster, dims), [5, 3], 2),
              "B": assemble_plan(cluster, model, place(cluster, dims, flipped), [3, 5], 2),
-             "A2": assemble_plan(cluster, model, place(cluster, dims, flipped), [5, 3], 2)}
+             "A2": assemble_plan(cluster, model, place(cluster, dims, flipped), [5, 3], 2),
+             "A3": assemble_plan(cluster, model, Placement(dims, (2, 0, 3, 1), tuple(cluster.domains)), [5, 3], 2)}
     out = {}
     for name, plan in plans.items():
         plan.save(work / f"plan{name}.json")
         write_config(wrap(CONFIG, work / f"plan{name}.json", layer_pattern="Block", pp=2), work / f"cfg{name}.json")
         out[name] = (plan, work / f"cfg{name}.json")
     assert plans["A"].stage_ranks(0) != plans["B"].stage_ranks(0) == plans["A2"].stage_ranks(0)
+    assert plans["A3"].hash != plans["A"].hash and sorted(plans["A3"].stage_ranks(0)) == [0, 2]
     return work, out
 
 
@@ -79,18 +83,22 @@ def test_weights_follow_a_changed_partition_and_placement(configs):
         assert r["losses"] == pytest.approx(expected[K:], **TOL)
 
 
-def test_optimizer_state_across_a_partition_change_is_refused_and_follows_a_placement_change(configs):
-    """SGD with momentum: its state is per pipeline stage (mp_rank_XX files). Under B (5/3 -> 3/5) the load is
-    refused before anything is read, on every rank, naming the fix; under A2 (the same split, stages on other
-    ranks) the state follows and training continues exactly."""
+def test_optimizer_state_is_refused_where_it_cannot_follow_and_follows_a_replica_swap(configs):
+    """SGD with momentum: its state is in DeepSpeed's per-stage engine files. Under B (5/3 -> 3/5) the load is
+    refused before anything is read, on every rank, naming the fix. Under A2 (the same split, stage 1 on the lower
+    launch rank of each pipeline) too: DeepSpeed names those files by each pipeline's sorted launch ranks, so stage 1
+    would read stage 0's file (without the check: torch's "loaded state dict contains a parameter group that doesn't
+    match the size of optimizer's group", seen here). Under A3 (replicas swapped, stages on other ranks in the
+    same order) the state follows and training continues exactly."""
     work, cfgs = configs
     expected = continuous(configs, 0.9, "ckpt_momentum")
-    refused = launch(cfgs["B"][1], "--steps", K, "--momentum", 0.9, "--load-dir", work / "ckpt_momentum")
-    assert all("refused" in r for r in refused)
-    first = refused[0]["refused"]
-    assert all(r["refused"] == first for r in refused)
-    assert first["field"] == "checkpoint.load_universal"
-    assert "layer split [5, 3] -> [3, 5]" in first["problem"] and "ds_to_universal" in first["fix"]
-    res = launch(cfgs["A2"][1], "--steps", K, "--momentum", 0.9, "--load-dir", work / "ckpt_momentum")
+    for name, words in (("B", "layer split [5, 3] -> [3, 5]"), ("A2", "sorted launch ranks")):
+        refused = launch(cfgs[name][1], "--steps", K, "--momentum", 0.9, "--load-dir", work / "ckpt_momentum")
+        assert all("refused" in r for r in refused), name
+        first = refused[0]["refused"]
+        assert all(r["refused"] == first for r in refused)
+        assert first["field"] == "checkpoint.load_universal"
+        assert words in first["problem"] and "ds_to_universal" in first["fix"], first
+    res = launch(cfgs["A3"][1], "--steps", K, "--momentum", 0.9, "--load-dir", work / "ckpt_momentum")
     for r in res:
-        assert r["losses"] == pytest.approx(expected[K:], **TOL)
+        assert r["plan_hash"] == cfgs["A3"][0].hash and r["losses"] == pytest.approx(expected[K:], **TOL)

@@ -180,3 +180,20 @@ def test_deepspeed_checkpoint_under_another_partition(two_plans, kw, loads):
     if problem is not None:
         assert "ds_to_universal" in problem.fix and "load_universal" in problem.fix
     assert resume_problem(dataclasses.replace(shape, tp=2), a).field == "tp"
+
+
+def test_deepspeed_engine_files_follow_the_sorted_launch_ranks(two_plans):
+    """DeepSpeed names a stage's engine file by its rank's position among its pipeline's sorted launch ranks: a
+    placement that puts a later stage on a lower rank reads another stage's optimizer state, and is refused."""
+    from het_plugin.checkpoint_fit import deepspeed_file_index
+    a, _ = two_plans
+    index = deepspeed_file_index(a)
+    assert all(sorted(i) == list(range(a.pp * a.tp)) for i in index)
+    flipped = dataclasses.replace(a, rank_of_logical=list(reversed(a.rank_of_logical)))
+    assert deepspeed_file_index(flipped)[0] == list(reversed(index[0]))
+    shape = shape_of(a, framework=DEEPSPEED, format=DS_PER_RANK, zero_stage=0, distributed_optimizer=None,
+                     optimizer_sharding=None, stage_files=index[0])
+    assert resume_problem(shape, a) is None
+    problem = resume_problem(shape, flipped)
+    assert problem is not None and "sorted launch ranks" in problem.problem
+    assert resume_problem(dataclasses.replace(shape, has_optimizer=False), flipped) is None

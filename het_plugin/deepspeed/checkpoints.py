@@ -34,8 +34,10 @@ RECORD_KEY = "het_plugin"
 
 def plan_record(plan) -> dict[str, Any]:
     """What a checkpoint records about the plan it was saved under."""
+    from ..checkpoint_fit import deepspeed_file_index
     return {"plan_hash": plan.hash, "layers_per_stage": list(plan.layers_per_stage), "tp": plan.tp, "pp": plan.pp,
-            "dp": plan.dp, "world_size": plan.world_size}
+            "dp": plan.dp, "world_size": plan.world_size,
+            "stage_files": deepspeed_file_index(plan)[0]}      # replica 0 (data-parallel rank 0) writes them
 
 
 def _tag(load_dir: str, tag: Optional[str], universal: bool) -> Optional[str]:
@@ -67,7 +69,7 @@ def read_shape(load_dir: str, tag: Optional[str] = None, *, universal: bool = Fa
         world_size=record.get("world_size"), tp=dims.get("tp", record.get("tp")), pp=dims.get("pp", record.get("pp")),
         dp=state.get("dp_world_size", record.get("dp")), layers_per_stage=record.get("layers_per_stage"),
         zero_stage=zero, has_optimizer=bool(has_optimizer), plan_hash=record.get("plan_hash"),
-        iteration=state.get("global_steps"))
+        iteration=state.get("global_steps"), stage_files=record.get("stage_files"))
 
 
 def check_load(engine, load_dir: str, tag: Optional[str] = None, *, load_optimizer_states: bool = True,
