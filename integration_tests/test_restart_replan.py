@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from het_plugin.plan import Plan
-from het_plugin.restart_replan import ran_plan_path
+from het_plugin.core.plan import Plan
+from het_plugin.runtime.restart_replan import ran_plan_path
 from integration_tests.support.launch import run_ranks
 from integration_tests.test_measured_profile import IB_ROCE_4, h100_layers
 

@@ -6,7 +6,7 @@
   plan hash, layer split, degrees, world size), in every ``mp_rank_XX_model_states.pt`` file;
 * ``load_checkpoint``: every rank first reads the checkpoint's shape (:func:`read_shape`: DeepSpeed's own
   ``checkpoint_parallel_dimensions``, ``dp_world_size``, ZeRO stage and optimizer state, and het_plugin's record)
-  and asks :func:`het_plugin.checkpoint_fit.resume_problem`; a checkpoint whose state cannot follow the plan is
+  and asks :func:`het_plugin.core.checkpoint_fit.resume_problem`; a checkpoint whose state cannot follow the plan is
   refused with the format and the fix (a ConfigError on every rank, before DeepSpeed reads a tensor), instead of
   torch's ``loaded state dict contains a parameter group that doesn't match`` deep in the loader.
 
@@ -25,7 +25,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from ..checkpoint_fit import DEEPSPEED, DS_PER_RANK, DS_UNIVERSAL, CheckpointShape, resume_problem
+from ..core.checkpoint_fit import DEEPSPEED, DS_PER_RANK, DS_UNIVERSAL, CheckpointShape, resume_problem
 
 log = logging.getLogger("het_plugin.deepspeed")
 
@@ -34,7 +34,7 @@ RECORD_KEY = "het_plugin"
 
 def plan_record(plan) -> dict[str, Any]:
     """What a checkpoint records about the plan it was saved under."""
-    from ..checkpoint_fit import deepspeed_file_index
+    from ..core.checkpoint_fit import deepspeed_file_index
     return {"plan_hash": plan.hash, "layers_per_stage": list(plan.layers_per_stage), "tp": plan.tp, "pp": plan.pp,
             "dp": plan.dp, "world_size": plan.world_size,
             "stage_files": deepspeed_file_index(plan)[0]}      # replica 0 (data-parallel rank 0) writes them
