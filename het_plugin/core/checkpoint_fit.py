@@ -5,8 +5,8 @@ the world size, the optimizer and how its state is sharded. The adapters read th
 framework-specific readers: Megatron's in ``het_plugin.megatron``, DeepSpeed's in
 :mod:`het_plugin.deepspeed.checkpoint_shape`) into a :class:`CheckpointShape`; :func:`resume_problem` compares it
 with the plan a run is about to use and returns why it would not load (None: it loads), naming the format and the
-fix. Re-planning on restart (:mod:`het_plugin.runtime.restart_replan`) asks the same question of a candidate plan and keeps
-the old one when the answer is no.
+fix. Re-planning on restart (:mod:`het_plugin.runtime.restart_replan`) asks the same question of a candidate plan
+and keeps the old one when the answer is no.
 
 What each format can follow (sources: Megatron-LM core_r0.19.0 docs and ``dist_checkpointing``; DeepSpeed 0.19.8
 ``runtime/pipe/module.py`` ``ckpt_layer_path`` / ``load_state_dir`` and ``runtime/engine.py`` ``_get_ckpt_name``
@@ -55,7 +55,7 @@ class CheckpointShape:
     readers and :func:`resume_problem`). ``None`` in a field: the checkpoint does not say (not checked)."""
     framework: str                          # MEGATRON or DEEPSPEED
     path: str                               # the checkpoint directory (for messages)
-    format: str                             # Megatron: torch_dist | torch | fsdp_dtensor; DeepSpeed: per_rank | universal
+    format: str                 # Megatron: torch_dist | torch | fsdp_dtensor; DeepSpeed: per_rank | universal
     world_size: Optional[int] = None
     tp: Optional[int] = None
     pp: Optional[int] = None

@@ -240,8 +240,8 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     and the iteration time) every ``profile_every`` iterations (default 100) and at exit, for
     ``het-plugin plan --profile`` (docs/planner.md, "Plans that learn from the run").
     ``replan_on_restart`` (with ``profile_out``): the next start re-plans from the profile this run writes
-    (:mod:`het_plugin.runtime.restart_replan`); ``checkpoint``: the :class:`~het_plugin.core.checkpoint_fit.CheckpointShape` of
-    the checkpoint it resumes (or a callable returning it): a re-plan it would not load under is not taken.
+    (:mod:`het_plugin.runtime.restart_replan`); ``checkpoint``: the
+    :class:`~het_plugin.core.checkpoint_fit.CheckpointShape` of the checkpoint it resumes (or a callable returning it): a re-plan it would not load under is not taken.
     """
     import torch.distributed as dist
     from .version import check_megatron_version

@@ -54,7 +54,7 @@ class ProfileSettings:
     replan: str = ""                     # the command that re-plans (named in the warning; "": made from the plan)
     cluster: Optional[str] = None        # the run's cluster file (None: discovered, or a plan file)
     model: Optional[str] = None          # the run's model file or preset name (None: written beside the profile)
-    replan_on_restart: bool = False      # also write the plan run beside the profile (het_plugin.runtime.restart_replan)
+    replan_on_restart: bool = False      # also write the plan run beside the profile (runtime.restart_replan)
     exit_wait_s: float = 10.0            # rank 0 at exit: the longest wait for the other ranks' final sums
 
     def __post_init__(self):
