@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from het_plugin.core.checkpoint_fit import DS_PER_RANK, DS_UNIVERSAL  # noqa: E402
 from het_plugin.deepspeed.checkpoints import RECORD_KEY, install, plan_record, read_shape  # noqa: E402
 from het_plugin.core.errors import ConfigError  # noqa: E402
-from test_restart_replan import IB_ROCE_4, resolver  # noqa: E402
+from tests.runtime.test_restart_replan import IB_ROCE_4, resolver  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from het_plugin.core.inputs.profile import load_profile
 from het_plugin.core.replan_command import ReplanInputs, cluster_file, replan_command
 from het_plugin.views.report import STALE_NOTE, render_text, startup_summary
 from het_plugin.runtime.recorder import ProfileRecorder, ProfileSettings, StageTimer
-from test_measured import IB_ROCE_4, FakeClock, MemoryStore, run_iteration, tiny_model
+from tests.core.test_measured import IB_ROCE_4, FakeClock, MemoryStore, run_iteration, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from het_plugin.core.launch import Launch, resolve_launch
 from het_plugin.runtime.restart_replan import (decide, load_last_run, ran_plan_path, resolve_on_restart, restart_count)
 from het_plugin.runtime.recorder import ProfileRecorder, ProfileSettings
 from het_plugin.core.ranks.dims import Degrees
-from test_measured import DATA, IB_ROCE_4, FakeClock, run_iteration, tiny_model
+from tests.core.test_measured import DATA, IB_ROCE_4, FakeClock, run_iteration, tiny_model
 
 IB_ROCE_2 = DATA / "megatron-ib-roce-2.yaml"
 
