@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 from . import cost
 from .inputs.cluster import Cluster
+from .inputs.compute_curve import extrapolation_advice
 from .errors import ConfigError
 from .inputs.model import ModelSpec
 from .layer_split import bottleneck, exact_partition, virtual_split
@@ -101,7 +102,9 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         overlap_grad_reduce=overlap_grad_reduce, vpp=vpp, overlap_p2p_comm=overlap_p2p_comm and vpp > 1,
         layers_per_virtual_stage=virtual_split(layers_per_stage, vpp) if vpp > 1 else [],
         distributed_optimizer=distributed_optimizer, homogeneous=cluster.is_homogeneous,
-        replica_micro_batches=counts, nccl_nets=dict(cluster.nccl_nets), prediction=prediction, baseline=baseline, alternatives=list(alternatives), warnings=warnings)
+        replica_micro_batches=counts, nccl_nets=dict(cluster.nccl_nets), prediction=prediction, baseline=baseline,
+        alternatives=list(alternatives),
+        warnings=warnings).stamp_prediction()
 
 
 MICRO_BATCH_CHOICES = (1, 2, 4, 8)
@@ -714,6 +717,10 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
         warnings.append("no framework-default plan fits in memory (uniform layers); no baseline to compare")
     warnings += cost.profile_notes(profile, model, {n.accelerator.name for n in cluster.nodes},
                                    best.micro_batch_size, best.placement.dims.tp)
+    advice = extrapolation_advice(profile, model, {n.accelerator.name for n in cluster.nodes},
+                                  best.micro_batch_size, best.placement.dims.tp) if best.prediction.extrapolated else None
+    if advice:                                # chosen on guessed numbers: say so, and what to measure
+        warnings.append(advice)
     others = list(planned.best[1:])
     if het:     # the best of every other shape too, so the report can say why this shape won
         others += [c for shape, c in sorted(planned.by_shape.items()) if shape != best.shape and c not in others]

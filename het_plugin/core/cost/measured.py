@@ -46,6 +46,7 @@ class RankTimes:
     iteration_s: float = 0.0       # wall time of the iteration intervals counted
     intervals: int = 0
     schedule_s: float = 0.0        # the forward-backward schedule calls (compute, transfers and waits)
+    excluded_s: float = 0.0        # checkpoint saves and evaluation, taken out of iteration_s
     final: bool = False            # the rank's last report (at exit)
 
     def to_dict(self) -> dict:
@@ -105,7 +106,8 @@ def measured_run(plan: Plan, ranks: Sequence[RankTimes], framework: str = "") ->
     slowest = _slowest_by_stage_and_device(plan, ranks)
     counted = [r for r in ranks if r.iterations > 0]
     stages = []
-    predicted = plan.prediction.stage_compute_s if plan.prediction and plan.prediction.stage_compute_s else None
+    prediction = plan.current_prediction          # a stale one (the plan edited after it) is another plan's
+    predicted = prediction.stage_compute_s if prediction and prediction.stage_compute_s else None
     for s in range(plan.pp):
         mine = [(dev, r) for (st, dev), r in slowest.items() if st == s]
         if not mine:
@@ -121,7 +123,7 @@ def measured_run(plan: Plan, ranks: Sequence[RankTimes], framework: str = "") ->
     return MeasuredRun(plan_hash=plan.hash, framework=framework, micro_batch_size=plan.micro_batch_size, tp=plan.tp,
                        num_micro_batches=plan.num_micro_batches, layers_per_stage=list(plan.layers_per_stage),
                        iterations=min(r.iterations for r in counted), iteration_s=iteration, schedule_s=schedule,
-                       predicted_iteration_s=plan.prediction.iteration_s if plan.prediction else None, stages=stages)
+                       predicted_iteration_s=prediction.iteration_s if prediction else None, stages=stages)
 
 
 def flop_shares(model: ModelSpec, micro_batch_size: int) -> tuple[float, float, float]:
@@ -179,7 +181,22 @@ def measured_profile(plan: Plan, ranks: Sequence[RankTimes], framework: str = ""
         for kind, weight in (("embedding", emb_w), ("output", out_w)):
             if (dev.lower(), kind) not in seen and layer_w > 0:
                 prof.add_compute(dev, kind, mb, tp, f / n * weight / layer_w, b / n * weight / layer_w)
+    over = run_overhead_s(run, plan)
+    if over is not None:
+        for dev in sorted({st.device for st in run.stages}, key=str.lower):
+            prof.add_overhead(dev, over)
     return prof
+
+
+def run_overhead_s(run: MeasuredRun, plan: Plan) -> Optional[float]:
+    """The run's per-iteration overhead (issue 23): the mean iteration minus the forward-backward schedule call
+    minus the optimizer step the plan predicts (the predictor adds that step back, so the measured plan's
+    iteration is re-predicted); None when the run timed no schedule call or the plan carries no prediction.
+    The per-pipeline-slot cost is not derived here (the schedule call also holds the sends and the exposed
+    gradient reduction, which the predictor adds itself): it keeps its default (cost.fixed_costs)."""
+    if run.schedule_s is None or plan.prediction is None or run.iteration_s <= 0:
+        return None
+    return max(0.0, run.iteration_s - run.schedule_s - plan.prediction.optimizer_s)
 
 
 # ---- predicted against measured ---------------------------------------------------------------------

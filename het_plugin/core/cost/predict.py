@@ -15,6 +15,7 @@ from ..ranks.batches import ReplicaBatches
 from ..ranks.dims import ParallelDims
 from .analysis import Analysis, ReplicaClass, analyze
 from .network import GIB, GRAD_BYTES, OPTIMIZER_STATE_BYTES, TransportFn, WEIGHT_BYTES
+from .fixed_costs import iteration_overhead_s, with_slots
 from .pipeline import _interleaved_pipeline, _interleaved_stage_costs, simulate_1f1b, wrap_send_s
 from .stage import (
     StageModel, _dp_reduce_s, _max_layers_fitting, _memory_bytes, _optimizer_s, _stage_cost_parts, _stage_costs,
@@ -47,10 +48,11 @@ def stage_times(sts: Sequence[StageModel], layers_per_stage: Sequence[int]) -> t
 
 
 def steady_step_s(fwd: Sequence[float], bwd: Sequence[float], sts: Sequence[StageModel]) -> float:
-    """One steady-state 1F1B step of the slowest stage: its forward and backward, its activation send to the next
-    stage and its gradient send back to the previous one (each link's own direction)."""
+    """One steady-state 1F1B step of the slowest stage: its forward and backward (with their pipeline slots), its
+    activation send to the next stage and its gradient send back to the previous one (each link's own
+    direction)."""
     pp = len(sts)
-    return max(f + b + (sts[s].send_s if s + 1 < pp else 0.0) + (sts[s - 1].back_s if s else 0.0)
+    return max(f + b + 2 * sts[s].slot_s + (sts[s].send_s if s + 1 < pp else 0.0) + (sts[s - 1].back_s if s else 0.0)
                for s, (f, b) in enumerate(zip(fwd, bwd)))
 
 
@@ -86,7 +88,8 @@ def group_pipelines(sc: "SplitCosts", layers_per_stage: Sequence[int], record: b
             finish, ends = _interleaved_pipeline(sts, virtual, m, sc.overlap_p2p_comm, sc.wrap_send_s, dims.dp,
                                                  sc.overlap_grad_reduce, sc.distributed_optimizer, sc.profile)
         else:
-            finish = simulate_1f1b(fwd, bwd, [st.send_s for st in sts], m, [st.back_s for st in sts], record=spans)
+            finish = simulate_1f1b(*with_slots(fwd, bwd, sts), [st.send_s for st in sts], m, [st.back_s for st in sts],
+                                   record=spans)
             ends = [f + exposed_reduction_s(r, b, sc.overlap_grad_reduce) for f, r, b in zip(finish, reds, bwd)]
         out.append(GroupPipeline(reps, m, fwd, bwd, finish, ends, steady_step_s(fwd, bwd, sts), spans))
     return out
@@ -145,11 +148,8 @@ def _evaluate(sc: "SplitCosts", layers_per_stage: Sequence[int], description: st
 
 
 def _iteration_overhead_s(analysis: Analysis, profile: Optional[Profile]) -> float:
-    """The profile's fixed cost per iteration: the slowest device type's (0 without one)."""
-    if profile is None or not profile.overhead:
-        return 0.0
-    return max((profile.iteration_overhead_s(a.name) or 0.0 for st in analysis.stages for a in st.accelerators),
-               default=0.0)
+    """The fixed cost per iteration: the slowest device type's, measured or defaulted (fixed_costs)."""
+    return iteration_overhead_s(profile, [a for st in analysis.stages for a in st.accelerators])
 
 
 def profile_notes(profile: Optional[Profile], model: ModelSpec, devices, micro_batch_size: int, tp: int) -> list[str]:
@@ -323,7 +323,9 @@ class SplitCosts:
         """The prediction of one split (``fits == False`` and the reason in its description if it does not fit)."""
         if self.notes:
             description = "; ".join(([description] if description else []) + self.notes)
-        return _evaluate(self, layers_per_stage, description)
+        pred = _evaluate(self, layers_per_stage, description)
+        pred.extrapolated = list(self.notes)          # where its compute lies outside the profile (issue 23)
+        return pred
 
 
 def _class_analysis(analysis: Analysis, cls: ReplicaClass) -> Analysis:
