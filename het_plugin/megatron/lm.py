@@ -189,9 +189,10 @@ def install_initialize_wrapper() -> None:
         training.setup_model_and_optimizer = setup_model_and_optimizer
 
 
-def apply_plan_to_container(container: Any, plan: Any) -> list[str]:
-    """Give megatron.training's config container (``pretrain(cfg_container, ...)``, 0.19+) the plan's layer split,
-    gradient-reduction overlap and distributed optimizer where it lacks them; returns what changed.
+def apply_plan_to_container(container: Any, plan: Any, take_settings: Optional[bool] = None) -> list[str]:
+    """Give megatron.training's config container (``pretrain(cfg_container, ...)``, 0.19+) the plan's layer split
+    where it lacks one, and, with ``take_settings`` (None: ``--heterogeneous-take-plan-settings`` on the command
+    line), the gradient-reduction overlap and distributed optimizer the plan assumed; returns what changed.
 
     The container is built from ``args`` before initialisation. With the bare flag the plan comes after it:
     left alone, the model would get Megatron's even split and the DDP config would disagree with the
@@ -207,10 +208,11 @@ def apply_plan_to_container(container: Any, plan: Any) -> list[str]:
     if transformer is not None and layout is not None and transformer.pipeline_model_parallel_layout is None:
         model.transformer = apply_plan_to_config(transformer, plan)
         changes.append(f"model.transformer.pipeline_model_parallel_layout={layout}")
-    # a homogeneous cluster keeps the user's overlap setting (het_plugin is a no-op there)
-    wanted = {"overlap_grad_reduce": True} if plan.overlap_grad_reduce and not plan.homogeneous else {}
-    if plan.distributed_optimizer:
-        wanted["use_distributed_optimizer"] = True
+    from .settings import planned_settings, take_plan_settings
+    # the optimizer and overlap are the user's unless asked for (settings.py); a homogeneous plan assumes none
+    if take_settings is None:
+        take_settings = take_plan_settings(megatron_args())
+    wanted = planned_settings(plan) if take_settings else {}
     for name in ("ddp", "optimizer"):
         config = getattr(container, name, None)
         if not is_dataclass(config):
@@ -264,6 +266,10 @@ def planned_initialize_model_parallel(*args, **kwargs):
             state.changes = apply_plan_to_args(margs, plan)
         if rank == 0 and state.changes:
             print("het_plugin: Megatron arguments set from the plan: " + ", ".join(state.changes), flush=True)
+        from .settings import offer
+        note = offer(margs, plan) if rank == 0 else None
+        if note:
+            print(note, flush=True)
         return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None, timeout_s=timeout_s,
                             cluster=state.cluster, profile=launch_profile_settings(margs))
 
