@@ -187,6 +187,28 @@ def install_initialize_wrapper() -> None:
         functools.update_wrapper(setup_model_and_optimizer, setup)
         setup_model_and_optimizer.__het_plugin_wrapped__ = setup
         training.setup_model_and_optimizer = setup_model_and_optimizer
+    install_checkpoint_check(training)
+
+
+def install_checkpoint_check(training: Any) -> None:
+    """megatron.training's ``load_checkpoint`` (as training.py calls it) checks what the checkpoint holds against
+    this run first, on every rank (checkpoints.py): a combination that cannot load stops every rank alike."""
+    load = getattr(training, "load_checkpoint", None)
+    if load is None or getattr(load, "__het_plugin_wrapped__", None) is not None:
+        return
+
+    def load_checkpoint(*a, **kw):
+        from .checkpoints import check_before_load
+        margs = megatron_args()
+        if state.plan is not None and margs is not None:
+            notes = check_before_load(margs, kw.get("load_arg", "load"))
+            if notes and int(getattr(margs, "rank", 0) or 0) == 0:
+                print("\n".join(notes), flush=True)
+        return load(*a, **kw)
+
+    functools.update_wrapper(load_checkpoint, load)
+    load_checkpoint.__het_plugin_wrapped__ = load
+    training.load_checkpoint = load_checkpoint
 
 
 def apply_plan_to_container(container: Any, plan: Any, take_settings: Optional[bool] = None) -> list[str]:
