@@ -20,7 +20,7 @@ import dataclasses
 
 import pytest
 
-from het_plugin.plan import Plan
+from het_plugin.core.plan import Plan
 from integration_tests.support.launch import run_ranks
 from integration_tests.test_megatron_training import (HAVE_TRAINING, IB_ROCE_4, MCORE_PASS, MODEL, NOT_IN_WHEEL, SCRIPT,
                                                       WRAPPER, expected_layers, losses)

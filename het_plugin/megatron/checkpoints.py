@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")   # DistributedOptimizer's own list (0.19)
 SPLIT_FREE_FORMATS = ("torch_dist",)             # weights keyed by global layer index

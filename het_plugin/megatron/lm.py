@@ -26,8 +26,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import ConfigError, HetPluginError
+from ..core.errors import ConfigError, HetPluginError
+from ..runtime.patches import PATCHES
 from .args import DISCOVER, apply_plan_to_args, check_compatible, degrees_given
+
+PATCH_LABEL = "megatron.lm"    # Megatron-LM's init_process_group, initialize_model_parallel, setup_model_and_optimizer,
+#                                load_checkpoint
 
 
 @dataclass
@@ -96,15 +100,15 @@ def install_world_group_network() -> None:
     what docs/user-guide.md tells a script that creates the group itself to do. The bare flag plans after
     the group exists: there the pre-flight names the fix."""
     import torch.distributed as dist
-    current = dist.init_process_group
-    if getattr(current, "__het_plugin_wrapped__", None) is not None:
-        return
+    PATCHES.apply(dist, "init_process_group", _world_network_init, label=PATCH_LABEL)
 
+
+def _world_network_init(current):
     def init_process_group(*a, **kw):
         backend = kw.get("backend", a[0] if a else None)
         if (world_needs_own_network(state.plan) and "nccl" in str(backend or "").lower()
                 and kw.get("pg_options") is None and len(a) < 8):     # 8th positional: pg_options
-            from ..netselect import world_group_options
+            from ..runtime.netselect import world_group_options
             options = world_group_options()
             if options is not None:
                 kw["pg_options"] = options
@@ -113,9 +117,7 @@ def install_world_group_network() -> None:
                           "'Socket' for it (the plan's groups keep their own networks)", flush=True)
         return current(*a, **kw)
 
-    functools.update_wrapper(init_process_group, current)
-    init_process_group.__het_plugin_wrapped__ = current
-    dist.init_process_group = init_process_group
+    return functools.update_wrapper(init_process_group, current)
 
 
 def check_replica_batch(args: Any, plan: Any) -> None:
@@ -144,8 +146,8 @@ def megatron_args() -> Any:
 
 def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int] = None,
               world_size: Optional[int] = None):
-    """The plan (and its cluster) for these Megatron arguments (het_plugin.resolve.Resolved)."""
-    from .core import resolve_megatron_launch
+    """The plan (and its cluster) for these Megatron arguments (het_plugin.core.launch.Resolved)."""
+    from .mcore import resolve_megatron_launch
     from .modelspec import model_from_args
     world = world_size or int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
     rank = rank if rank is not None else int(getattr(args, "rank", None) or os.environ.get("RANK", "0"))
@@ -161,42 +163,41 @@ def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int]
 
 def install_initialize_wrapper() -> None:
     """Route ``parallel_state.initialize_model_parallel`` (what Megatron-LM calls, as ``mpu.``) through het_plugin,
-    and megatron.training's ``setup_model_and_optimizer`` through :func:`apply_plan_to_container`."""
+    megatron.training's ``setup_model_and_optimizer`` through :func:`apply_plan_to_container`, and its
+    ``load_checkpoint`` through the check of checkpoints.py."""
     from megatron.core import parallel_state
-    current = parallel_state.initialize_model_parallel
-    if getattr(current, "__het_plugin_wrapped__", None) is None:
-        def planned(*a, **kw):
-            return planned_initialize_model_parallel(*a, **kw)
-
-        functools.update_wrapper(planned, current)
-        planned.__het_plugin_wrapped__ = current
-        parallel_state.initialize_model_parallel = planned
+    PATCHES.apply(parallel_state, "initialize_model_parallel", _planned_initialize, label=PATCH_LABEL)
     # megatron.training's package __init__ imports .training: loaded by the time a script parses arguments.
     training = sys.modules.get("megatron.training.training")
-    setup = getattr(training, "setup_model_and_optimizer", None)
-    if setup is not None and getattr(setup, "__het_plugin_wrapped__", None) is None:
-        def setup_model_and_optimizer(*a, **kw):
-            container = kw.get("cfg_container")
-            if container is not None and state.plan is not None:
-                changes = apply_plan_to_container(container, state.plan)
-                if changes and int(getattr(megatron_args(), "rank", 0) or 0) == 0:
-                    print("het_plugin: pretrain's config container set from the plan: " + ", ".join(changes),
-                          flush=True)
-            return setup(*a, **kw)
-
-        functools.update_wrapper(setup_model_and_optimizer, setup)
-        setup_model_and_optimizer.__het_plugin_wrapped__ = setup
-        training.setup_model_and_optimizer = setup_model_and_optimizer
-    install_checkpoint_check(training)
+    if getattr(training, "setup_model_and_optimizer", None) is not None:
+        PATCHES.apply(training, "setup_model_and_optimizer", _planned_setup, label=PATCH_LABEL)
+    if getattr(training, "load_checkpoint", None) is not None:
+        PATCHES.apply(training, "load_checkpoint", _checked_load, label=PATCH_LABEL)
 
 
-def install_checkpoint_check(training: Any) -> None:
+def _planned_initialize(current):
+    def planned(*a, **kw):
+        return planned_initialize_model_parallel(*a, **kw)
+
+    return functools.update_wrapper(planned, current)
+
+
+def _planned_setup(setup):
+    def setup_model_and_optimizer(*a, **kw):
+        container = kw.get("cfg_container")
+        if container is not None and state.plan is not None:
+            changes = apply_plan_to_container(container, state.plan)
+            if changes and int(getattr(megatron_args(), "rank", 0) or 0) == 0:
+                print("het_plugin: pretrain's config container set from the plan: " + ", ".join(changes),
+                      flush=True)
+        return setup(*a, **kw)
+
+    return functools.update_wrapper(setup_model_and_optimizer, setup)
+
+
+def _checked_load(load):
     """megatron.training's ``load_checkpoint`` (as training.py calls it) checks what the checkpoint holds against
     this run first, on every rank (checkpoints.py): a combination that cannot load stops every rank alike."""
-    load = getattr(training, "load_checkpoint", None)
-    if load is None or getattr(load, "__het_plugin_wrapped__", None) is not None:
-        return
-
     def load_checkpoint(*a, **kw):
         from .checkpoints import check_before_load
         margs = megatron_args()
@@ -206,9 +207,7 @@ def install_checkpoint_check(training: Any) -> None:
                 print("\n".join(notes), flush=True)
         return load(*a, **kw)
 
-    functools.update_wrapper(load_checkpoint, load)
-    load_checkpoint.__het_plugin_wrapped__ = load
-    training.load_checkpoint = load_checkpoint
+    return functools.update_wrapper(load_checkpoint, load)
 
 
 def apply_plan_to_container(container: Any, plan: Any, take_settings: Optional[bool] = None) -> list[str]:
@@ -250,8 +249,8 @@ def apply_plan_to_container(container: Any, plan: Any, take_settings: Optional[b
 def planned_initialize_model_parallel(*args, **kwargs):
     """Megatron-LM's call to initialize_model_parallel, on the plan (pass-through without the flag)."""
     import torch.distributed as dist
-    from ..agreement import agree_on_plan
-    from .core import build_groups, original_initialize_model_parallel
+    from ..runtime.agreement import agree_on_plan
+    from .mcore import build_groups, original_initialize_model_parallel
 
     original = original_initialize_model_parallel()
     if state.args is None:
@@ -267,7 +266,7 @@ def planned_initialize_model_parallel(*args, **kwargs):
             raise state.error
         if state.plan is not None:
             return state.plan
-        from .core import plan_degrees
+        from .mcore import plan_degrees
         fixed = {"tp": kwargs.get("tensor_model_parallel_size", 1), "pp": kwargs.get("pipeline_model_parallel_size", 1),
                  "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": margs.micro_batch_size,
                  **plan_degrees(kwargs),
@@ -299,7 +298,7 @@ def planned_initialize_model_parallel(*args, **kwargs):
 def launch_profile_settings(args: Any):
     """``--heterogeneous-profile-out`` / ``--heterogeneous-profile-interval`` as ProfileSettings (None without)."""
     from .args import PROFILE_INTERVAL_FLAG, PROFILE_OUT_FLAG
-    from .core import profile_settings
+    from .mcore import profile_settings
     path = getattr(args, "heterogeneous_profile_out", None)
     every = getattr(args, "heterogeneous_profile_interval", None)
     try:

@@ -1,7 +1,7 @@
 """Heterogeneous data parallelism on stock Megatron: each replica runs its plan count of micro-batches, its
 loss weighted by its share, reading its own samples (docs/megatron.md, "Heterogeneous data parallelism").
 
-Applied by :func:`het_plugin.megatron.core.build_groups` only when the plan's replicas are uneven; an even
+Applied by :func:`het_plugin.megatron.mcore.build_groups` only when the plan's replicas are uneven; an even
 plan leaves every Megatron function as it is.
 
 * **Schedules.** ``get_forward_backward_func()`` returns one of three functions of
@@ -32,17 +32,19 @@ import functools
 import sys
 from typing import Any, Optional
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
+from ..runtime.patches import PATCHES
 from ..runtime.replicas import ReplicaShare
 
 SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
              "forward_backward_pipelining_with_interleaving")
 SOURCE = "Megatron forward_backward_func"
+PATCH_LABEL = "megatron.replicas"      # the schedules and Megatron-LM's sampler, for an uneven plan
 
 
 def replica_share() -> Optional[ReplicaShare]:
     """This rank's replica share of the plan het_plugin applied (None before initialisation or without it)."""
-    from .core import current_plan
+    from .mcore import current_plan
     applied = current_plan()
     return applied.replica_share if applied is not None else None
 
@@ -94,9 +96,6 @@ def _counting_step(forward_step_func, share: ReplicaShare, chunks: int):
 
 def wrap_schedule(schedule):
     """One schedule function, running this rank's replica count and weight (module docstring)."""
-    if getattr(schedule, "__het_plugin_wrapped__", None) is not None:
-        return schedule
-
     @functools.wraps(schedule)
     def replica_schedule(*args, **kwargs):
         share = replica_share()
@@ -115,7 +114,6 @@ def wrap_schedule(schedule):
         with _ScaledGrads(config, share.loss_scale):
             return schedule(**kwargs)
 
-    replica_schedule.__het_plugin_wrapped__ = schedule
     return replica_schedule
 
 
@@ -133,12 +131,6 @@ def _check_no_cross_replica_collectives(config, share: ReplicaShare) -> None:
                               "--replica-split even)")
 
 
-def _unwrapped(fn):
-    while getattr(fn, "__het_plugin_wrapped__", None) is not None:
-        fn = fn.__het_plugin_wrapped__
-    return fn
-
-
 def install(plan) -> None:
     """Wrap the schedules (and Megatron-LM's sampler, when megatron.training is loaded) for an uneven plan;
     restore Megatron's own for an even one (a process may apply several plans, e.g. tests)."""
@@ -151,18 +143,16 @@ def uninstall() -> None:
 
 
 def _wrap(uneven: bool) -> None:
-    if not uneven and "megatron.core.pipeline_parallel.schedules" not in sys.modules:
-        return            # nothing was wrapped: an even plan imports nothing
+    if not uneven:
+        PATCHES.undo(PATCH_LABEL)      # nothing was wrapped: an even plan imports nothing
+        return
     from megatron.core.pipeline_parallel import schedules
     for name in SCHEDULES:
-        fn = getattr(schedules, name, None)
-        if fn is not None:
-            setattr(schedules, name, wrap_schedule(fn) if uneven else _unwrapped(fn))
+        if getattr(schedules, name, None) is not None:
+            PATCHES.apply(schedules, name, wrap_schedule, label=PATCH_LABEL)
     samplers = sys.modules.get("megatron.training.datasets.data_samplers")
     if samplers is not None:
-        current = samplers.MegatronPretrainingSampler
-        original = getattr(current, "__het_plugin_original__", current)
-        samplers.MegatronPretrainingSampler = replica_sampler_class(original) if uneven else original
+        PATCHES.apply(samplers, "MegatronPretrainingSampler", replica_sampler_class, label=PATCH_LABEL)
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -172,8 +162,8 @@ def replica_sampler(total_samples: int, consumed_samples: int = 0):
     micro-batches of every global batch (sample indices of the data order), its count of them per iteration, from
     ``consumed_samples`` (a whole number of global batches). Every sample of global batch ``i`` (samples
     ``[i*G, (i+1)*G)``, as Megatron's ``MegatronPretrainingSampler`` reads them) is read once, by one replica."""
-    from ..data import ReplicaBatches, ReplicaSampler
-    from .core import current_plan
+    from ..core.ranks.batches import ReplicaBatches, ReplicaSampler
+    from .mcore import current_plan
     applied = current_plan()
     if applied is None:
         raise ConfigError("no plan applied in this process", field="replica_sampler",
@@ -188,8 +178,6 @@ def replica_sampler_class(base):
     each global batch; constructed as Megatron-LM's data loader constructs the original."""
 
     class ReplicaPretrainingSampler(base):
-        __het_plugin_original__ = base
-
         def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
                      data_parallel_size, drop_last=True, **kwargs: Any):
             super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..plan import Plan
+from ..core.plan import Plan
 
 TAKE_FLAG = "--heterogeneous-take-plan-settings"
 
