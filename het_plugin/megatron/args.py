@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             f"{PROFILE_INTERVAL_FLAG} iterations and at exit, for `het-plugin plan --profile FILE`")
     group.add_argument(PROFILE_INTERVAL_FLAG, type=int, default=None, metavar="N",
                        help=f"iterations between writes of {PROFILE_OUT_FLAG} (default 100)")
+    from .settings import TAKE_FLAG
+    group.add_argument(TAKE_FLAG, action="store_true",
+                       help="also turn on the training settings the plan assumed (--use-distributed-optimizer "
+                            "where its memory fit needs it, --overlap-grad-reduce on a heterogeneous cluster); "
+                            "without it the command line's settings stand and rank 0 names what the plan assumed")
     return parser
 
 
@@ -176,9 +181,9 @@ def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
             put("num_virtual_stages_per_pipeline_rank", plan.vpp)
         if plan.vpp > 1:
             put("overlap_p2p_comm", plan.overlap_p2p_comm)
-    if plan.overlap_grad_reduce and not plan.homogeneous:
-        # a homogeneous cluster keeps the user's choice (het_plugin is a no-op there)
-        put("overlap_grad_reduce", True)
-    if plan.distributed_optimizer:        # the plan's memory estimate assumed sharded optimizer state
-        put("use_distributed_optimizer", True)
+    from .settings import planned_settings, take_plan_settings
+    if take_plan_settings(args):          # only on request: the optimizer and overlap are the user's (settings.py)
+        for name, value in planned_settings(plan).items():
+            put(name, value)
+    args.heterogeneous_plan_hash = plan.hash      # saved with Megatron's args in every checkpoint (checkpoints.py)
     return changes

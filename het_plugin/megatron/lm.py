@@ -30,7 +30,8 @@ from ..core.errors import ConfigError, HetPluginError
 from ..runtime.patches import PATCHES
 from .args import DISCOVER, apply_plan_to_args, check_compatible, degrees_given
 
-PATCH_LABEL = "megatron.lm"    # Megatron-LM's init_process_group, initialize_model_parallel, setup_model_and_optimizer
+PATCH_LABEL = "megatron.lm"    # Megatron-LM's init_process_group, initialize_model_parallel, setup_model_and_optimizer,
+#                                load_checkpoint
 
 
 @dataclass
@@ -162,13 +163,16 @@ def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int]
 
 def install_initialize_wrapper() -> None:
     """Route ``parallel_state.initialize_model_parallel`` (what Megatron-LM calls, as ``mpu.``) through het_plugin,
-    and megatron.training's ``setup_model_and_optimizer`` through :func:`apply_plan_to_container`."""
+    megatron.training's ``setup_model_and_optimizer`` through :func:`apply_plan_to_container`, and its
+    ``load_checkpoint`` through the check of checkpoints.py."""
     from megatron.core import parallel_state
     PATCHES.apply(parallel_state, "initialize_model_parallel", _planned_initialize, label=PATCH_LABEL)
     # megatron.training's package __init__ imports .training: loaded by the time a script parses arguments.
     training = sys.modules.get("megatron.training.training")
     if getattr(training, "setup_model_and_optimizer", None) is not None:
         PATCHES.apply(training, "setup_model_and_optimizer", _planned_setup, label=PATCH_LABEL)
+    if getattr(training, "load_checkpoint", None) is not None:
+        PATCHES.apply(training, "load_checkpoint", _checked_load, label=PATCH_LABEL)
 
 
 def _planned_initialize(current):
@@ -191,9 +195,25 @@ def _planned_setup(setup):
     return functools.update_wrapper(setup_model_and_optimizer, setup)
 
 
-def apply_plan_to_container(container: Any, plan: Any) -> list[str]:
-    """Give megatron.training's config container (``pretrain(cfg_container, ...)``, 0.19+) the plan's layer split,
-    gradient-reduction overlap and distributed optimizer where it lacks them; returns what changed.
+def _checked_load(load):
+    """megatron.training's ``load_checkpoint`` (as training.py calls it) checks what the checkpoint holds against
+    this run first, on every rank (checkpoints.py): a combination that cannot load stops every rank alike."""
+    def load_checkpoint(*a, **kw):
+        from .checkpoints import check_before_load
+        margs = megatron_args()
+        if state.plan is not None and margs is not None:
+            notes = check_before_load(margs, kw.get("load_arg", "load"))
+            if notes and int(getattr(margs, "rank", 0) or 0) == 0:
+                print("\n".join(notes), flush=True)
+        return load(*a, **kw)
+
+    return functools.update_wrapper(load_checkpoint, load)
+
+
+def apply_plan_to_container(container: Any, plan: Any, take_settings: Optional[bool] = None) -> list[str]:
+    """Give megatron.training's config container (``pretrain(cfg_container, ...)``, 0.19+) the plan's layer split
+    where it lacks one, and, with ``take_settings`` (None: ``--heterogeneous-take-plan-settings`` on the command
+    line), the gradient-reduction overlap and distributed optimizer the plan assumed; returns what changed.
 
     The container is built from ``args`` before initialisation. With the bare flag the plan comes after it:
     left alone, the model would get Megatron's even split and the DDP config would disagree with the
@@ -209,10 +229,11 @@ def apply_plan_to_container(container: Any, plan: Any) -> list[str]:
     if transformer is not None and layout is not None and transformer.pipeline_model_parallel_layout is None:
         model.transformer = apply_plan_to_config(transformer, plan)
         changes.append(f"model.transformer.pipeline_model_parallel_layout={layout}")
-    # a homogeneous cluster keeps the user's overlap setting (het_plugin is a no-op there)
-    wanted = {"overlap_grad_reduce": True} if plan.overlap_grad_reduce and not plan.homogeneous else {}
-    if plan.distributed_optimizer:
-        wanted["use_distributed_optimizer"] = True
+    from .settings import planned_settings, take_plan_settings
+    # the optimizer and overlap are the user's unless asked for (settings.py); a homogeneous plan assumes none
+    if take_settings is None:
+        take_settings = take_plan_settings(megatron_args())
+    wanted = planned_settings(plan) if take_settings else {}
     for name in ("ddp", "optimizer"):
         config = getattr(container, name, None)
         if not is_dataclass(config):
@@ -266,6 +287,10 @@ def planned_initialize_model_parallel(*args, **kwargs):
             state.changes = apply_plan_to_args(margs, plan)
         if rank == 0 and state.changes:
             print("het_plugin: Megatron arguments set from the plan: " + ", ".join(state.changes), flush=True)
+        from .settings import offer
+        note = offer(margs, plan) if rank == 0 else None
+        if note:
+            print(note, flush=True)
         return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None, timeout_s=timeout_s,
                             cluster=state.cluster, profile=launch_profile_settings(margs))
 

@@ -135,6 +135,8 @@ def enable_training_cpu_shims() -> None:
                 torch.nn.Parameter.type = own
 
     distrib_optimizer.DistributedOptimizer.__init__ = init_with_cuda_type_names
+    from integration_tests.support.megatron_checkpoint_cpu import enable_checkpoint_cpu_shims
+    enable_checkpoint_cpu_shims(_TorchFor)          # --save / --load
     _enabled = True
 
 

@@ -35,6 +35,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-layout", type=str, default=None)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
@@ -124,7 +125,8 @@ def test_hook_wraps_parse_args_and_applies_the_plan(argv):
     assert args.data_path == "d"
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (plan.tp, plan.pp) == (2, 2)
     assert args.pipeline_model_parallel_layout == layout_string(plan.layers_per_stage)
-    assert args.overlap_grad_reduce is plan.overlap_grad_reduce
+    assert plan.overlap_grad_reduce and args.overlap_grad_reduce is False, "the command line's setting stands"
+    assert args.heterogeneous_plan_hash == plan.hash, "saved with Megatron's args in its checkpoints"
     assert args.global_batch_size == 8 and args.micro_batch_size == 2
     assert plan.model["num_layers"] == 5 and plan.model["hidden_size"] == 32
 
@@ -340,17 +342,55 @@ def _container(num_layers=4, **transformer):
 
 
 def test_pretrains_config_container_gets_the_split_overlap_and_distributed_optimizer():
-    """A config container built from args before the plan existed (the bare flag) is brought to the plan."""
+    """A config container built from args before the plan existed (the bare flag) is brought to the plan; with
+    --heterogeneous-take-plan-settings also to the optimizer and overlap it assumed."""
     from megatron.core.transformer.enums import LayerType
     container = _container()
-    changes = lm.apply_plan_to_container(container, _plan([3, 1]))
+    changes = lm.apply_plan_to_container(container, _plan([3, 1]), take_settings=True)
     layout = container.model.transformer.pipeline_model_parallel_layout
     assert [row[0].count(LayerType.decoder) for row in layout.layout] == [3, 1]
     assert container.ddp.overlap_grad_reduce and container.ddp.use_distributed_optimizer
     assert container.optimizer.use_distributed_optimizer
-    assert changes == ["model.transformer.pipeline_model_parallel_layout=Ettt|tL", "ddp.overlap_grad_reduce=True",
-                       "ddp.use_distributed_optimizer=True", "optimizer.use_distributed_optimizer=True"]
-    assert lm.apply_plan_to_container(container, _plan([3, 1])) == [], "idempotent"
+    assert changes == ["model.transformer.pipeline_model_parallel_layout=Ettt|tL", "ddp.use_distributed_optimizer=True",
+                       "ddp.overlap_grad_reduce=True", "optimizer.use_distributed_optimizer=True"]
+    assert lm.apply_plan_to_container(container, _plan([3, 1]), take_settings=True) == [], "idempotent"
+
+
+def test_the_users_optimizer_and_overlap_stand_unless_the_plans_are_asked_for(argv):
+    """Issue 21, item 0: a plan that assumed the distributed optimizer and overlapped reduction changes neither in
+    args nor in a config container; rank 0 names both flags once; --heterogeneous-take-plan-settings applies them."""
+    from het_plugin.megatron import settings
+    plan = _plan([3, 1], overlap=True, distributed_optimizer=True)
+    args = types.SimpleNamespace(overlap_grad_reduce=False, use_distributed_optimizer=False)
+    changes = hargs.apply_plan_to_args(args, plan)
+    assert (args.overlap_grad_reduce, args.use_distributed_optimizer) == (False, False)
+    assert not any("overlap_grad" in c or "distributed" in c for c in changes)
+    container = _container()
+    assert lm.apply_plan_to_container(container, plan, take_settings=False) == [
+        "model.transformer.pipeline_model_parallel_layout=Ettt|tL"]
+    assert not container.ddp.use_distributed_optimizer and not container.optimizer.use_distributed_optimizer
+    note = settings.offer(args, plan)
+    assert note.startswith(f"het_plugin: plan {plan.hash} assumed --use-distributed-optimizer (")
+    assert "--overlap-grad-reduce (" in note and settings.TAKE_FLAG in note
+    # the user chose one of them: only the other is offered; both: nothing to say
+    args.use_distributed_optimizer = True
+    assert "--use-distributed-optimizer" not in settings.offer(args, plan)
+    args.overlap_grad_reduce = True
+    assert settings.offer(args, plan) is None
+    # a plan without them never turns the user's off
+    plain = _plan([3, 1], overlap=False, distributed_optimizer=False)
+    hargs.apply_plan_to_args(args, plain)
+    assert (args.overlap_grad_reduce, args.use_distributed_optimizer) == (True, True)
+    # the opt-in, from Megatron-LM's command line
+    argv(*MODEL, "--pipeline-model-parallel-size", "2", "--heterogeneous-nic", str(CLUSTER_8))
+    mod = fake_arguments_module()
+    hook.patch_arguments_module(mod)
+    default = mod.parse_args(script_provider)
+    assert default.heterogeneous_take_plan_settings is False and default.overlap_grad_reduce is False
+    argv(*MODEL, "--pipeline-model-parallel-size", "2", "--heterogeneous-nic", str(CLUSTER_8), settings.TAKE_FLAG)
+    taken = mod.parse_args(script_provider)
+    assert taken.overlap_grad_reduce is lm.state.plan.overlap_grad_reduce is True
+    assert taken.use_distributed_optimizer is lm.state.plan.distributed_optimizer
 
 
 def test_a_container_that_already_agrees_with_the_plan_is_left_alone():
