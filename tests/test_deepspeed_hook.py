@@ -150,3 +150,18 @@ def test_the_pth_line_patches_deepspeed_when_imported(tmp_path):
     assert out[1] == "False"                                # the trigger removed itself
     out = _run_pth(tmp_path, code, env={"HET_PLUGIN_NO_HOOK": "1"}, site=True)
     assert out[0] == str([("deepspeed", "initialize")])    # the guard only
+
+
+def test_permuted_plan_refused_after_megatron_deepspeed_built_its_groups(monkeypatch, plan):
+    import types
+
+    from het_plugin.deepspeed.foreign_groups import check_no_launch_order_groups
+    state = types.ModuleType("megatron.core.parallel_state")
+    state.model_parallel_is_initialized = lambda: False
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", state)
+    check_no_launch_order_groups(plan)                      # not initialized: nothing to disagree with
+    state.model_parallel_is_initialized = lambda: True
+    assert not plan.is_identity
+    with pytest.raises(ConfigError, match="already built its tensor/pipeline/data-parallel groups in launch order"):
+        check_no_launch_order_groups(plan)
+    check_no_launch_order_groups(types.SimpleNamespace(is_identity=True))    # launch order: the mpu's groups fit

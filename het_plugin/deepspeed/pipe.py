@@ -7,8 +7,11 @@ also pass to :func:`het_plugin.deepspeed.initialize`) and ``layer_pattern=``. Wi
 * the pipeline degree comes from ``num_stages`` (or ``topology``'s 'pipe' axis), the tensor degree from
   ``topology``'s 'model' axis, the layers from ``layers``; the plan must agree (ConfigError otherwise);
 * every rank computes or loads the plan and checks its hash with the others before any group exists;
-* ``topology`` becomes :class:`PlanTopology` and the partition is the plan's layers per stage
-  (``partition_method`` is ignored);
+* ``topology`` becomes :class:`PlanTopology` and the partition is the plan's layers per stage, replacing
+  ``partition_method`` (rank 0 says so once); on a homogeneous identity plan the script's own topology and
+  ``partition_method`` stay: the plan changes nothing there;
+* the grid's model-parallel rank (gradient clipping) is DeepSpeed's for the same coordinates
+  (:mod:`het_plugin.deepspeed.grid_ranks`);
 * groups are created with the plan's transports (:mod:`het_plugin.deepspeed.groups`); what was
   applied (plan and every group created) is ``module.het_applied``, the plan also ``module.het_plan``;
 * pipeline send/receive go over the plan's pipeline groups (:mod:`het_plugin.deepspeed.p2p`; DeepSpeed
@@ -34,6 +37,7 @@ from ..report import startup_summary
 from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from .config import SECTION, BatchSettings, load_ds_config, section_of
+from .foreign_groups import check_no_launch_order_groups
 from .grid_ranks import align_model_parallel_rank
 from .groups import planned_groups
 from .p2p import route_pipeline_hops
@@ -120,6 +124,7 @@ def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, cf
                               f"the plan has {plan.dp}", source=source, field="train_batch_size",
                               fix=f"make train_batch_size = micro * accumulation * {plan.dp}")
         check_batch_settings(plan, cfg, source)      # an uneven replica split fixes the batch
+        check_no_launch_order_groups(plan, source)   # Megatron-DeepSpeed's mpu (foreign_groups)
         # The split must fit this layer list (raises the layer-count ConfigError on every rank).
         plan_parts(len(specs), counted, plan.layers_per_stage, source)
         return plan
@@ -129,10 +134,11 @@ def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, cf
         applied = AppliedPlan.begin(plan, rank, cluster=resolved[-1].cluster, timeout_s=section.timeout_s)
     method, method_given = _partition_method(args, kwargs)
     parts = plan_parts(len(specs), counted, plan.layers_per_stage, source)
-    if applied.policy.native_network:
-        # Homogeneous identity plan: DeepSpeed's own placement, groups and the script's partition_method.
-        split_line = (f"layer split: the script's partition_method={method!r} (homogeneous cluster: "
-                      "the plan changes nothing)")
+    native = applied.policy.native_network
+    if native:
+        # Homogeneous identity plan: the script's own topology (or DeepSpeed's default) and partition_method.
+        split_line = (f"layer split: the script's partition_method={method!r}, topology as the script builds it "
+                      "(homogeneous cluster: the plan changes nothing)")
     else:
         object.__setattr__(module, "_het_parts", parts)
         split_line = (f"layers per stage {plan.layers_per_stage}: layer list boundaries {parts} "
@@ -142,7 +148,10 @@ def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, cf
         print(startup_summary(plan, "DeepSpeed pipeline", [split_line]), flush=True)
     with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source), \
             planned_groups(applied, "DeepSpeed's PipelineModule", section.timeout_s):
-        init(specs, None, PlanTopology(plan), *args, **kwargs)
+        if native:
+            init(specs, num_stages, topology, *args, **kwargs)
+        else:
+            init(specs, None, PlanTopology(plan), *args, **kwargs)
     module.het_plan = plan
     module.het_applied = applied
     module.het_section = section
