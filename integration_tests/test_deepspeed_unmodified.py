@@ -18,7 +18,7 @@ pytest.importorskip("deepspeed")
 
 from het_plugin.deepspeed import wrap, write_config  # noqa: E402
 from het_plugin.deepspeed.partition import plan_parts  # noqa: E402
-from het_plugin.plan import Plan  # noqa: E402
+from het_plugin.core.plan import Plan  # noqa: E402
 from integration_tests.support.deepspeed_cpu import cpu_environment  # noqa: E402
 from integration_tests.support.launch import run_ranks  # noqa: E402
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import ConfigError
-from ..plan import Plan
+from ..core.errors import ConfigError
+from ..core.plan import Plan
 from .config import SECTION
 
 MEGATRON_STATES = ("megatron.core.parallel_state", "megatron.mpu")

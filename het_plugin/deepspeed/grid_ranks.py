@@ -19,7 +19,7 @@ ranks, which is what DeepSpeed computes for the same coordinates on its own topo
 """
 from __future__ import annotations
 
-from ..plan import Plan
+from ..core.plan import Plan
 
 
 def logical_model_rank(plan: Plan, rank: int) -> int:

@@ -154,7 +154,7 @@ def _refuse_section(original, args, kwargs) -> None:
     """With the hook off, a section in the config (or the process's) is an error, not silence."""
     import inspect
 
-    from ..errors import ConfigError
+    from ..core.errors import ConfigError
     from .config import SECTION, load_ds_config, section_of
     arguments = inspect.signature(original).bind(*args, **kwargs).arguments
     config = arguments.get("config", arguments.get("config_params"))
