@@ -14,7 +14,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 import het_plugin.deepspeed as hds  # noqa: E402
 from het_plugin.deepspeed import hook  # noqa: E402
-from het_plugin.errors import ConfigError  # noqa: E402
+from het_plugin.core.errors import ConfigError  # noqa: E402
 from tests.deepspeed.test_deepspeed_initialize import DS, plan, pipeline_model_with, recorded  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[2]
