@@ -61,7 +61,8 @@ def initialize_with_plan(ds_initialize, args, kwargs, *, profile_out=None, proce
             raise ConfigError("profile_out needs a plan: the config has no heterogeneous section", source=source,
                               field="profile_out", fix="wrap the config (het-plugin wrap-config), or drop profile_out")
         return ds_initialize(*args, **kwargs)
-    if section.pp is not None and section.pp > 1 and not isinstance(model, DeepSpeedPipelineModule):
+    if section.pp is not None and section.pp > 1 and not isinstance(model, DeepSpeedPipelineModule) \
+            and arguments.get("mpu") is None:       # an mpu is refused on its own (_data_parallel_setup)
         raise ConfigError(f"the plan has {section.pp} pipeline stages, but the model passed to deepspeed.initialize is "
                           f"a {type(model).__name__}, not a deepspeed.pipe.PipelineModule: the plan's stages would "
                           "be ignored", source=source, field=f"{SECTION}.pp",
