@@ -111,9 +111,9 @@ def test_deepspeed_pipe_cifar10_test(workdir):
 def test_a_plan_the_topology_cannot_take_stops_every_rank(workdir):
     """The script's explicit topology has 2 stages; a config wrapped for 4 says so on every rank, naming the fix."""
     path = workdir / "cifar-pp4.json"
-    write_config(wrap(CIFAR_CONFIG | {"train_batch_size": 1}, DATA / "ds_hetero_4.yaml", pp=4), path)
+    write_config(wrap(CIFAR_CONFIG, DATA / "ds_hetero_4.yaml", pp=4), path)       # planned at start-up
     outs = launch(CIFAR, [3], env={"HET_PLUGIN_DEEPSPEED_CONFIG": str(path)}, check=False)
     for o in outs:
         assert o.returncode != 0 and o.result is None
-    assert "ConfigError" in outs[0].stderr and "the plan has 4 pipeline stages but the model has 2" in outs[0].stderr
+    assert "ConfigError" in outs[0].stderr and "wrapped for 4 pipeline stages but the model has 2" in outs[0].stderr
     assert "num_stages=4" in outs[0].stderr

@@ -111,6 +111,11 @@ def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, cf
     resolved = []
 
     def make() -> Plan:
+        if section.pp is not None and section.pp != pp:      # also when the plan is made here, at start-up
+            raise ConfigError(f"the config was wrapped for {section.pp} pipeline stages but the model has {pp}",
+                              source=source, field=f"{SECTION}.pp",
+                              fix=f"re-wrap with pp={pp} (`het-plugin wrap-config --pp {pp}`), or build the "
+                                  f"PipelineModule with num_stages={section.pp}")
         resolved.append(resolve_section(section, shape, source=source,
                                         derive_model=lambda: model_from_layers(specs, counted, batch,
                                                                                shape.degrees(source).dp, tp)))
