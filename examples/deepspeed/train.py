@@ -63,7 +63,10 @@ def main() -> None:
 
     layers = [LayerSpec(Embed, args.vocab, args.hidden)] + \
         [LayerSpec(Block, args.hidden) for _ in range(args.layers)] + [LayerSpec(Head, args.hidden, args.vocab)]
-    model = deepspeed.pipe.PipelineModule(layers=layers, num_stages=args.pp, loss_fn=loss_fn, seed_layers=True)
+    # partition_method="uniform": DeepSpeed 0.19.8's default 'parameters' gives numpy layer boundaries, which
+    # seed_layers=True passes to random.seed (a TypeError on Python 3.11) -- plain DeepSpeed, or a homogeneous plan.
+    model = deepspeed.pipe.PipelineModule(layers=layers, num_stages=args.pp, loss_fn=loss_fn, seed_layers=True,
+                                          partition_method="uniform")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer)
 

@@ -57,14 +57,16 @@ def main() -> None:
     layers = [LayerSpec(InProj, hidden, hidden)] + [LayerSpec(Block, hidden) for _ in range(BLOCKS)] + \
         [LayerSpec(Head, hidden, hidden)]
     topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.mp, num_dp=dp)
-    common = dict(loss_fn=torch.nn.MSELoss(), seed_layers=True, base_seed=1234)
+    # partition_method as the baseline's: a homogeneous plan keeps the script's own (DeepSpeed 0.19.8's default,
+    # 'parameters', gives numpy boundaries, which seed_layers=True hands to random.seed: a TypeError).
+    common = dict(loss_fn=torch.nn.MSELoss(), seed_layers=True, base_seed=1234, partition_method="uniform")
     if args.baseline:
         config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": ACCUM,
                   "train_batch_size": micro * ACCUM * dp, "steps_per_print": 10 ** 6}
         if args.clip is not None:
             config["gradient_clipping"] = args.clip
         cls = deepspeed.pipe.PipelineModule if args.parts is None else forced_split([int(x) for x in args.parts.split(",")])
-        model = cls(layers=layers, topology=topo, partition_method="uniform", **common)
+        model = cls(layers=layers, topology=topo, **common)
         init = deepspeed.initialize
     else:
         import het_plugin.deepspeed as hds
