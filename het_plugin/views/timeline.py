@@ -69,13 +69,7 @@ def simulate_1f1b_ops(fwd: Sequence[float], bwd: Sequence[float], send: Sequence
 
 def placement_of(plan: Plan) -> Placement:
     """The plan's placement as the cost model reads it (default-order numbering)."""
-    dims = plan.dims
-    if dims.is_default_order:
-        return Placement(dims, tuple(plan.rank_of_logical), ())
-    canonical = [0] * plan.world_size
-    for framework_rank, canonical_rank in enumerate(dims.to_canonical()):
-        canonical[canonical_rank] = plan.rank_of_logical[framework_rank]
-    return Placement(dims, tuple(canonical), ())
+    return Placement.from_rank_of_logical(plan.dims, plan.rank_of_logical)
 
 
 def split_costs(plan: Plan, cluster, profile: Optional[Profile] = None) -> cost.SplitCosts:
@@ -104,23 +98,15 @@ def plan_timeline(plan: Plan, cluster, profile: Optional[Profile] = None) -> Tim
     sc = split_costs(plan, cluster, profile)
     layers = list(plan.layers_per_stage)
     pred = sc.predict(layers)
-    best = None
-    for (reps, sts), m in zip(sc.replica_groups, sc.group_counts()):
-        fwd, bwd = cost.stage_times(sts, layers)
-        ops, finish = simulate_1f1b_ops(fwd, bwd, [st.send_s for st in sts], m, [st.back_s for st in sts])
-        if best is None or max(finish) > max(best[1]):
-            best = (ops, finish, fwd, bwd, m, reps)
-    ops, finish, fwd, bwd, m, reps = best
-    dp = plan.dp
-    ends = []
-    for s, (st, n) in enumerate(zip(sc.stages, layers)):
-        red = cost.stage._dp_reduce_s(st, n, dp, plan.distributed_optimizer, profile)
-        if red > 0:       # with overlap it starts with the last backward (cost._evaluate's exposed part)
+    # the slowest replica group's pipeline, exactly as the prediction ran it (spans recorded)
+    g = max(cost.group_pipelines(sc, layers, record=True), key=lambda g: max(g.finish))
+    ops, finish, fwd, bwd, m, reps = [Op(*span) for span in g.spans], g.finish, g.fwd, g.bwd, g.micro_batches, g.replicas
+    for s, red in enumerate(cost.stage_reductions(sc, layers)):
+        if red > 0:       # with overlap it starts with the last backward (the exposed part: g.ends)
             last = max((o for o in ops if o.stage == s and o.kind == "backward"), key=lambda o: o.start)
             start = last.start if plan.overlap_grad_reduce else finish[s]
             ops.append(Op(s, "reduction", start, start + red))
-        exposed = max(0.0, red - bwd[s]) if plan.overlap_grad_reduce else red
-        ends.append(finish[s] + exposed)
+    ends = g.ends
     done = max(ends)
     other = max(0.0, pred.iteration_s - done - pred.optimizer_s)
     for s in range(plan.pp):

@@ -41,8 +41,22 @@ micro-batch size and optimizer setting: the exact partition's cost tables and me
 excess, its prediction) and :func:`params_memory_gib` (a lower bound to skip degrees that cannot fit).
 :func:`predict` is the one-call form for everyone else.
 """
-from .network import CollectivePath, DEFAULT_SOCKET_GBPS, FALLBACK_TIERS, FRAMEWORK_OVERHEAD_GIB, GIB, GRAD_BYTES, HBM_BYTES_PER_S, HOST_COPY_GBPS, LOCAL_LATENCY_US, LOGITS_BYTES, Level, Network, OPTIMIZER_BYTES_MOVED, OPTIMIZER_STATE_BYTES, SECTIONED_TRANSPORTS, SOCKET_LATENCY_US, Tier, TransportFn, WEIGHT_BYTES, hop_tier, socket_tier  # noqa: F401
-from .analysis import AllToAll, Analysis, ExpertInfo, ReplicaClass, StageInfo, analyze, analyze_experts, replica_classes  # noqa: F401
-from .stage import StageModel  # noqa: F401
-from .pipeline import one_f_one_b_order, simulate_1f1b, wrap_send_s  # noqa: F401
-from .predict import SplitCosts, evaluate, memory_problem, params_memory_gib, predict, profile_notes, share_micro_batches, stage_times  # noqa: F401
+from .network import (  # noqa: F401
+    DEFAULT_SOCKET_GBPS, FALLBACK_TIERS, FRAMEWORK_OVERHEAD_GIB, GIB, GRAD_BYTES, HBM_BYTES_PER_S,
+    HOST_COPY_GBPS, LOCAL_LATENCY_US, LOGITS_BYTES, OPTIMIZER_BYTES_MOVED, OPTIMIZER_STATE_BYTES,
+    SECTIONED_TRANSPORTS, SOCKET_LATENCY_US, WEIGHT_BYTES, CollectivePath, hop_tier, Level, Network,
+    socket_tier, Tier, TransportFn,
+)
+from .analysis import (  # noqa: F401
+    AllToAll, Analysis, analyze, analyze_experts, ExpertInfo, replica_classes, ReplicaClass, StageInfo,
+)
+from .stage import (  # noqa: F401
+    exposed_reduction_s, StageModel,
+)
+from .pipeline import (  # noqa: F401
+    one_f_one_b_order, simulate_1f1b, wrap_send_s,
+)
+from .predict import (  # noqa: F401
+    evaluate, group_pipelines, GroupPipeline, memory_problem, params_memory_gib, predict, profile_notes,
+    share_micro_batches, SplitCosts, stage_reductions, stage_times, steady_step_s,
+)

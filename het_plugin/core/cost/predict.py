@@ -3,19 +3,24 @@
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from ..inputs.cluster import Cluster
 from ..inputs.model import ModelSpec
-from ..ranks.placement import Placement, transport as placement_transport
+from ..ranks.placement import Placement, cluster_transport
 from ..plan import Prediction
 from ..inputs.profile import Profile
+from ..ranks.batches import ReplicaBatches
 from ..ranks.dims import ParallelDims
 from .analysis import Analysis, ReplicaClass, analyze
 from .network import GIB, GRAD_BYTES, OPTIMIZER_STATE_BYTES, TransportFn, WEIGHT_BYTES
+from .fixed_costs import iteration_overhead_s, with_slots
 from .pipeline import _interleaved_pipeline, _interleaved_stage_costs, simulate_1f1b, wrap_send_s
-from .stage import StageModel, _dp_reduce_s, _max_layers_fitting, _memory_bytes, _optimizer_s, _stage_cost_parts, _stage_costs, _stage_models
+from .stage import (
+    StageModel, _dp_reduce_s, _max_layers_fitting, _memory_bytes, _optimizer_s, _stage_cost_parts, _stage_costs,
+    _stage_models, exposed_reduction_s,
+)
 
 # ---- prediction -----------------------------------------------------------------------------------
 
@@ -42,47 +47,100 @@ def stage_times(sts: Sequence[StageModel], layers_per_stage: Sequence[int]) -> t
     return fwd, bwd
 
 
-def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: int, layers_per_stage: Sequence[int],
-              overlap_grad_reduce: bool, distributed_optimizer: bool, profile: Optional[Profile],
-              description: str, virtual_layers: Optional[Sequence[Sequence[int]]] = None,
-              overlap_p2p_comm: bool = False, wrap_send: float = 0.0) -> Prediction:
-    """``virtual_layers`` (each stage's layers per virtual stage, vpp > 1): the interleaved schedule."""
-    dims = analysis.placement.dims
-    fwd, bwd = stage_times(sts, layers_per_stage)
-    send = [st.send_s for st in sts]
-    interleaved_ends = None
-    if virtual_layers is not None and len(virtual_layers[0]) > 1:
-        finish, interleaved_ends = _interleaved_pipeline(sts, virtual_layers, m, overlap_p2p_comm, wrap_send, dims.dp,
-                                                         overlap_grad_reduce, distributed_optimizer, profile)
-    else:
-        finish = simulate_1f1b(fwd, bwd, send, m, [st.back_s for st in sts])
-    pipeline = max(finish)
-    ends = []
-    opt = 0.0
-    for s, (st, n) in enumerate(zip(sts, layers_per_stage)):
-        red = _dp_reduce_s(st, n, dims.dp, distributed_optimizer, profile)
-        exposed = max(0.0, red - bwd[s]) if overlap_grad_reduce else red
-        ends.append(finish[s] + exposed if interleaved_ends is None else interleaved_ends[s])
-        opt = max(opt, _optimizer_s(st, n, dims.dp, distributed_optimizer))
+def steady_step_s(fwd: Sequence[float], bwd: Sequence[float], sts: Sequence[StageModel]) -> float:
+    """One steady-state 1F1B step of the slowest stage: its forward and backward (with their pipeline slots), its
+    activation send to the next stage and its gradient send back to the previous one (each link's own
+    direction)."""
+    pp = len(sts)
+    return max(f + b + 2 * sts[s].slot_s + (sts[s].send_s if s + 1 < pp else 0.0) + (sts[s - 1].back_s if s else 0.0)
+               for s, (f, b) in enumerate(zip(fwd, bwd)))
+
+
+@dataclass
+class GroupPipeline:
+    """One replica group's pipeline in a prediction: its stages' times per micro-batch, its count of
+    micro-batches, when each stage's last backward finishes (and each stage is done, its exposed reduction
+    included), and -- when asked for -- every forward, backward and send (the timeline draws those)."""
+    replicas: tuple[int, ...]
+    micro_batches: int
+    fwd: list[float]
+    bwd: list[float]
+    finish: list[float]
+    ends: list[float]
+    step_s: float
+    spans: Optional[list] = None
+
+
+def group_pipelines(sc: "SplitCosts", layers_per_stage: Sequence[int], record: bool = False) -> list[GroupPipeline]:
+    """Every replica group's pipeline for a split (the even split: one group, every replica at the stages'
+    slowest devices). The one place stage times, the schedule and the exposed reduction meet."""
+    dims = sc.analysis.placement.dims
+    virtual = None
+    if sc.vpp > 1:
+        from ..layer_split import virtual_split
+        virtual = virtual_split(layers_per_stage, sc.vpp)
+    reds = stage_reductions(sc, layers_per_stage)
+    out = []
+    for (reps, sts), m in zip(sc.replica_groups, sc.group_counts()):
+        fwd, bwd = stage_times(sts, layers_per_stage)
+        spans: Optional[list] = [] if record else None
+        if virtual is not None and len(virtual[0]) > 1:
+            finish, ends = _interleaved_pipeline(sts, virtual, m, sc.overlap_p2p_comm, sc.wrap_send_s, dims.dp,
+                                                 sc.overlap_grad_reduce, sc.distributed_optimizer, sc.profile)
+        else:
+            finish = simulate_1f1b(*with_slots(fwd, bwd, sts), [st.send_s for st in sts], m, [st.back_s for st in sts],
+                                   record=spans)
+            ends = [f + exposed_reduction_s(r, b, sc.overlap_grad_reduce) for f, r, b in zip(finish, reds, bwd)]
+        out.append(GroupPipeline(reps, m, fwd, bwd, finish, ends, steady_step_s(fwd, bwd, sts), spans))
+    return out
+
+
+def stage_reductions(sc: "SplitCosts", layers_per_stage: Sequence[int]) -> list[float]:
+    """Each stage's gradient reduction (its slowest replica's paths: the analysis's stages)."""
+    return [_dp_reduce_s(st, n, sc.dp, sc.distributed_optimizer, sc.profile)
+            for st, n in zip(sc.stages, layers_per_stage)]
+
+
+def _evaluate(sc: "SplitCosts", layers_per_stage: Sequence[int], description: str) -> Prediction:
+    """The prediction of one split: every replica group's pipeline (:func:`group_pipelines`; one group for the
+    even split), every stage's gradient reduction starting when its last replica gets there, the tied embedding's
+    all-reduce, the optimizer step and the per-iteration overhead."""
+    model, analysis, dims = sc.model, sc.analysis, sc.analysis.placement.dims
+    pp, dp = dims.pp, dims.dp
+    counts = sc.counts or [sc.num_micro_batches] * dp
+    replica_s = [0.0] * dp
+    pipeline, busiest, alltoall = 0.0, 0.0, 0.0
+    ends = [0.0] * pp
+    stage_compute = [0.0] * pp
+    for g, (_, sts) in zip(group_pipelines(sc, layers_per_stage), sc.replica_groups):
+        # A replica of the group with fewer micro-batches (one less: a group's counts differ by at most one when
+        # balanced) finishes a steady-state step of the slowest stage earlier per micro-batch.
+        for d in g.replicas:
+            replica_s[d] = max(g.finish) - (g.micro_batches - counts[d]) * g.step_s
+        pipeline = max(pipeline, max(g.finish))
+        busiest = max(busiest, max(g.micro_batches * (f + b) for f, b in zip(g.fwd, g.bwd)))
+        alltoall = max(alltoall, max(g.micro_batches * n * st.alltoall_per_layer_s
+                                     for st, n in zip(sts, layers_per_stage)))
+        ends = [max(e, x) for e, x in zip(ends, g.ends)]
+        stage_compute = [max(c, f + b) for c, f, b in zip(stage_compute, g.fwd, g.bwd)]
+    opt = max(_optimizer_s(st, n, dp, sc.distributed_optimizer) for st, n in zip(sc.stages, layers_per_stage))
     emb = 0.0
-    if len(model.embedding_stages(dims.pp)) > 1 and analysis.embedding_paths:   # tied, or MTP on the last stage
+    if len(model.embedding_stages(pp)) > 1 and analysis.embedding_paths:   # tied, or MTP on the last stage
         emb_bytes = model.embedding_params / dims.tp * GRAD_BYTES
-        emb = max(p.allreduce_s(emb_bytes, profile) for p in analysis.embedding_paths)
-    iteration = max(ends) + emb + opt + _iteration_overhead_s(analysis, profile)
+        emb = max(p.allreduce_s(emb_bytes, sc.profile) for p in analysis.embedding_paths)
+    iteration = max(ends) + emb + opt + _iteration_overhead_s(analysis, sc.profile)
     tokens = model.global_batch_size * model.seq_length
     flops = 3.0 * model.global_batch_size * (model.decoder_flops_fwd(1) + model.logits_flops_fwd(1)
                                              + model.mtp_flops_fwd(1))
-    busiest = max(m * (f + b) for f, b in zip(fwd, bwd))
-    memory = [_memory_bytes(st, n, dims.dp, distributed_optimizer) / GIB for st, n in zip(sts, layers_per_stage)]
-    capacity = [st.capacity_gib for st in sts]
+    memory = [_memory_bytes(st, n, dp, sc.distributed_optimizer) / GIB for st, n in zip(sc.stages, layers_per_stage)]
     pred = Prediction(
         iteration_s=iteration, tokens_per_s=tokens / iteration,
         tflops_per_device=flops / iteration / dims.world_size / 1e12,
         pipeline_s=pipeline, dp_exposed_s=max(ends) - pipeline + emb, optimizer_s=opt,
         bubble_fraction=max(0.0, 1.0 - busiest / pipeline) if pipeline > 0 else 0.0,
-        stage_compute_s=[f + b for f, b in zip(fwd, bwd)], memory_gib_per_stage=memory,
-        capacity_gib_per_stage=capacity, description=description,
-        alltoall_s=max(m * n * st.alltoall_per_layer_s for st, n in zip(sts, layers_per_stage)))
+        stage_compute_s=stage_compute, memory_gib_per_stage=memory,
+        capacity_gib_per_stage=[st.capacity_gib for st in sc.stages], description=description,
+        alltoall_s=alltoall, replica_pipeline_s=replica_s if sc.per_replica else [])
     problem = memory_problem(pred)
     if problem:
         pred.description = (pred.description + "; " if pred.description else "") + problem
@@ -90,11 +148,8 @@ def _evaluate(model: ModelSpec, analysis: Analysis, sts: list[StageModel], m: in
 
 
 def _iteration_overhead_s(analysis: Analysis, profile: Optional[Profile]) -> float:
-    """The profile's fixed cost per iteration: the slowest device type's (0 without one)."""
-    if profile is None or not profile.overhead:
-        return 0.0
-    return max((profile.iteration_overhead_s(a.name) or 0.0 for st in analysis.stages for a in st.accelerators),
-               default=0.0)
+    """The fixed cost per iteration: the slowest device type's, measured or defaulted (fixed_costs)."""
+    return iteration_overhead_s(profile, [a for st in analysis.stages for a in st.accelerators])
 
 
 def profile_notes(profile: Optional[Profile], model: ModelSpec, devices, micro_batch_size: int, tp: int) -> list[str]:
@@ -167,10 +222,7 @@ class SplitCosts:
     def set_counts(self, counts: Sequence[int]) -> None:
         """Micro-batches per replica ([] or all equal: the even split); the first stages hold up to pp of the
         largest count in flight (1F1B), so the memory follows the largest."""
-        counts = list(counts)
-        if counts and (len(counts) != self.dp or sum(counts) != self.dp * self.num_micro_batches or min(counts) < 1):
-            raise ValueError(f"replica counts {counts} must be {self.dp} counts >= 1 adding up to "
-                             f"{self.dp * self.num_micro_batches}")
+        counts = list(ReplicaBatches.of(counts, self.dp, self.num_micro_batches, self.micro_batch_size).counts)
         if counts and self.vpp > 1 and len(set(counts)) > 1:
             raise ValueError("uneven replica counts are not modelled with an interleaved pipeline (vpp > 1)")
         self.counts = counts if counts and len(set(counts)) > 1 else []
@@ -195,14 +247,12 @@ class SplitCosts:
             return []
         sizes, fills, steps = [], [], []
         for reps, sts in self.replica_groups:
-            f = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers_per_stage)]
-            b = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers_per_stage)]
-            send = [st.send_s for st in sts]
-            per = [f[s] + b[s] + send[s] * (s + 1 < len(sts)) + (send[s - 1] if s else 0.0) for s in range(len(sts))]
-            step = max(per)
+            f, b = stage_times(sts, layers_per_stage)
+            step = steady_step_s(f, b, sts)
             sizes.append(len(reps))
             steps.append(step)
-            fills.append(sum(f) + sum(b) + 2 * sum(send[:-1]) - step)
+            links = sum(st.send_s for st in sts[:-1]) + sum(st.back_s for st in sts[:-1])   # each link each way
+            fills.append(sum(f) + sum(b) + links - step)
         totals = share_micro_batches(sizes, fills, steps, self.dp * self.num_micro_batches)
         counts = [0] * self.dp
         for (reps, _), q in zip(self.replica_groups, totals):
@@ -271,17 +321,11 @@ class SplitCosts:
 
     def predict(self, layers_per_stage: Sequence[int], description: str = "") -> Prediction:
         """The prediction of one split (``fits == False`` and the reason in its description if it does not fit)."""
-        if self.per_replica and self.vpp == 1:
-            return _evaluate_replicas(self, layers_per_stage, description)
-        virtual = None
-        if self.vpp > 1:
-            from ..layer_split import virtual_split
-            virtual = virtual_split(layers_per_stage, self.vpp)
         if self.notes:
             description = "; ".join(([description] if description else []) + self.notes)
-        return _evaluate(self.model, self.analysis, self.stages, self.num_micro_batches, layers_per_stage,
-                         self.overlap_grad_reduce, self.distributed_optimizer, self.profile, description,
-                         virtual, self.overlap_p2p_comm, self.wrap_send_s)
+        pred = _evaluate(self, layers_per_stage, description)
+        pred.extrapolated = list(self.notes)          # where its compute lies outside the profile (issue 23)
+        return pred
 
 
 def _class_analysis(analysis: Analysis, cls: ReplicaClass) -> Analysis:
@@ -321,60 +365,6 @@ def share_micro_batches(sizes: Sequence[int], fills: Sequence[float], steps: Seq
     return q
 
 
-def _evaluate_replicas(sc: "SplitCosts", layers_per_stage: Sequence[int], description: str) -> Prediction:
-    """Each replica group's 1F1B on its own devices with its own micro-batch counts; every stage's gradient
-    reduction starts when its last replica gets there (overlapped with that replica's last backward)."""
-    model, analysis, dims = sc.model, sc.analysis, sc.analysis.placement.dims
-    pp, dp = dims.pp, dims.dp
-    counts = sc.counts or [sc.num_micro_batches] * dp
-    replica_s = [0.0] * dp
-    pipeline, busiest = 0.0, 0.0
-    ends = [0.0] * pp
-    stage_compute = [0.0] * pp
-    alltoall = 0.0
-    reds = [_dp_reduce_s(st, n, dp, sc.distributed_optimizer, sc.profile) for st, n in zip(sc.stages, layers_per_stage)]
-    for (reps, sts), m in zip(sc.replica_groups, sc.group_counts()):
-        fwd = [st.fixed_fwd_s + n * st.layer_fwd_s for st, n in zip(sts, layers_per_stage)]
-        bwd = [st.fixed_bwd_s + n * st.layer_bwd_s for st, n in zip(sts, layers_per_stage)]
-        send = [st.send_s for st in sts]
-        finish = simulate_1f1b(fwd, bwd, send, m)
-        # A replica of the group with fewer micro-batches (one less: a group's counts differ by at most one when
-        # balanced) finishes a steady-state step of the slowest stage earlier per micro-batch.
-        step = max(f + b + send[s] * (s + 1 < pp) + (send[s - 1] if s else 0.0)
-                   for s, (f, b) in enumerate(zip(fwd, bwd)))
-        for d in reps:
-            replica_s[d] = max(finish) - (m - counts[d]) * step
-        pipeline = max(pipeline, max(finish))
-        busiest = max(busiest, max(m * (f + b) for f, b in zip(fwd, bwd)))
-        alltoall = max(alltoall, max(m * n * st.alltoall_per_layer_s for st, n in zip(sts, layers_per_stage)))
-        for s in range(pp):
-            exposed = max(0.0, reds[s] - bwd[s]) if sc.overlap_grad_reduce else reds[s]
-            ends[s] = max(ends[s], finish[s] + exposed)
-            stage_compute[s] = max(stage_compute[s], fwd[s] + bwd[s])
-    opt = max(_optimizer_s(st, n, dp, sc.distributed_optimizer) for st, n in zip(sc.stages, layers_per_stage))
-    emb = 0.0
-    if len(model.embedding_stages(pp)) > 1 and analysis.embedding_paths:
-        emb_bytes = model.embedding_params / dims.tp * GRAD_BYTES
-        emb = max(p.allreduce_s(emb_bytes, sc.profile) for p in analysis.embedding_paths)
-    iteration = max(ends) + emb + opt + _iteration_overhead_s(analysis, sc.profile)
-    tokens = model.global_batch_size * model.seq_length
-    flops = 3.0 * model.global_batch_size * (model.decoder_flops_fwd(1) + model.logits_flops_fwd(1)
-                                             + model.mtp_flops_fwd(1))
-    memory = [_memory_bytes(st, n, dp, sc.distributed_optimizer) / GIB for st, n in zip(sc.stages, layers_per_stage)]
-    pred = Prediction(
-        iteration_s=iteration, tokens_per_s=tokens / iteration,
-        tflops_per_device=flops / iteration / dims.world_size / 1e12,
-        pipeline_s=pipeline, dp_exposed_s=max(ends) - pipeline + emb, optimizer_s=opt,
-        bubble_fraction=max(0.0, 1.0 - busiest / pipeline) if pipeline > 0 else 0.0,
-        stage_compute_s=stage_compute, memory_gib_per_stage=memory,
-        capacity_gib_per_stage=[st.capacity_gib for st in sc.stages], description=description,
-        alltoall_s=alltoall, replica_pipeline_s=replica_s)
-    problem = memory_problem(pred)
-    if problem:
-        pred.description = (pred.description + "; " if pred.description else "") + problem
-    return pred
-
-
 def params_memory_gib(model: ModelSpec, dims: ParallelDims, distributed_optimizer: bool) -> float:
     """Weights, gradients and optimizer state per device if the model split perfectly over tp*pp (the routed
     experts over etp*ep*pp): a lower bound of any stage's memory with these degrees."""
@@ -396,7 +386,7 @@ def memory_problem(pred: Prediction) -> Optional[str]:
 
 
 def predict(cluster: Cluster, model: ModelSpec, placement: Placement, layers_per_stage: Sequence[int],
-            micro_batch_size: int, *, transport_fn: TransportFn = placement_transport,
+            micro_batch_size: int, *, transport_fn: TransportFn = cluster_transport,
             overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
             profile: Optional[Profile] = None, description: str = "", vpp: int = 1,
             overlap_p2p_comm: Optional[bool] = None) -> Prediction:

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..inputs.catalog import Accelerator
+from ..inputs.compute_curve import Analytic, measured_compute_s
 from ..inputs.model import ModelSpec
 from ..inputs.profile import Profile
 from ..ranks.dims import ParallelDims
 from .analysis import Analysis, StageInfo
+from .fixed_costs import slot_s
 from .network import _hops_s, CollectivePath, FRAMEWORK_OVERHEAD_GIB, GIB, GRAD_BYTES, HBM_BYTES_PER_S, HOST_COPY_GBPS, LOGITS_BYTES, OPTIMIZER_BYTES_MOVED, OPTIMIZER_STATE_BYTES, Tier, WEIGHT_BYTES
 
 # ---- per-stage times and memory -------------------------------------------------------------------
@@ -46,6 +48,7 @@ class StageModel:
     layer_deltas: tuple[tuple[float, float], ...] = ()
     optimizer_s_per_param: Optional[float] = None
     send_back_s: Optional[float] = None
+    slot_s: float = 0.0             # the schedule's own work per forward or backward (fixed_costs)
 
     @property
     def back_s(self) -> float:
@@ -61,9 +64,11 @@ class StageModel:
 
 
 def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, cp: int, tp_tier: Tier,
-               profile: Optional[Profile]) -> tuple[float, float]:
-    if profile is not None:
-        measured = profile.compute_s(acc.name, kind, mb, tp, model.moe_fraction)
+               profile: Optional[Profile], apart: bool = False) -> tuple[float, float]:
+    """(forward, backward); ``apart``: the analytic (forward compute, TP communication per direction)."""
+    if profile is not None and not apart:
+        measured = measured_compute_s(profile, acc.name, kind, mb, tp, model.moe_fraction, lambda b, t: Analytic(
+            *_compute_s(acc, kind, model, b, t, cp, tp_tier, profile, apart=True)))
         if measured is not None:
             return measured
     if kind == "layer":
@@ -81,9 +86,11 @@ def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, 
         ar = 2 * (tp - 1) * tp_tier.step_s(act / tp, 1, profile)   # one all-reduce equivalent
         # attention and MLP one each; an MoE layer's MLP moves its tokens by all-to-all instead (_moe_comm_s)
         per_layer = 2 - model.moe_fraction
+        if apart:
+            return fwd, per_layer * ar
         fwd += per_layer * ar
         bwd += per_layer * ar
-    return fwd, bwd
+    return (fwd, 0.0) if apart else (fwd, bwd)
 
 
 def _layer_deltas(model: ModelSpec, info: StageInfo, mb: int, tp: int, cp: int, mean: tuple[float, float],
@@ -96,7 +103,8 @@ def _layer_deltas(model: ModelSpec, info: StageInfo, mb: int, tp: int, cp: int, 
     L = model.num_layers
     worst = None
     for acc in info.accelerators:
-        over = {i: t for i, t in profile.layer_overrides(acc.name, mb, tp).items() if i < L}
+        roof = _compute_s(acc, "layer", model, mb, tp, cp, info.tp_tier, profile, apart=True)[0] / mb
+        over = {i: t for i, t in profile.layer_overrides(acc.name, mb, tp, (roof, 2 * roof)).items() if i < L}
         if not over:
             continue
         own = _compute_s(acc, "layer", model, mb, tp, cp, info.tp_tier, profile)
@@ -235,7 +243,8 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
                               info.capacity_gib, info.dp_paths, expert_params_per_layer,
                               expert.dp_paths if expert is not None else None, dims.expert_dp, cp,
                               f_moe * a2a, ring[0] + ring[1], layer_deltas=deltas,
-                              optimizer_s_per_param=_optimizer_per_param(info, tp, profile), send_back_s=back))
+                              optimizer_s_per_param=_optimizer_per_param(info, tp, profile), send_back_s=back,
+                              slot_s=slot_s(profile, info.accelerators)))
     return out
 
 
@@ -314,38 +323,27 @@ def _dp_reduce_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: 
     return total
 
 
+def exposed_reduction_s(reduction_s: float, last_backward_s: float, overlap: bool) -> float:
+    """The part of a stage's gradient reduction the iteration waits for: with ``overlap`` (Megatron's bucketed
+    overlap) it starts with the last micro-batch's backward and only what outlasts it shows."""
+    return max(0.0, reduction_s - last_backward_s) if overlap else reduction_s
+
+
 def _stage_costs(sts: list[StageModel], num_layers: int, num_micro_batches: int, dp: int, overlap: bool,
                  distributed_optimizer: bool, profile: Optional[Profile]) -> list[list[float]]:
     """Cost tables for the exact partition: one stage's busy time in an iteration with n layers."""
-    m = num_micro_batches
-    tables = []
-    for s, st in enumerate(sts):
-        recv_side = sts[s - 1].back_s if s > 0 else 0.0      # this stage sends gradients back over it
-        row = []
-        if profile is None:     # the analytic reduction is affine in the layer count: two points suffice
-            red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
-            red_step = _dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0
-        for n in range(num_layers + 1):
-            fwd = st.fixed_fwd_s + n * st.layer_fwd_s
-            bwd = st.fixed_bwd_s + n * st.layer_bwd_s
-            if profile is None:
-                red = red0 + n * red_step
-            else:
-                red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
-            exposed = max(0.0, red - bwd) if overlap else red
-            row.append(m * (fwd + bwd + st.send_s + recv_side) + exposed)
-        tables.append(row)
-    return tables
+    per_rows, exposed_rows = _stage_cost_parts(sts, num_layers, dp, overlap, distributed_optimizer, profile)
+    return [[num_micro_batches * a + e for a, e in zip(per, exposed)] for per, exposed in zip(per_rows, exposed_rows)]
 
 
 def _stage_cost_parts(sts: list[StageModel], num_layers: int, dp: int, overlap: bool, distributed_optimizer: bool,
                       profile: Optional[Profile]) -> tuple[list[list[float]], list[list[float]]]:
-    """:func:`_stage_costs` in two parts, (per micro-batch, exposed reduction), so that a table for any micro-batch
-    count m is ``m * per + exposed`` (replica groups with their own counts)."""
+    """The exact partition's cost tables in two parts, (per micro-batch, exposed reduction): a stage's busy time
+    with n layers and m micro-batches is ``m * per + exposed`` (every replica group with its own m)."""
     per_rows, exposed_rows = [], []
     for s, st in enumerate(sts):
-        recv_side = sts[s - 1].send_s if s > 0 else 0.0
-        if profile is None:
+        recv_side = sts[s - 1].back_s if s > 0 else 0.0      # this stage sends gradients back over it
+        if profile is None:     # the analytic reduction is affine in the layer count: two points suffice
             red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
             red_step = _dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0
         per, exposed = [], []
@@ -354,7 +352,7 @@ def _stage_cost_parts(sts: list[StageModel], num_layers: int, dp: int, overlap: 
             bwd = st.fixed_bwd_s + n * st.layer_bwd_s
             red = red0 + n * red_step if profile is None else _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
             per.append(fwd + bwd + st.send_s + recv_side)
-            exposed.append(max(0.0, red - bwd) if overlap else red)
+            exposed.append(exposed_reduction_s(red, bwd, overlap))
         per_rows.append(per)
         exposed_rows.append(exposed)
     return per_rows, exposed_rows
