@@ -13,7 +13,8 @@ module, which lets DeepSpeed load and patches it (:func:`install`):
 * ``deepspeed.initialize``: :func:`het_plugin.deepspeed.engine.initialize_with_plan` (the config passed, the
   module's plan, or the process's section; none: DeepSpeed's own call).
 
-Every patch goes through :func:`_patch`, which records what it replaced; :func:`uninstall` puts it all back.
+Every patch goes through :func:`_patch`, i.e. the process's one patch registry (``het_plugin.runtime.patches``,
+label ``deepspeed.hook``); :func:`uninstall` takes exactly this hook's patches away.
 ``HET_PLUGIN_NO_HOOK=1`` switches the plan off, but ``deepspeed.initialize`` still refuses a config with a
 section (it would otherwise be silently ignored: DeepSpeed ignores unknown keys).
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from dataclasses import dataclass
 from importlib.abc import Loader, MetaPathFinder
 from typing import Any, Callable, Optional
 
@@ -30,18 +30,10 @@ TARGET = "deepspeed"
 ENV_CONFIG = "HET_PLUGIN_DEEPSPEED_CONFIG"
 ENV_OFF = "HET_PLUGIN_NO_HOOK"
 ARG_NAMES = ("--deepspeed_config", "--deepspeed-config")
-_WRAPPED = "__het_plugin_wrapped__"
 
 
-@dataclass
-class Patch:
-    owner: Any
-    name: str
-    original: Any
-
-
-_patches: list[Patch] = []
-_state = {"mode": None}        # None: not installed; "plan"; "guard" (HET_PLUGIN_NO_HOOK)
+LABEL = "deepspeed.hook"         # this hook's patches in het_plugin.runtime.patches.PATCHES
+_state = {"mode": None, "targets": []}   # mode None: not installed; "plan"; "guard" (HET_PLUGIN_NO_HOOK)
 
 
 def hook_off() -> bool:
@@ -90,26 +82,27 @@ def unapplied_reason() -> str:
 # ---- the patches ---------------------------------------------------------------------------------
 
 def _patch(owner, name: str, make: Callable[[Any], Any]) -> None:
-    """Replace ``owner.name`` by ``make(original)``, once; recorded for :func:`uninstall`."""
-    current = getattr(owner, name)
-    if getattr(current, _WRAPPED, None) is not None:
-        return
-    wrapper = make(current)
-    setattr(wrapper, _WRAPPED, current)
-    _patches.append(Patch(owner, name, current))
-    setattr(owner, name, wrapper)
+    """Replace ``owner.name`` by ``make(original)`` through the process's patch registry (recorded, idempotent,
+    undone by :func:`uninstall`)."""
+    from ..runtime.patches import PATCHES
+    PATCHES.apply(owner, name, make, label=LABEL)
+    if (owner, name) not in _state["targets"]:
+        _state["targets"].append((owner, name))
 
 
 def patched() -> list[tuple[str, str]]:
-    """What is patched now: (owner, attribute) pairs."""
-    return [(getattr(p.owner, "__qualname__", getattr(p.owner, "__name__", repr(p.owner))), p.name) for p in _patches]
+    """What this hook has patched now: (owner, attribute) pairs."""
+    from ..runtime.patches import PATCHES
+    return [(getattr(o, "__qualname__", getattr(o, "__name__", repr(o))), n) for o, n in _state["targets"]
+            if PATCHES.patch(o, n, LABEL) is not None]
 
 
 def original_initialize():
-    """DeepSpeed's own ``initialize`` (the hook's wrapper unwrapped)."""
+    """DeepSpeed's own ``initialize`` (under any of het_plugin's patches)."""
     import deepspeed
-    fn = deepspeed.initialize
-    return getattr(fn, _WRAPPED, fn)
+
+    from ..runtime.patches import PATCHES
+    return PATCHES.original(deepspeed, "initialize")
 
 
 def _wrap_init(original):
@@ -261,8 +254,8 @@ def install(register_finder: bool = True) -> None:
 
 def uninstall() -> None:
     """Undo every patch (newest first) and drop the finders; DeepSpeed is then DeepSpeed's own."""
-    while _patches:
-        p = _patches.pop()
-        setattr(p.owner, p.name, p.original)
+    from ..runtime.patches import PATCHES
+    PATCHES.undo(LABEL)
+    _state["targets"] = []
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, DeepSpeedFinder) and not _is_trigger(f)]
     _state["mode"] = None
