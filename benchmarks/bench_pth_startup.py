@@ -1,10 +1,11 @@
-"""What het_plugin_megatron.pth costs every Python start: `python -c pass` with and without it.
+"""What het_plugin_megatron.pth and het_plugin_deepspeed.pth cost every Python start: `python -c pass` with and
+without them.
 
     .venv/bin/python benchmarks/bench_pth_startup.py [RUNS] [--old-pth FILE]
 
 Builds a throw-away venv (no pip) from this interpreter's base, with this checkout on its path (a plain
 path .pth), then times `python -c pass` with no hook .pth, with setup.py's PTH_TEXT, and with it under
-HET_PLUGIN_NO_HOOK=1 (and, with --old-pth, another .pth line for comparison), interleaved, RUNS times each
+HET_PLUGIN_NO_HOOK=1, and with setup.py's DS_PTH_TEXT (the DeepSpeed hook's one-lambda finder) (and, with --old-pth, another .pth line for comparison), interleaved, RUNS times each
 (default 200). Prints medians of wall time and of the child's user+sys CPU time (steadier on a shared
 machine).
 """
@@ -24,12 +25,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def pth_text() -> str:
+def pth_text(name: str = "PTH_TEXT") -> str:
     text = (REPO / "setup.py").read_text()
-    start = text.index("PTH_TEXT = (")
+    start = text.index(f"\n{name} = (") + 1
     ns: dict = {}
-    exec(text[start:text.index("\n\n", start)], ns)
-    return ns["PTH_TEXT"]
+    exec(text[start:text.index("\n", text.index("\\n')", start))], ns)
+    return ns[name]
 
 
 def main() -> int:
@@ -48,7 +49,8 @@ def main() -> int:
         (site / "het_plugin_checkout.pth").write_text(str(REPO) + "\n")
         hook = site / "het_plugin_megatron.pth"
         configs = {"no .pth": (None, {}), "hook .pth": (pth_text(), {}),
-                   "hook .pth, NO_HOOK=1": (pth_text(), {"HET_PLUGIN_NO_HOOK": "1"})}
+                   "hook .pth, NO_HOOK=1": (pth_text(), {"HET_PLUGIN_NO_HOOK": "1"}),
+                   "deepspeed hook .pth": (pth_text("DS_PTH_TEXT"), {})}
         if args.old_pth:
             old = args.old_pth.read_text()
             configs.update({"old .pth": (old, {}), "old .pth, NO_HOOK=1": (old, {"HET_PLUGIN_NO_HOOK": "1"})})

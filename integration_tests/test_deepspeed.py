@@ -197,3 +197,26 @@ def test_missing_cluster_file_on_one_rank_stops_every_rank(workdir):
 def write_and_return(cfg: dict, path: Path) -> Path:
     write_config(cfg, path)
     return path
+
+
+def test_gradient_clipping_under_a_permuted_plan_is_deepspeeds(workdir):
+    """Issue 22: DeepSpeed's clip norm counts the non-model-parallel gradients of each data slice's
+    model-parallel rank 0 (the lowest global rank: stage 0 on DeepSpeed's own topology). Here the plan puts
+    stage 0 on ranks 1 and 3, so the lowest rank of each slice is a stage-1 rank; with a clip that binds, the
+    losses must still equal plain DeepSpeed with the same layer split [0, 6, 10]."""
+    cluster = load_cluster(DATA / "ds_hetero_4.yaml")
+    placement = place(cluster, ParallelDims(pp=2, dp=2), domain_order=list(reversed(cluster.domains)))
+    plan = assemble_plan(cluster, MODEL, placement, [5, 3], 2)
+    assert plan.stage_ranks(0) == [1, 3]                 # the lowest rank of each slice (0, 2) is on stage 1
+    plan.save(workdir / "plan_clip.json")
+    write_config(wrap(PIPE_CONFIG, workdir / "plan_clip.json", layer_pattern="Block", pp=2), workdir / "cfg_clip.json")
+    clip = ["--clip", 0.02, "--pp", 2, "--mp", 1]
+    res = results(launch(PIPE, 4, ["--config", workdir / "cfg_clip.json", *clip]))
+    same_split = results(launch(PIPE, 4, ["--baseline", "--parts", "0,6,10", *clip]))
+    unclipped = results(launch(PIPE, 4, ["--baseline", "--parts", "0,6,10", "--clip", 0.0, "--pp", 2, "--mp", 1]))
+    assert [r["parts"] for r in same_split] == [[0, 6, 10]] * 4
+    assert_follows_plan(res, plan)
+    # The stage-0 rank of each slice counts as DeepSpeed's model-parallel rank 0, as on DeepSpeed's topology.
+    assert [r["model_parallel_rank"] for r in res] == [1, 0, 1, 0]
+    assert res[0]["losses"][1:] != pytest.approx(unclipped[0]["losses"][1:], rel=1e-4)   # the clip binds
+    assert all(r["losses"] == same_split[0]["losses"] for r in res)     # bit for bit

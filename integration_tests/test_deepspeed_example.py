@@ -1,4 +1,5 @@
-"""examples/deepspeed runs as documented: wrap-config, then 4 CPU ranks print losses."""
+"""examples/deepspeed runs as documented: wrap-config, then 4 CPU ranks print losses. train.py has no het_plugin
+name: it runs through support/run_unmodified.py, which executes the .pth line an installed het_plugin ships."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from integration_tests.support.deepspeed_cpu import cpu_environment  # noqa: E40
 from integration_tests.support.launch import run_ranks  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "deepspeed"
+RUN = Path(__file__).resolve().parent / "support" / "run_unmodified.py"
 
 
 def test_cpu_example_trains_with_the_wrapped_plan(tmp_path):
@@ -24,10 +26,12 @@ def test_cpu_example_trains_with_the_wrapped_plan(tmp_path):
                      "--model", str(EXAMPLE / "tiny-model.yaml"), "--pp", "2", "--layer-pattern", "Block",
                      "-o", str(wrapped)]) == 0
     plan = Plan.from_dict(json.loads(wrapped.read_text())["heterogeneous"]["plan"])
-    outs = run_ranks(EXAMPLE / "train.py", 4, ["--deepspeed_config", str(wrapped), "--cpu", "--pp", "2",
-                                                "--steps", "3"], env=cpu_environment(), timeout=150)
+    outs = run_ranks(RUN, 4, [str(EXAMPLE / "train.py"), "--deepspeed_config", str(wrapped), "--cpu", "--pp", "2",
+                              "--steps", "3"], env=cpu_environment(), timeout=150)
     out = outs[0].stdout
     losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)$", out, re.M)]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(256)) < 1.0            # random tokens over a 256-word vocabulary
     assert f"plan {plan.hash}" in out and f"layers per stage {plan.layers_per_stage}" in out
+    assert [o.result["plan_hash"] for o in outs] == [plan.hash] * 4
+    assert [o.result["stage"] for o in outs] == [plan.coord(r)["pp"] for r in range(4)]

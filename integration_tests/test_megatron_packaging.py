@@ -41,12 +41,15 @@ def test_wheel_carries_the_hook_and_the_patches(source_copy, tmp_path):
     line = wheel.read("het_plugin_megatron.pth").decode()
     assert line.startswith("import ") and "het_plugin.megatron.hook" in line and line.count("\n") == 1
     assert "het_plugin/megatron/hook.py" in names
+    ds_line = wheel.read("het_plugin_deepspeed.pth").decode()      # the DeepSpeed hook's finder (issue 22)
+    assert ds_line.startswith("import sys;") and "het_plugin.deepspeed.hook" in ds_line and ds_line.count("\n") == 1
+    assert "het_plugin/deepspeed/hook.py" in names
     assert any(n.startswith("het_plugin/_patches/megatron-lm/") and n.endswith(".patch") for n in names)
 
 
 def test_editable_wheel_carries_the_hook(source_copy, tmp_path):
     wheel = _build("build_editable", source_copy, tmp_path / "editable")
-    assert "het_plugin_megatron.pth" in wheel.namelist()
+    assert {"het_plugin_megatron.pth", "het_plugin_deepspeed.pth"} <= set(wheel.namelist())
 
 
 def test_the_pth_line_installs_the_finder_and_nothing_heavy(tmp_path):

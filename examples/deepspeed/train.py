@@ -1,8 +1,10 @@
 """A toy GPT trained with DeepSpeed's pipeline engine through het_plugin (CPU or GPU).
 
-The only het_plugin-specific lines: ``hds.PipelineModule(..., config=...)`` instead of
-``deepspeed.pipe.PipelineModule`` and ``hds.initialize`` instead of ``deepspeed.initialize``; the config
-is one wrapped by ``het-plugin wrap-config``. Without a "heterogeneous" section it is plain DeepSpeed.
+A plain DeepSpeed script: no het_plugin name in it. The config is one wrapped by ``het-plugin wrap-config``;
+het_plugin's import hook (het_plugin_deepspeed.pth, installed with the package) finds it on the command line
+(``--deepspeed_config``) when the PipelineModule is built and applies the plan there and in
+``deepspeed.initialize``. Without a "heterogeneous" section it is plain DeepSpeed. The explicit equivalent is
+``het_plugin.deepspeed.PipelineModule(..., config=...)`` and ``het_plugin.deepspeed.initialize``.
 
 CPU:  ./run_cpu.sh              (torchrun, 4 ranks, gloo)
 GPU:  ./launch_gpu.sh           (deepspeed --hostfile ... train.py --deepspeed_config wrapped.json)
@@ -36,8 +38,6 @@ def main() -> None:
     import deepspeed
     from deepspeed.pipe import LayerSpec
 
-    import het_plugin.deepspeed as hds
-
     deepspeed.init_distributed(dist_backend="gloo" if args.cpu else None)
 
     class Embed(torch.nn.Embedding):
@@ -63,10 +63,12 @@ def main() -> None:
 
     layers = [LayerSpec(Embed, args.vocab, args.hidden)] + \
         [LayerSpec(Block, args.hidden) for _ in range(args.layers)] + [LayerSpec(Head, args.hidden, args.vocab)]
-    model = hds.PipelineModule(layers=layers, num_stages=args.pp, loss_fn=loss_fn, seed_layers=True,
-                               config=args.deepspeed_config)
+    # partition_method="uniform": DeepSpeed 0.19.8's default 'parameters' gives numpy layer boundaries, which
+    # seed_layers=True passes to random.seed (a TypeError on Python 3.11) -- plain DeepSpeed, or a homogeneous plan.
+    model = deepspeed.pipe.PipelineModule(layers=layers, num_stages=args.pp, loss_fn=loss_fn, seed_layers=True,
+                                          partition_method="uniform")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine, _, _, _ = hds.initialize(args=args, model=model, optimizer=optimizer)
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer)
 
     device = engine.device
     generator = torch.Generator().manual_seed(1234 + model.mpu().get_data_parallel_rank())

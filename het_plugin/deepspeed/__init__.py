@@ -1,4 +1,6 @@
-"""DeepSpeed adapter: wrap a config, then build the model and engine through these calls.
+"""DeepSpeed adapter. The usual path needs no script edit: wrap the config (``het-plugin wrap-config``) and launch
+as before; the import hook shipped as ``het_plugin_deepspeed.pth`` (:mod:`het_plugin.deepspeed.hook`) applies the
+plan in ``deepspeed.pipe.PipelineModule`` and ``deepspeed.initialize``. The explicit equivalent:
 
     cfg = het_plugin.deepspeed.wrap("ds_config.json", cluster="cluster.yaml", pp=2)
     model = het_plugin.deepspeed.PipelineModule(layers, num_stages=2, loss_fn=..., config=cfg)

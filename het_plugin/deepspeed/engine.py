@@ -31,8 +31,15 @@ from .plan_source import RunShape, resolve_section
 def initialize(*args, profile_out=None, **kwargs):
     """Same signature and return value as ``deepspeed.initialize``; ``profile_out`` (or the section's): rank 0
     writes the run's measured profile there (:mod:`het_plugin.deepspeed.recorder_hooks`)."""
-    import deepspeed
-    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    from .hook import original_initialize
+    return initialize_with_plan(original_initialize(), args, kwargs, profile_out=profile_out)
+
+
+def initialize_with_plan(ds_initialize, args, kwargs, *, profile_out=None, process_section=None):
+    """``ds_initialize`` (DeepSpeed's own ``initialize``) applying the plan of, in order: the config passed
+    (``config=`` or ``args.deepspeed_config``), the PipelineModule's (built under a plan), ``process_section``
+    (``(section, source)``: what the import hook found in the launch's arguments or environment)."""
+    bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     arguments = bound.arguments
     ds_args = arguments.get("args")
     config = arguments.get("config", arguments.get("config_params"))
@@ -40,14 +47,27 @@ def initialize(*args, profile_out=None, **kwargs):
     if from_args:
         config = ds_args.deepspeed_config
     if config is None:
-        return deepspeed.initialize(*args, **kwargs)
+        return ds_initialize(*args, **kwargs)
     cfg, source = load_ds_config(config)
     section = section_of(cfg, source)
+    model = arguments.get("model")
+    from deepspeed.pipe import PipelineModule as DeepSpeedPipelineModule
+    if section is None and isinstance(model, DeepSpeedPipelineModule) and getattr(model, "het_plan", None) is not None:
+        section = getattr(model, "het_section", None)     # built under a plan the script's own config does not carry
+    if section is None and process_section is not None:
+        section, _ = process_section
     if section is None:
         if profile_out is not None:
             raise ConfigError("profile_out needs a plan: the config has no heterogeneous section", source=source,
                               field="profile_out", fix="wrap the config (het-plugin wrap-config), or drop profile_out")
-        return deepspeed.initialize(*args, **kwargs)
+        return ds_initialize(*args, **kwargs)
+    if section.pp is not None and section.pp > 1 and not isinstance(model, DeepSpeedPipelineModule) \
+            and arguments.get("mpu") is None:       # an mpu is refused on its own (_data_parallel_setup)
+        raise ConfigError(f"the plan has {section.pp} pipeline stages, but the model passed to deepspeed.initialize is "
+                          f"a {type(model).__name__}, not a deepspeed.pipe.PipelineModule: the plan's stages would "
+                          "be ignored", source=source, field=f"{SECTION}.pp",
+                          fix=f"build the model as deepspeed.pipe.PipelineModule(layers, num_stages={section.pp}), "
+                              "or re-wrap the config with --pp 1 (plain data parallelism)")
     profile = section.profile_settings(source, profile_out)
 
     arguments.pop("config_params", None)
@@ -70,7 +90,7 @@ def initialize(*args, profile_out=None, **kwargs):
     if applied.plan.uneven_replicas:        # even plans: DeepSpeed's own batch, weights and data, untouched
         share = ReplicaShare.from_plan(applied.plan, applied.rank)
         arguments["config"] = rank_config(arguments["config"], share)
-    result = deepspeed.initialize(**arguments)
+    result = ds_initialize(**arguments)
     engine = result[0]
     engine.het_plan = applied.plan
     engine.het_applied = applied
@@ -88,9 +108,13 @@ def initialize(*args, profile_out=None, **kwargs):
 def _pipeline_plan(model, section, source):
     plan = getattr(model, "het_plan", None)
     if plan is None:
-        raise ConfigError("the config has a heterogeneous section but the model is DeepSpeed's own PipelineModule "
-                          "(or was built without config=)", source=source, field=SECTION,
-                          fix="build it with het_plugin.deepspeed.PipelineModule(..., config=<the same config>)")
+        from .hook import unapplied_reason
+        raise ConfigError("the config has a heterogeneous section but the PipelineModule was built without its plan: "
+                          f"{unapplied_reason()}", source=source, field=SECTION,
+                          fix="let het_plugin's import hook see the wrapped config when the PipelineModule is built: "
+                              "pass it as --deepspeed_config FILE on the command line or export "
+                              "HET_PLUGIN_DEEPSPEED_CONFIG=FILE (scripts that hard-code their config); or build it with "
+                              "het_plugin.deepspeed.PipelineModule(..., config=<the same config>)")
     if section.plan_hash is not None and plan.hash != section.plan_hash:
         raise ConfigError(f"the PipelineModule was built with plan {plan.hash}, this config holds "
                           f"{section.plan_hash}", source=source, field=f"{SECTION}.plan_hash",

@@ -7,8 +7,11 @@ also pass to :func:`het_plugin.deepspeed.initialize`) and ``layer_pattern=``. Wi
 * the pipeline degree comes from ``num_stages`` (or ``topology``'s 'pipe' axis), the tensor degree from
   ``topology``'s 'model' axis, the layers from ``layers``; the plan must agree (ConfigError otherwise);
 * every rank computes or loads the plan and checks its hash with the others before any group exists;
-* ``topology`` becomes :class:`PlanTopology` and the partition is the plan's layers per stage
-  (``partition_method`` is ignored);
+* ``topology`` becomes :class:`PlanTopology` and the partition is the plan's layers per stage, replacing
+  ``partition_method`` (rank 0 says so once); on a homogeneous identity plan the script's own topology and
+  ``partition_method`` stay: the plan changes nothing there;
+* the grid's model-parallel rank (gradient clipping) is DeepSpeed's for the same coordinates
+  (:mod:`het_plugin.deepspeed.grid_ranks`);
 * groups are created with the plan's transports (:mod:`het_plugin.deepspeed.groups`); what was
   applied (plan and every group created) is ``module.het_applied``, the plan also ``module.het_plan``;
 * pipeline send/receive go over the plan's pipeline groups (:mod:`het_plugin.deepspeed.p2p`; DeepSpeed
@@ -18,6 +21,7 @@ also pass to :func:`het_plugin.deepspeed.initialize`) and ``layer_pattern=``. Wi
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
@@ -33,6 +37,8 @@ from ..views.report import startup_summary
 from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from .config import SECTION, BatchSettings, load_ds_config, section_of
+from .foreign_groups import check_no_launch_order_groups
+from .grid_ranks import align_model_parallel_rank
 from .groups import planned_groups
 from .p2p import route_pipeline_hops
 from .partition import counted_layers, plan_parts
@@ -47,68 +53,115 @@ class PipelineModule(_DeepSpeedPipelineModule):
     def __init__(self, layers, num_stages=None, topology=None, *args, config=None,
                  layer_pattern: Optional[str] = None, **kwargs):
         object.__setattr__(self, "_het_parts", None)
+        object.__setattr__(self, "_het_explicit", True)      # the import hook leaves this one alone
         cfg, source = load_ds_config(config) if config is not None else (None, "<config>")
         section = section_of(cfg, source)
+        init = super().__init__
         if section is None:
-            super().__init__(layers, num_stages, topology, *args, **kwargs)
+            init(layers, num_stages, topology, *args, **kwargs)
             self.het_plan = None
             self.het_applied = None
+            self.het_section = None
             return
-
-        import deepspeed.comm as dist
-        if not dist.is_initialized():
-            raise RuntimeError("call deepspeed.init_distributed() before building a PipelineModule "
-                               "(as with DeepSpeed's own)")
-        world_size, rank = dist.get_world_size(), dist.get_rank()
-        pp, tp, topo_dp = _user_degrees(num_stages, topology)
-        specs = list(layers)
-        pattern = layer_pattern if layer_pattern is not None else section.layer_pattern
-        counted = counted_layers([layer_name(s) for s in specs], pattern)
-        shape = RunShape(world_size=world_size, pp=pp, tp=tp, num_layers=len(counted))
-        batch = BatchSettings.of(cfg, source)
-        resolved = []
-
-        def make() -> Plan:
-            resolved.append(resolve_section(section, shape, source=source,
-                                            derive_model=lambda: model_from_layers(specs, counted, batch, shape.dp, tp)))
-            plan = resolved[-1].plan
-            if topo_dp is not None and topo_dp != plan.dp:
-                raise ConfigError(f"the topology has data degree {topo_dp}, the plan (and the {world_size} launched "
-                                  f"ranks) {plan.dp}", source=source, field="topology",
-                                  fix=f"build the topology with num_dp={plan.dp}")
-            if batch.dp is not None and batch.dp != plan.dp:
-                raise ConfigError(f"train_batch_size / (micro * accumulation) = {batch.dp} data-parallel replicas, "
-                                  f"the plan has {plan.dp}", source=source, field="train_batch_size",
-                                  fix=f"make train_batch_size = micro * accumulation * {plan.dp}")
-            check_batch_settings(plan, cfg, source)      # an uneven replica split fixes the batch
-            # The split must fit this layer list (raises the layer-count ConfigError on every rank).
-            plan_parts(len(specs), counted, plan.layers_per_stage, source)
-            return plan
-
-        with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
-            plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
-            applied = AppliedPlan.begin(plan, rank, cluster=resolved[-1].cluster, timeout_s=section.timeout_s)
-        object.__setattr__(self, "_het_parts", plan_parts(len(specs), counted, plan.layers_per_stage, source))
-        if rank == 0:
-            print(startup_summary(plan, "DeepSpeed pipeline",
-                                  [f"layers per stage {plan.layers_per_stage}: layer list boundaries "
-                                   f"{self._het_parts} (PipelineModule.parts)"]), flush=True)
-        kwargs.pop("partition_method", None)
-        with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source), \
-                planned_groups(applied, "DeepSpeed's PipelineModule", section.timeout_s):
-            super().__init__(specs, None, PlanTopology(plan), *args, **kwargs)
-        self.het_plan = plan
-        self.het_applied = applied
-        route_pipeline_hops(self._grid, applied)      # DeepSpeed's p2p would use the world group
+        build_with_plan(self, init, layers, num_stages, topology, args, kwargs, cfg, section, source, layer_pattern)
 
     def _partition_layers(self, method="uniform"):
-        """The plan's split; DeepSpeed's methods when there is no plan."""
-        parts = getattr(self, "_het_parts", None)
-        if parts is None:
-            return super()._partition_layers(method=method)
-        self.parts = list(parts)
-        stage_id = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+        """The plan's split; DeepSpeed's methods when there is no plan (or the plan keeps DeepSpeed's)."""
+        if not planned_partition(self):
+            super()._partition_layers(method=method)
+
+
+def planned_partition(module) -> bool:
+    """Set the module's layer range from the plan's split; False when it has none (DeepSpeed's methods run)."""
+    parts = getattr(module, "_het_parts", None)
+    if parts is None:
+        return False
+    module.parts = list(parts)
+    stage_id = module._topo.get_coord(module.global_rank).pipe
+    module._set_bounds(start=module.parts[stage_id], stop=module.parts[stage_id + 1])
+    return True
+
+
+def _partition_method(args, kwargs) -> tuple[str, bool]:
+    """The script's partition_method (DeepSpeed's default 'parameters') and whether it gave one."""
+    params = list(inspect.signature(_DeepSpeedPipelineModule.__init__).parameters)[4:]   # after topology
+    given = dict(zip(params, args))
+    given.update(kwargs)
+    if "partition_method" in given:
+        return str(given["partition_method"]), True
+    return "parameters", False
+
+
+def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, cfg: dict, section, source: str,
+                    layer_pattern: Optional[str] = None) -> None:
+    """DeepSpeed's ``PipelineModule.__init__`` (``init``, bound to ``module``) under the section's plan: what
+    :class:`PipelineModule` and the import hook (:mod:`het_plugin.deepspeed.hook`) both do."""
+    object.__setattr__(module, "_het_parts", None)
+    import deepspeed.comm as dist
+    if not dist.is_initialized():
+        raise RuntimeError("call deepspeed.init_distributed() before building a PipelineModule "
+                           "(as with DeepSpeed's own)")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    pp, tp, topo_dp = _user_degrees(num_stages, topology)
+    specs = list(layers)
+    pattern = layer_pattern if layer_pattern is not None else section.layer_pattern
+    counted = counted_layers([layer_name(s) for s in specs], pattern)
+    shape = RunShape(world_size=world_size, pp=pp, tp=tp, num_layers=len(counted))
+    batch = BatchSettings.of(cfg, source)
+    resolved = []
+
+    def make() -> Plan:
+        if section.pp is not None and section.pp != pp:      # also when the plan is made here, at start-up
+            raise ConfigError(f"the config was wrapped for {section.pp} pipeline stages but the model has {pp}",
+                              source=source, field=f"{SECTION}.pp",
+                              fix=f"re-wrap with pp={pp} (`het-plugin wrap-config --pp {pp}`), or build the "
+                                  f"PipelineModule with num_stages={section.pp}")
+        resolved.append(resolve_section(section, shape, source=source,
+                                        derive_model=lambda: model_from_layers(specs, counted, batch,
+                                                                               shape.degrees(source).dp, tp)))
+        plan = resolved[-1].plan
+        if topo_dp is not None and topo_dp != plan.dp:
+            raise ConfigError(f"the topology has data degree {topo_dp}, the plan (and the {world_size} launched "
+                              f"ranks) {plan.dp}", source=source, field="topology",
+                              fix=f"build the topology with num_dp={plan.dp}")
+        if batch.dp is not None and batch.dp != plan.dp:
+            raise ConfigError(f"train_batch_size / (micro * accumulation) = {batch.dp} data-parallel replicas, "
+                              f"the plan has {plan.dp}", source=source, field="train_batch_size",
+                              fix=f"make train_batch_size = micro * accumulation * {plan.dp}")
+        check_batch_settings(plan, cfg, source)      # an uneven replica split fixes the batch
+        check_no_launch_order_groups(plan, source)   # Megatron-DeepSpeed's mpu (foreign_groups)
+        # The split must fit this layer list (raises the layer-count ConfigError on every rank).
+        plan_parts(len(specs), counted, plan.layers_per_stage, source)
+        return plan
+
+    with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
+        plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
+        applied = AppliedPlan.begin(plan, rank, cluster=resolved[-1].cluster, timeout_s=section.timeout_s)
+    method, method_given = _partition_method(args, kwargs)
+    parts = plan_parts(len(specs), counted, plan.layers_per_stage, source)
+    native = applied.policy.native_network
+    if native:
+        # Homogeneous identity plan: the script's own topology (or DeepSpeed's default) and partition_method.
+        split_line = (f"layer split: the script's partition_method={method!r}, topology as the script builds it "
+                      "(homogeneous cluster: the plan changes nothing)")
+    else:
+        object.__setattr__(module, "_het_parts", parts)
+        split_line = (f"layers per stage {plan.layers_per_stage}: layer list boundaries {parts} "
+                      f"(PipelineModule.parts), replacing partition_method={method!r}"
+                      f"{'' if method_given else ' (DeepSpeed default)'}")
+    if rank == 0:
+        print(startup_summary(plan, "DeepSpeed pipeline", [split_line]), flush=True)
+    with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source), \
+            planned_groups(applied, "DeepSpeed's PipelineModule", section.timeout_s):
+        if native:
+            init(specs, num_stages, topology, *args, **kwargs)
+        else:
+            init(specs, None, PlanTopology(plan), *args, **kwargs)
+    module.het_plan = plan
+    module.het_applied = applied
+    module.het_section = section
+    align_model_parallel_rank(module._grid, plan)      # DeepSpeed's clip norm counts the slice's "first" rank
+    route_pipeline_hops(module._grid, applied)      # DeepSpeed's p2p would use the world group
 
 
 def _user_degrees(num_stages, topology) -> tuple[int, int, Optional[int]]:

@@ -37,6 +37,9 @@ def main() -> None:
     p.add_argument("--slow-device", help="ranks the plan puts on this accelerator sleep --layer-delay-ms in each "
                                          "Block's forward (a slower device; for the measured-profile test)")
     p.add_argument("--layer-delay-ms", type=float, default=0.0)
+    p.add_argument("--clip", type=float, help="gradient_clipping of the config (DeepSpeed's default: 1.0)")
+    p.add_argument("--parts", help="baseline only: force DeepSpeed's layer boundaries, e.g. 0,6,10 (what the plan "
+                                   "splits), instead of partition_method='uniform'")
     args = p.parse_args()
     hidden, micro = args.hidden, args.micro
 
@@ -54,15 +57,22 @@ def main() -> None:
     layers = [LayerSpec(InProj, hidden, hidden)] + [LayerSpec(Block, hidden) for _ in range(BLOCKS)] + \
         [LayerSpec(Head, hidden, hidden)]
     topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.mp, num_dp=dp)
-    common = dict(loss_fn=torch.nn.MSELoss(), seed_layers=True, base_seed=1234)
+    # partition_method as the baseline's: a homogeneous plan keeps the script's own (DeepSpeed 0.19.8's default,
+    # 'parameters', gives numpy boundaries, which seed_layers=True hands to random.seed: a TypeError).
+    common = dict(loss_fn=torch.nn.MSELoss(), seed_layers=True, base_seed=1234, partition_method="uniform")
     if args.baseline:
         config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": ACCUM,
                   "train_batch_size": micro * ACCUM * dp, "steps_per_print": 10 ** 6}
-        model = deepspeed.pipe.PipelineModule(layers=layers, topology=topo, partition_method="uniform", **common)
+        if args.clip is not None:
+            config["gradient_clipping"] = args.clip
+        cls = deepspeed.pipe.PipelineModule if args.parts is None else forced_split([int(x) for x in args.parts.split(",")])
+        model = cls(layers=layers, topology=topo, **common)
         init = deepspeed.initialize
     else:
         import het_plugin.deepspeed as hds
         config = json.loads(Path(args.config).read_text())
+        if args.clip is not None:
+            config["gradient_clipping"] = args.clip
         model = hds.PipelineModule(layers=layers, topology=topo, config=config, **common)
         init = hds.initialize
     plan = getattr(model, "het_plan", None)
@@ -92,6 +102,8 @@ def main() -> None:
     report({
         "rank": rank,
         "losses": losses,
+        "model_parallel_rank": grid.get_model_parallel_rank(),
+        "grad_norm": engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None,
         "parts": list(model.parts),
         "stage": grid.get_stage_id(),
         "data_id": data_id,
@@ -106,6 +118,18 @@ def main() -> None:
         "gloo_ifname_after": os.environ.get("GLOO_SOCKET_IFNAME"),
         "tx": {k: after[k] - before[k] for k in after},
     })
+
+
+def forced_split(parts):
+    """DeepSpeed's own PipelineModule with given layer boundaries (a baseline with the plan's split)."""
+    import deepspeed
+
+    class ForcedSplit(deepspeed.pipe.PipelineModule):
+        def _partition_layers(self, method="uniform"):
+            self.parts = list(parts)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+    return ForcedSplit
 
 
 def tx_bytes() -> dict:

@@ -1,0 +1,261 @@
+"""The import-time hook shipped as ``het_plugin_deepspeed.pth``: an unmodified DeepSpeed script takes a wrapped config.
+
+The ``.pth`` line (setup.py's ``DS_PTH_TEXT``) imports nothing: it puts a finder made of one lambda on
+``sys.meta_path`` that answers nothing until a module named ``deepspeed`` is imported. Then it imports this
+module, which lets DeepSpeed load and patches it (:func:`install`):
+
+* ``deepspeed.runtime.pipe.module.PipelineModule.__init__`` (the class every name of it refers to): when the
+  process's config holds a ``"heterogeneous"`` section (:func:`process_section`: ``--deepspeed_config`` /
+  ``--deepspeed-config`` on the command line, else the file named by ``HET_PLUGIN_DEEPSPEED_CONFIG``), the
+  module is built as :class:`het_plugin.deepspeed.PipelineModule` builds it (the plan's topology, split,
+  groups and pipeline hops, :func:`het_plugin.deepspeed.pipe.build_with_plan`); otherwise untouched;
+* ``PipelineModule._partition_layers``: the plan's split where one was applied;
+* ``deepspeed.initialize``: :func:`het_plugin.deepspeed.engine.initialize_with_plan` (the config passed, the
+  module's plan, or the process's section; none: DeepSpeed's own call).
+
+Every patch goes through :func:`_patch`, i.e. the process's one patch registry (``het_plugin.runtime.patches``,
+label ``deepspeed.hook``); :func:`uninstall` takes exactly this hook's patches away.
+``HET_PLUGIN_NO_HOOK=1`` switches the plan off, but ``deepspeed.initialize`` still refuses a config with a
+section (it would otherwise be silently ignored: DeepSpeed ignores unknown keys).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from importlib.abc import Loader, MetaPathFinder
+from typing import Any, Callable, Optional
+
+TARGET = "deepspeed"
+ENV_CONFIG = "HET_PLUGIN_DEEPSPEED_CONFIG"
+ENV_OFF = "HET_PLUGIN_NO_HOOK"
+ARG_NAMES = ("--deepspeed_config", "--deepspeed-config")
+
+
+LABEL = "deepspeed.hook"         # this hook's patches in het_plugin.runtime.patches.PATCHES
+_state = {"mode": None, "targets": []}   # mode None: not installed; "plan"; "guard" (HET_PLUGIN_NO_HOOK)
+
+
+def hook_off() -> bool:
+    return os.environ.get(ENV_OFF, "") not in ("", "0")
+
+
+# ---- where the process's config is ---------------------------------------------------------------
+
+def config_path_from_argv(argv=None) -> Optional[str]:
+    """The value of ``--deepspeed_config`` / ``--deepspeed-config`` (``X`` or ``=X``), the last one given."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    found = None
+    for i, a in enumerate(argv):
+        for name in ARG_NAMES:
+            if a == name and i + 1 < len(argv):
+                found = argv[i + 1]
+            elif a.startswith(name + "="):
+                found = a[len(name) + 1:]
+    return found
+
+
+def process_section():
+    """``(section, source)`` of the process's wrapped config (command line, then HET_PLUGIN_DEEPSPEED_CONFIG), or
+    None. A named file that is missing or not JSON is a ConfigError (naming it), not silence."""
+    from .config import load_ds_config, section_of
+    for path in (config_path_from_argv(), os.environ.get(ENV_CONFIG) or None):
+        if path is None:
+            continue
+        cfg, source = load_ds_config(path)
+        section = section_of(cfg, source)
+        if section is not None:
+            return section, source
+    return None
+
+
+def unapplied_reason() -> str:
+    """Why a PipelineModule has no plan although initialize sees a section (for the ConfigError)."""
+    if _state["mode"] == "guard":
+        return f"{ENV_OFF}=1 switched het_plugin's DeepSpeed hook off"
+    if _state["mode"] is None:
+        return "het_plugin's DeepSpeed hook is not installed (het_plugin_deepspeed.pth; or call het_plugin.deepspeed.hook.install())"
+    return ("the section reached only deepspeed.initialize (a config dict or path passed there), which runs after the "
+            "PipelineModule was built")
+
+
+# ---- the patches ---------------------------------------------------------------------------------
+
+def _patch(owner, name: str, make: Callable[[Any], Any]) -> None:
+    """Replace ``owner.name`` by ``make(original)`` through the process's patch registry (recorded, idempotent,
+    undone by :func:`uninstall`)."""
+    from ..runtime.patches import PATCHES
+    PATCHES.apply(owner, name, make, label=LABEL)
+    if (owner, name) not in _state["targets"]:
+        _state["targets"].append((owner, name))
+
+
+def patched() -> list[tuple[str, str]]:
+    """What this hook has patched now: (owner, attribute) pairs."""
+    from ..runtime.patches import PATCHES
+    return [(getattr(o, "__qualname__", getattr(o, "__name__", repr(o))), n) for o, n in _state["targets"]
+            if PATCHES.patch(o, n, LABEL) is not None]
+
+
+def original_initialize():
+    """DeepSpeed's own ``initialize`` (under any of het_plugin's patches)."""
+    import deepspeed
+
+    from ..runtime.patches import PATCHES
+    return PATCHES.original(deepspeed, "initialize")
+
+
+def _wrap_init(original):
+    @functools.wraps(original)
+    def __init__(self, layers, num_stages=None, topology=None, *args, **kwargs):
+        if getattr(self, "_het_explicit", False) or _state["mode"] != "plan":
+            return original(self, layers, num_stages, topology, *args, **kwargs)
+        found = process_section()
+        if found is None:
+            return original(self, layers, num_stages, topology, *args, **kwargs)
+        from .config import load_ds_config
+        from .pipe import build_with_plan
+        section, source = found
+        cfg, _ = load_ds_config(source)
+        object.__setattr__(self, "_het_explicit", True)      # the inner DeepSpeed __init__ call runs plain
+        build_with_plan(self, functools.partial(original, self), layers, num_stages, topology, args, kwargs, cfg,
+                        section, source)
+    return __init__
+
+
+def _wrap_partition(original):
+    @functools.wraps(original)
+    def _partition_layers(self, method="uniform"):
+        from .pipe import planned_partition
+        if not planned_partition(self):
+            return original(self, method=method)
+    return _partition_layers
+
+
+def _wrap_initialize(original):
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        from .engine import initialize_with_plan
+        if _state["mode"] == "guard":
+            _refuse_section(original, args, kwargs)
+            return original(*args, **kwargs)
+        return initialize_with_plan(original, args, kwargs, process_section=process_section())
+    return initialize
+
+
+def _refuse_section(original, args, kwargs) -> None:
+    """With the hook off, a section in the config (or the process's) is an error, not silence."""
+    import inspect
+
+    from ..core.errors import ConfigError
+    from .config import SECTION, load_ds_config, section_of
+    arguments = inspect.signature(original).bind(*args, **kwargs).arguments
+    config = arguments.get("config", arguments.get("config_params"))
+    if config is None:
+        config = getattr(arguments.get("args"), "deepspeed_config", None)
+    found = None
+    if config is not None:
+        cfg, source = load_ds_config(config)
+        if section_of(cfg, source) is not None:
+            found = source
+    if found is None:
+        for path in (config_path_from_argv(), os.environ.get(ENV_CONFIG) or None):
+            if path and section_of(*load_ds_config(path)) is not None:
+                found = path
+                break
+    if found is not None:
+        raise ConfigError(f"the config has a heterogeneous section but {ENV_OFF}=1 switched het_plugin's DeepSpeed "
+                          "hook off, so DeepSpeed would ignore it (its placement and uniform split, no plan)",
+                          source=found, field=SECTION,
+                          fix=f"unset {ENV_OFF} to apply the plan, or train with the unwrapped config")
+
+
+def patch_deepspeed(module=None) -> None:
+    """Patch a loaded ``deepspeed`` (idempotent): initialize always, PipelineModule unless the hook is off."""
+    if module is None:
+        import deepspeed as module
+    from deepspeed.runtime.pipe import module as pipe_module
+    _patch(module, "initialize", _wrap_initialize)
+    if _state["mode"] == "plan":
+        cls = pipe_module.PipelineModule
+        _patch(cls, "__init__", _wrap_init)
+        _patch(cls, "_partition_layers", _wrap_partition)
+
+
+# ---- finding deepspeed ---------------------------------------------------------------------------
+
+class _PatchingLoader(Loader):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        patch_deepspeed(module)
+
+    def __getattr__(self, name):           # get_source, get_code, ... for tracebacks and tools
+        return getattr(self.inner, name)
+
+
+class DeepSpeedFinder(MetaPathFinder):
+    """Finds nothing itself; wraps the real loader of ``deepspeed`` so it is patched once loaded."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != TARGET:
+            return None
+        return wrapped_spec(fullname, path, target, skip=self)
+
+
+def wrapped_spec(fullname, path=None, target=None, skip=()):
+    """The spec the other finders give ``deepspeed``, with a loader that patches it after it runs."""
+    skip = skip if isinstance(skip, (list, tuple)) else (skip,)
+    for finder in list(sys.meta_path):
+        if finder in skip or isinstance(finder, DeepSpeedFinder) or _is_trigger(finder) \
+                or not hasattr(finder, "find_spec"):
+            continue
+        spec = finder.find_spec(fullname, path, target)
+        if spec is not None:
+            if spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader)
+            return spec
+    return None
+
+
+def _is_trigger(finder) -> bool:
+    return type(finder).__name__ == "HetPluginDeepSpeedTrigger"
+
+
+def from_trigger(trigger, fullname, path=None, target=None):
+    """Called by the .pth's finder when ``deepspeed`` is first imported: install, and hand back the spec."""
+    try:
+        sys.meta_path.remove(trigger)
+    except ValueError:
+        pass
+    install(register_finder=False)
+    if _state["mode"] is None:
+        return None
+    return wrapped_spec(fullname, path, target, skip=trigger)
+
+
+def install(register_finder: bool = True) -> None:
+    """Patch DeepSpeed when it is imported (now, if it already is). ``HET_PLUGIN_NO_HOOK=1``: only the guard
+    that refuses an unapplied section."""
+    if _state["mode"] is not None:
+        return
+    _state["mode"] = "guard" if hook_off() else "plan"
+    loaded = sys.modules.get(TARGET)
+    if loaded is not None and hasattr(loaded, "initialize"):
+        patch_deepspeed(loaded)
+    elif register_finder and not any(isinstance(f, DeepSpeedFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, DeepSpeedFinder())
+
+
+def uninstall() -> None:
+    """Undo every patch (newest first) and drop the finders; DeepSpeed is then DeepSpeed's own."""
+    from ..runtime.patches import PATCHES
+    PATCHES.undo(LABEL)
+    _state["targets"] = []
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, DeepSpeedFinder) and not _is_trigger(f)]
+    _state["mode"] = None
