@@ -34,7 +34,7 @@ def tcp_clients(n):
     def connect(_):
         return torch_dist.TCPStore("127.0.0.1", server.port, None, False, wait_for_workers=False,
                                    timeout=timedelta(seconds=30))
-    with ThreadPoolExecutor(32) as pool:      # as ranks do, in parallel
+    with ThreadPoolExecutor(n) as pool:      # as ranks do, in parallel (a connect here stalls 5 s now and then)
         clients = list(pool.map(connect, range(n)))
     return server, clients
 
@@ -153,3 +153,38 @@ def test_vendor_agreement_is_one_answer_and_a_disagreement_is_named_everywhere()
     texts = {str(e) for e in bad.values()}
     assert all(isinstance(e, VendorMapError) for e in bad.values()), bad
     assert len(texts) == 1 and "rank 5 is 'amd' (HET_PLUGIN_VENDOR) but the map says 'nvidia'" in texts.pop()
+
+
+def test_profile_start_check_is_one_verdict_naming_the_ranks():
+    """het-plugin profile's start check (profiling.run._judge_start) over Exchange.decide: views that differ,
+    or a rank that refused, stop every rank with the same ConfigError."""
+    from het_plugin.errors import ConfigError
+    from het_plugin.profiling.run import _judge_start
+    n = 6
+    store = torch_dist.HashStore()
+
+    def body(r, s):
+        ex = Exchange(s, "profile-start", index=r, members=range(n), what="the start of profiling", timeout=10)
+        verdict = ex.decide({"on_gpu": r in (2, 4), "megatron": False}, judge=_judge_start)
+        if verdict.error is not None:
+            verdict.raise_error("")
+        return verdict.value
+
+    res = run_rank_threads(n, body, [store] * n)
+    texts = {str(e) for e in res.values()}
+    assert all(isinstance(e, ConfigError) and e.field == "accelerator" for e in res.values()), res
+    assert len(texts) == 1 and "ranks disagree on on_gpu: ranks [2, 4] say yes" in texts.pop()
+
+    exchange.reset_call_counts()
+
+    def refusing(r, s):
+        ex = Exchange(s, "profile-start", index=r, members=range(n), what="the start of profiling", timeout=10)
+        err = ConfigError("too little memory", field="--model", fix="a smaller model") if r == 3 else None
+        verdict = ex.decide(None if err else {"on_gpu": False, "megatron": False}, error=err, judge=_judge_start)
+        if verdict.error is not None:
+            verdict.raise_error("")
+        return verdict.value
+
+    res = run_rank_threads(n, refusing, [torch_dist.HashStore()] * n)
+    assert {str(e) for e in res.values()} == {str(res[0])} and "rank 3: too little memory" in str(res[0])
+    assert all(e.field == "--model" and e.fix == "a smaller model" for e in res.values())
