@@ -17,7 +17,7 @@ MCORE_NEW_ENV := PYTHONPATH=$(CURDIR)/$(MCORE_NEW):$(CURDIR)/integration_tests/s
 MCORE_MID_VERSIONS := 0.17.0 0.18.0
 MCORE_MID_STAMPS := $(foreach v,$(MCORE_MID_VERSIONS),.mcore-$(v)/.installed)
 
-.PHONY: plan test test-mcore-new unit integration bench clean
+.PHONY: plan test test-core test-mcore-new unit integration bench clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ test: $(STAMP) $(MCORE_NEW_STAMP) $(MCORE_MID_STAMPS)
 
 test-mcore-new: $(STAMP) $(MCORE_NEW_STAMP)
 	$(MCORE_NEW_ENV) $(PY) -m pytest -q -m megatron tests integration_tests $(ARGS)
+
+# The pure core alone: tests/core and tests/views, no processes, no torch needed.
+test-core: $(STAMP)
+	$(PY) -m pytest -q -m core tests/core tests/views
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests

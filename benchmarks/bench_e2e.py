@@ -33,7 +33,7 @@ import e2e_compute  # noqa: E402
 from e2e_plans import (ALL_CONFIGS, CONFIGS, DS_CONFIGS, FAST_LINKS, LINKS, VPP_CONFIGS, calibrate_pipeline_overhead,  # noqa: E402
                        predict_configs, setup_ratio, with_pipeline_overhead)
 from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
-from het_plugin.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
+from het_plugin.tools.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
 
 CALIBRATION_MBIT = 20_000      # the reference network "unshaped" for the calibration run
 # The emulated Ethernet rate, fixed so that runs compare (derived from each run's measured compute it moved

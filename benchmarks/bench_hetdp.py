@@ -30,7 +30,7 @@ Configurations, per framework, trained side by side in one launch, several round
   (iii) ``iii-pipeline``      PP=2 across the clusters x DP=2 inside each: het_plugin's placement and
                               per-group transports (DP on each cluster's fabric, the pipeline on Ethernet), the
                               planner's layer split for it (``--layers`` to override).
-  (iv)  ``iv-planner``        whatever het_plugin.planner.make_plan picks for this cluster and model, run as is.
+  (iv)  ``iv-planner``        whatever het_plugin.core.planner.make_plan picks for this cluster and model, run as is.
 
 DeepSpeed's are the same four (names ending in ``-ds``): its PipelineModule (one stage for DP=4), (i) through
 DeepSpeed alone, the others through het_plugin.deepspeed (wrapped config, hds.PipelineModule, hds.initialize;
@@ -64,15 +64,16 @@ sys.path.insert(0, str(REPO))
 from e2e_setup import TinyShape  # noqa: E402
 from hetdp_profile import (LINK_REPS, LINK_SIZES, PROFILE_MICRO_BATCHES, build_profile, by_device,  # noqa: E402
                            fit_device, link_pairs, measure_compute)
-from het_plugin.cluster import Cluster, cluster_from_dict  # noqa: E402
-from het_plugin.cost import SplitCosts, analyze  # noqa: E402
-from het_plugin.emulate import Emulation, EmulatorUnavailable  # noqa: E402
-from het_plugin.errors import ConfigError  # noqa: E402
-from het_plugin.placement import Placement  # noqa: E402
-from het_plugin.plan import Plan, Prediction  # noqa: E402
-from het_plugin.planner import assemble_plan, make_plan  # noqa: E402
-from het_plugin.profile import Profile  # noqa: E402
-from het_plugin.topology import ParallelDims  # noqa: E402
+from het_plugin.core.inputs.cluster import Cluster, cluster_from_dict  # noqa: E402
+from het_plugin.core.cost.predict import SplitCosts
+from het_plugin.core.cost.analysis import analyze  # noqa: E402
+from het_plugin.tools.emulate import Emulation, EmulatorUnavailable  # noqa: E402
+from het_plugin.core.errors import ConfigError  # noqa: E402
+from het_plugin.core.ranks.placement import Placement  # noqa: E402
+from het_plugin.core.plan import Plan, Prediction  # noqa: E402
+from het_plugin.core.planner import assemble_plan, make_plan  # noqa: E402
+from het_plugin.core.inputs.profile import Profile  # noqa: E402
+from het_plugin.core.ranks.dims import ParallelDims  # noqa: E402
 
 ETH_GBPS = 25.0
 FABRIC_GBPS = 200.0
@@ -234,7 +235,7 @@ def plan_summary(cluster: Cluster, plan: Plan) -> dict:
 
 def predict_plan(cluster: Cluster, spec, plan: Plan, profile: Profile | None = None,
                  overlap_grad_reduce: bool = True) -> Prediction:
-    """het_plugin.cost's iteration for ``plan`` as the run trains it: the plan's placement and transports, its
+    """het_plugin.core.cost's iteration for ``plan`` as the run trains it: the plan's placement and transports, its
     layers and its replicas' micro-batch counts (``SplitCosts.set_counts``: ``cost.predict`` itself has no
     counts), the plain optimizer the runs use, and the framework's gradient overlap (Megatron's DDP overlaps
     the reduction with the last backward; DeepSpeed's pipeline engine reduces after it)."""
@@ -576,8 +577,8 @@ def table(out: dict) -> str:
              + ", ".join(f"{r / max(rates['before']):.2f}" for r in rates["before"])
              + "; after " + ", ".join(f"{r / max(rates['after']):.2f}" for r in rates["after"]),
              speed_check(out), f"global batch {out['shape']['global_batch_size']} for every configuration; "
-             + ("predictions and plans: het_plugin.cost with the catalog's numbers (no profile)" if predictor == "catalog"
-                else "predictions and plans: het_plugin.cost with the profile measured in the emulated nodes")]
+             + ("predictions and plans: het_plugin.core.cost with the catalog's numbers (no profile)" if predictor == "catalog"
+                else "predictions and plans: het_plugin.core.cost with the profile measured in the emulated nodes")]
     busy = out.get("machine_during_training")
     if busy and busy["busy_share"]["median"] is not None:
         lines.append(f"machine busy during training (all cores): median {busy['busy_share']['median']:.0%}, max "

@@ -6,7 +6,7 @@ mix against its sub-clusters (with and without heterogeneous data parallelism), 
     python benchmarks/bench_planner.py --quick    (skips the 16,384- and 131,072-accelerator timings)
     python benchmarks/bench_planner.py --hethub   (only the HETHUB-like mix against its sub-clusters)
 
-Every throughput here is the predictor's (het_plugin.cost), not a measurement; wall times are real but
+Every throughput here is the predictor's (het_plugin.core.cost), not a measurement; wall times are real but
 rough on a shared machine (CPU s, the process's own CPU time, is less sensitive to other load).
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ import math
 import time
 from pathlib import Path
 
-from het_plugin.cluster import cluster_from_dict, load_cluster
-from het_plugin.errors import ConfigError
-from het_plugin.model import preset_model
-from het_plugin.planner import make_plan, plan_candidates
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
+from het_plugin.core.errors import ConfigError
+from het_plugin.core.inputs.model import preset_model
+from het_plugin.core.planner import make_plan, plan_candidates
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 CASES = [("holmes-ib-roce", "gpt-7.5b"), ("holmes-ib-roce", "gpt-39b"), ("h100-a100", "gpt-7.5b"),
@@ -46,7 +46,7 @@ def shape(p) -> str:
     """The plan's shape and, where uneven, its replica split."""
     if p.prediction is None or not p.prediction.shape:
         return "-"
-    from het_plugin.report import alt_split
+    from het_plugin.views.report import alt_split
     return p.prediction.shape + ("" if not p.uneven_replicas else f" ({alt_split(p)})")
 
 

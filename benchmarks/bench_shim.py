@@ -53,9 +53,9 @@ def rank_two_tier(args) -> dict:
     import torch.distributed as dist
 
     import het_plugin.comm as comm
-    from het_plugin.cluster import cluster_from_dict
-    from het_plugin.netselect import gloo_network
-    from het_plugin.placement import transport
+    from het_plugin.core.inputs.cluster import cluster_from_dict
+    from het_plugin.runtime.netselect import gloo_network
+    from het_plugin.core.ranks.placement import transport
     cluster = cluster_from_dict(two_tier_cluster(args))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -160,8 +160,8 @@ def _result(stdout: str) -> dict:
 
 
 def run_two_tier(args) -> dict:
-    from het_plugin.cluster import cluster_from_dict
-    from het_plugin.emulate import Emulation
+    from het_plugin.core.inputs.cluster import cluster_from_dict
+    from het_plugin.tools.emulate import Emulation
     cluster = cluster_from_dict(two_tier_cluster(args))
     env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     with Emulation(cluster, scale=args.scale, log=lambda s: None) as emu:
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
 
     raw, lines = {}, ["| measurement | variant | median time | ratio | goal |", "|---|---|---|---|---|"]
     if args.only in (None, "two-tier"):
-        from het_plugin.emulate import EmulatorUnavailable
+        from het_plugin.tools.emulate import EmulatorUnavailable
         try:
             res = run_two_tier(args)
         except EmulatorUnavailable as exc:

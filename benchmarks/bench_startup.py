@@ -11,9 +11,9 @@ discovers the cluster first; a DeepSpeed wrapped config or a cluster file starts
 
 - discovery: :func:`het_plugin.discovery.gather_discovery` on every rank (a fabricated sysfs tree with 4 IB
   HCAs, 8 H100 per node through HET_PLUGIN_ACCELERATOR, 8 ranks a node): every view to rank 0, one cluster back;
-- plan: :func:`het_plugin.planner.make_plan` once, on the discovered cluster (every rank computes the same plan
+- plan: :func:`het_plugin.core.planner.make_plan` once, on the discovered cluster (every rank computes the same plan
   on its own CPU, in parallel: its wall time is one plan's; the threads here share the one result);
-- agreement: :func:`het_plugin.agreement.check_plan_agreement` (every rank's plan hash to rank 0, one verdict);
+- agreement: :func:`het_plugin.runtime.agreement.check_plan_agreement` (every rank's plan hash to rank 0, one verdict);
 - pre-flight: :func:`het_plugin.runtime.preflight.exchange_check` (every rank's NCCL settings, one verdict);
 - guard: :class:`het_plugin.runtime.guard.GroupGuard` entered and left around no creation (its start keys,
   a heartbeat thread with its own store connection each, the final wait for every rank).
@@ -56,10 +56,10 @@ sys.path.insert(0, str(REPO))
 import torch.distributed as tdist  # noqa: E402
 from torch.distributed import distributed_c10d  # noqa: E402
 
-from het_plugin.agreement import check_plan_agreement  # noqa: E402
+from het_plugin.runtime.agreement import check_plan_agreement  # noqa: E402
 from het_plugin.discovery import gather_discovery  # noqa: E402
-from het_plugin.model import preset_model  # noqa: E402
-from het_plugin.planner import make_plan  # noqa: E402
+from het_plugin.core.inputs.model import preset_model  # noqa: E402
+from het_plugin.core.planner import make_plan  # noqa: E402
 from het_plugin.runtime import exchange  # noqa: E402
 from het_plugin.runtime.guard import GroupGuard  # noqa: E402
 from het_plugin.runtime.preflight import exchange_check  # noqa: E402

@@ -333,7 +333,7 @@ def child_probe(args) -> subprocess.CompletedProcess:
         [args.python, "-c",
          "import sys\n"
          "out = []\n"
-         "try:\n import het_plugin, het_plugin.cluster; out.append('het_plugin ok')\n"
+         "try:\n import het_plugin, het_plugin.core.inputs.cluster; out.append('het_plugin ok')\n"
          "except Exception as e: out.append(f'het_plugin NOT importable: {type(e).__name__}: {e}')\n"
          "try:\n import megatron.core as mc; out.append('megatron-core ' + str(getattr(mc, '__version__', '?')))\n"
          "except Exception as e: out.append(f'megatron-core NOT importable: {type(e).__name__}: {e}')\n"
@@ -713,10 +713,10 @@ def worker_nccl(spec: dict) -> dict:
     pg_options (world of 1: a 1-rank group; world of 2: the 2-rank group itself) and an all-reduce on it."""
     import torch
     import torch.distributed as dist
-    from het_plugin.cluster import load_cluster
-    from het_plugin.model import ModelSpec
-    from het_plugin.netselect import nccl_net_name
-    from het_plugin.planner import make_plan
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.inputs.model import ModelSpec
+    from het_plugin.runtime.netselect import nccl_net_name
+    from het_plugin.core.planner import make_plan
     from het_plugin.runtime.applied import AppliedPlan
 
     rank, world, dry = spec["rank"], spec["world"], spec["dry_run"]
@@ -827,9 +827,9 @@ def part3(args, tmp, clusters, limit) -> PartResult:
 def worker_shim(spec: dict) -> dict:
     import torch
     import torch.distributed as dist
-    from het_plugin.cluster import load_cluster
-    from het_plugin.model import ModelSpec
-    from het_plugin.planner import make_plan
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.inputs.model import ModelSpec
+    from het_plugin.core.planner import make_plan
     from het_plugin.runtime.applied import AppliedPlan
     import het_plugin.comm as comm
 

@@ -8,7 +8,7 @@ t(L, m) = per_step + m (per_micro_batch + L per_layer) gives the three; what per
 the embedding and the output is framework overhead per micro-batch (schedule, hooks), which every pipeline
 stage pays: it is added in full to the embedding (first stage) and to the output (last stage) entries (valid for PP=2, where each stage
 holds exactly one of them). per_step is the per-step overhead (update, zero-grad, loss all-reduce),
-which het_plugin.cost does not model on CPU; the benchmark adds it to every prediction and says so.
+which het_plugin.core.cost does not model on CPU; the benchmark adds it to every prediction and says so.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Per fast:slow ratio: the calibrated profile, the six configurations the benchmark runs, and the
-predictor's estimate for each (het_plugin.cost.predict with the profile measured through the emulator)."""
+predictor's estimate for each (het_plugin.core.cost.predict with the profile measured through the emulator)."""
 from __future__ import annotations
 
 import inspect
@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from het_plugin.cost import predict
-from het_plugin.placement import Placement, baseline_transport, default_placement, transport
-from het_plugin.plan import Plan
-from het_plugin.planner import assemble_plan, make_plan, uniform_layers
-from het_plugin.profile import Profile
-from het_plugin.topology import ParallelDims
+from het_plugin.core.cost.predict import predict
+from het_plugin.core.ranks.placement import Placement, baseline_transport, default_placement, transport
+from het_plugin.core.plan import Plan
+from het_plugin.core.planner import assemble_plan, make_plan, uniform_layers
+from het_plugin.core.inputs.profile import Profile
+from het_plugin.core.ranks.dims import ParallelDims
 
 from e2e_setup import DP, PP, TinyShape, fast_cluster, mixed_cluster, slow_cluster
 
@@ -239,7 +239,7 @@ def predict_configs(ratio: float, shape: TinyShape, compute: dict, links: dict, 
                                     transport_fn=transport, overlap_grad_reduce=plan_vpp.overlap_grad_reduce,
                                     profile=prof_vpp, vpp=VPP, overlap_p2p_comm=plan_vpp.overlap_p2p_comm),
     }
-    # het_plugin.cost has no CPU per-step overhead (update, zero-grad, loss sync): add the measured one
+    # het_plugin.core.cost has no CPU per-step overhead (update, zero-grad, loss sync): add the measured one
     step_overhead = compute.get("overhead_per_step", 0.0)
     mbs = {"4-het_plugin": plan.micro_batch_size, "4-ds": plan.micro_batch_size,
            "5-het_plugin+vpp": plan_vpp.micro_batch_size}

@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from het_plugin import catalog  # noqa: E402
-from het_plugin.cluster import Cluster, cluster_from_dict  # noqa: E402
-from het_plugin.model import preset_model  # noqa: E402
+from het_plugin.core.inputs import catalog  # noqa: E402
+from het_plugin.core.inputs.cluster import Cluster, cluster_from_dict  # noqa: E402
+from het_plugin.core.inputs.model import preset_model  # noqa: E402
 from integration_tests.support.megatron_tiny import TinyGPT  # noqa: E402
 
 ETH_GBPS = 25.0                 # the real job's Ethernet, per node

@@ -125,7 +125,7 @@ def build_profile(cluster, compute: dict[str, DeviceCompute], links: dict[str, d
     """A format-2 Profile: compute, optimizer and overhead per device type; each cluster's fabric (its own tier
     kind) and Ethernet (``socket`` and ``ethernet``) inside that cluster; the named link between clusters per
     direction. ``links``: key of :func:`link_pairs` -> {"latency_us", "bandwidth": [[bytes, Gbit/s], ...]}."""
-    from het_plugin.profile import Profile
+    from het_plugin.core.inputs.profile import Profile
     prof = Profile(description=description)
     for device, c in sorted(compute.items()):
         for kind in ("layer", "embedding", "output"):
@@ -290,7 +290,7 @@ def measure_compute(emu, frameworks: list[str], shape: dict, rounds: int, steps:
                                     emu.layout.master_addr, str(port)],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i, n in enumerate(nodes)]
-    from het_plugin.emulate.procs import collect
+    from het_plugin.tools.emulate.procs import collect
     outs = collect(procs, timeout, grace=5.0, label="hetdp profile").outputs
     per_fw: dict[str, list[dict]] = {fw: [] for fw in frameworks}
     for i, o in enumerate(outs):

@@ -192,7 +192,7 @@ def test_deepspeed_pipeline_rank_killed_at_its_third_new_group_stops_every_rank(
     """PipelineModule through a wrapped config whose heterogeneous section carries timeout_s."""
     pytest.importorskip("deepspeed")
     from het_plugin.deepspeed import wrap, write_config
-    from het_plugin.model import load_model
+    from het_plugin.core.inputs.model import load_model
     from integration_tests.support.deepspeed_cpu import cpu_environment
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 8,

@@ -9,14 +9,14 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
-from het_plugin.cluster import load_cluster  # noqa: E402
+from het_plugin.core.inputs.cluster import load_cluster  # noqa: E402
 from het_plugin.deepspeed import wrap, write_config  # noqa: E402
 from het_plugin.deepspeed.partition import counted_layers, layers_in_parts  # noqa: E402
-from het_plugin.model import load_model  # noqa: E402
-from het_plugin.placement import place  # noqa: E402
-from het_plugin.plan import Plan  # noqa: E402
-from het_plugin.planner import assemble_plan  # noqa: E402
-from het_plugin.topology import ParallelDims  # noqa: E402
+from het_plugin.core.inputs.model import load_model  # noqa: E402
+from het_plugin.core.ranks.placement import place  # noqa: E402
+from het_plugin.core.plan import Plan  # noqa: E402
+from het_plugin.core.planner import assemble_plan  # noqa: E402
+from het_plugin.core.ranks.dims import ParallelDims  # noqa: E402
 from integration_tests.support.deepspeed_cpu import cpu_environment  # noqa: E402
 from integration_tests.support.launch import run_ranks  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from het_plugin.cli import main as cli_main  # noqa: E402
-from het_plugin.plan import Plan  # noqa: E402
+from het_plugin.core.plan import Plan  # noqa: E402
 from integration_tests.support.deepspeed_cpu import cpu_environment  # noqa: E402
 from integration_tests.support.launch import run_ranks  # noqa: E402
 

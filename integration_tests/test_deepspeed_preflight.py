@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from het_plugin.deepspeed import wrap, write_config  # noqa: E402
-from het_plugin.model import load_model  # noqa: E402
+from het_plugin.core.inputs.model import load_model  # noqa: E402
 from integration_tests.support.deepspeed_cpu import cpu_environment  # noqa: E402
 from integration_tests.support.launch import run_ranks  # noqa: E402
 

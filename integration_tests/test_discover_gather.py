@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import load_cluster
+from het_plugin.core.inputs.cluster import load_cluster
 from het_plugin.discovery import discover_node
 from integration_tests.support.launch import run_ranks
 from tests.sysfs_tree import ethernet_node, ib_node, roce_node

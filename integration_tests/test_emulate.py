@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.emulate import Emulation, EmulatorUnavailable, check_preconditions, leftovers
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.tools.emulate import Emulation, EmulatorUnavailable, check_preconditions, leftovers
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "data" / "emu_two_clusters.yaml"
@@ -232,7 +232,7 @@ def test_two_runs_coexist_and_a_live_run_is_never_cleaned(emulator_ok):
 
 def test_a_bridge_that_drops_traffic_is_reported_and_cleaned(emulator_ok):
     """Hosts that filter bridged traffic (Docker's FORWARD DROP) must fail at start with the fix, not hang."""
-    from het_plugin.emulate.system import sh
+    from het_plugin.tools.emulate.system import sh
 
     class Broken(Emulation):
         def _build(self):

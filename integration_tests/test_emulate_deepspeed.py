@@ -15,13 +15,13 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from het_plugin.cluster import load_cluster  # noqa: E402
+from het_plugin.core.inputs.cluster import load_cluster  # noqa: E402
 from het_plugin.deepspeed import wrap, write_config  # noqa: E402
-from het_plugin.model import ModelSpec  # noqa: E402
-from het_plugin.placement import Placement  # noqa: E402
-from het_plugin.planner import assemble_plan  # noqa: E402
-from het_plugin.topology import ParallelDims  # noqa: E402
-from het_plugin.emulate import Emulation  # noqa: E402
+from het_plugin.core.inputs.model import ModelSpec  # noqa: E402
+from het_plugin.core.ranks.placement import Placement  # noqa: E402
+from het_plugin.core.planner import assemble_plan  # noqa: E402
+from het_plugin.core.ranks.dims import ParallelDims  # noqa: E402
+from het_plugin.tools.emulate import Emulation  # noqa: E402
 from integration_tests.support.deepspeed_cpu import cpu_environment  # noqa: E402
 
 from .test_emulate import CLUSTER, ENV, emulator_ok  # noqa: F401,E402  (fixture)

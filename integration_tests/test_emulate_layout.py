@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import cluster_from_dict, load_cluster
-from het_plugin.emulate import EmulatorUnavailable, make_layout
-from het_plugin.emulate import system
-from het_plugin.errors import ConfigError
-from het_plugin.netselect import gloo_ifnames
+from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
+from het_plugin.tools.emulate import EmulatorUnavailable, make_layout
+from het_plugin.tools.emulate import system
+from het_plugin.core.errors import ConfigError
+from het_plugin.runtime.netselect import gloo_ifnames
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 BENCH = ipaddress.ip_network("198.18.0.0/15")

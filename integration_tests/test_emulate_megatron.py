@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from het_plugin.cluster import load_cluster
-from het_plugin.emulate import Emulation
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.tools.emulate import Emulation
 from integration_tests.support.megatron_tiny import TinyGPT
 
 from .test_emulate import CLUSTER, ENV, emulator_ok  # noqa: F401  (fixture)

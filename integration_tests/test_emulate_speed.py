@@ -15,9 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.emulate import Emulation, EmulatorUnavailable, check_cpu_controller, check_preconditions, leftovers
-from het_plugin.emulate import system
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.tools.emulate import (
+    Emulation,
+    EmulatorUnavailable,
+    check_cpu_controller,
+    check_preconditions,
+    leftovers,
+)
+from het_plugin.tools.emulate import system
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE / "data" / "emu_two_clusters.yaml"          # ib-0, ib-1, roce-0, roce-1: one rank each

@@ -55,9 +55,9 @@ def test_torch_is_not_installed(venv):
 
 
 def test_plan_runs_and_names_the_plan(venv):
-    from het_plugin.cluster import load_cluster
-    from het_plugin.model import preset_model
-    from het_plugin.planner import make_plan
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.inputs.model import preset_model
+    from het_plugin.core.planner import make_plan
     from het_plugin.cli.plan import DEFAULT_CLUSTER, DEFAULT_MODEL
 
     out = _run([venv / "bin" / "het-plugin", "plan"], env=_env(), cwd=venv, timeout=120)
@@ -83,7 +83,7 @@ def test_wrap_config_and_discover_help_run(venv, tmp_path):
 def test_import_hook_loads_at_start_up_without_torch(venv):
     code = ("import sys\n"
             "print(any(type(f).__name__ == 'MegatronArgsFinder' for f in sys.meta_path))\n"
-            "import het_plugin.planner, het_plugin.report, het_plugin.svg, het_plugin.deepspeed.config\n"
+            "import het_plugin.core.planner, het_plugin.views.report, het_plugin.views.svg, het_plugin.deepspeed.config\n"
             "print('torch' in sys.modules)\n")
     # The .pth installs the hook when the flag is on the command line (and imports nothing otherwise).
     out = _run([venv / "bin" / "python", "-c", code, "--heterogeneous-nic"], env=_env(), cwd=venv, timeout=60)

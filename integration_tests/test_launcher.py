@@ -1,4 +1,4 @@
-"""The multi-rank launcher itself (integration_tests/support/launch.py over het_plugin.emulate.procs):
+"""The multi-rank launcher itself (integration_tests/support/launch.py over het_plugin.tools.emulate.procs):
 a failing rank stops the run at once, output is drained while ranks run, a hang ends at the timeout.
 
 Each run is a few plain Python processes (integration_tests/ranks/launcher_probe.py), no torch.

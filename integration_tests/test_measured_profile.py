@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from het_plugin.cli import main
-from het_plugin.measured import rank_devices
-from het_plugin.plan import Plan
-from het_plugin.profile import load_profile
+from het_plugin.core.cost.measured import rank_devices
+from het_plugin.core.plan import Plan
+from het_plugin.core.inputs.profile import load_profile
 from integration_tests.support.launch import run_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -72,7 +72,7 @@ def test_megatron_core_training_writes_a_profile_that_replans(tmp_path, capsys):
                      ["--tp", "1", "--pp", "2", "--cluster", str(IB_ROCE_4), "--steps", str(STEPS),
                       "--profile-out", str(out), "--slow-device", "H100", "--layer-delay-ms", str(delay * 1e3)],
                      ranks_per_node=1, timeout=120)
-    from het_plugin.megatron.core import resolve_megatron_plan
+    from het_plugin.megatron.mcore import resolve_megatron_plan
     spec = TinyGPT().model_spec()
     plan = resolve_megatron_plan(str(IB_ROCE_4), model=spec, world_size=4, tp=1, pp=2, micro_batch_size=2)
     assert {o.result["plan_hash"] for o in outs} == {plan.hash}

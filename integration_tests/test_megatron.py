@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.plan import Plan
-from het_plugin.topology import ParallelDims
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.plan import Plan
+from het_plugin.core.ranks.dims import ParallelDims
 from integration_tests.support.launch import run_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -88,7 +88,7 @@ def test_hetero_groups_follow_the_plan(hetero_run):
     plan_hashes = {r["plan_hash"] for r in results}
     assert len(plan_hashes) == 1
     # The plan every rank agreed on, recomputed here from the same inputs.
-    from het_plugin.megatron.core import resolve_megatron_plan
+    from het_plugin.megatron.mcore import resolve_megatron_plan
     from integration_tests.support.megatron_tiny import TinyGPT
     cfg = TinyGPT(num_layers=5)
     plan = resolve_megatron_plan(HETERO_8, model=cfg.model_spec(), world_size=8, tp=2, pp=2,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.plan import Plan
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.plan import Plan
 from integration_tests.support.launch import run_ranks
 from integration_tests.test_megatron import PROCESS_GROUP_KIND, _expected_members
 

@@ -54,7 +54,7 @@ def test_the_pth_line_installs_the_finder_and_nothing_heavy(tmp_path):
     code = ("import sys\n"
             "exec(open(sys.argv[1]).read())\n"
             "print(any(type(f).__name__ == 'MegatronArgsFinder' for f in sys.meta_path))\n"
-            "print('torch' in sys.modules, 'megatron' in sys.modules, 'het_plugin.plan' in sys.modules)\n")
+            "print('torch' in sys.modules, 'megatron' in sys.modules, 'het_plugin.core.plan' in sys.modules)\n")
     setup_text = (REPO / "setup.py").read_text()
     start = setup_text.index("PTH_TEXT = (")
     ns: dict = {}

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from het_plugin.cluster import load_cluster
-from het_plugin.preflight import check_launch
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.nccl_env import check_launch
 from integration_tests.support.launch import run_ranks
 
 HERE = Path(__file__).resolve().parent

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.plan import Plan
-from het_plugin.planner import make_plan
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.core.plan import Plan
+from het_plugin.core.planner import make_plan
 from integration_tests.support.launch import run_ranks
 from integration_tests.support.megatron_tiny import TinyGPT
 

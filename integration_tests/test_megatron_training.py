@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from het_plugin.megatron.pipeline_layout import layout_for_plan
-from het_plugin.plan import Plan
+from het_plugin.core.plan import Plan
 from integration_tests.support.launch import run_ranks
 
 HERE = Path(__file__).resolve().parent
@@ -141,7 +141,7 @@ def test_the_profile_flag_writes_the_runs_measured_profile(hetero, hetero_dir, c
     """--heterogeneous-profile-out: rank 0 writes each stage's measured times (every iteration here, and at
     exit), and `het-plugin plan --profile` reads them back next to its prediction."""
     from het_plugin.cli import main
-    from het_plugin.profile import load_profile
+    from het_plugin.core.inputs.profile import load_profile
     outs, plan = hetero
     path = hetero_dir / "measured.yaml"
     run = load_profile(path).measured

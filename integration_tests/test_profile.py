@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.profile import load_profile
+from het_plugin.core.inputs.profile import load_profile
 from integration_tests.support.launch import free_port, run_ranks
 from tests.sysfs_tree import ib_node
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from het_plugin.cluster import load_cluster
-from het_plugin.emulate import Emulation, EmulatorUnavailable, check_cpu_controller, check_preconditions
-from het_plugin.plan import Plan
-from het_plugin.profile import load_profile
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.tools.emulate import Emulation, EmulatorUnavailable, check_cpu_controller, check_preconditions
+from het_plugin.core.plan import Plan
+from het_plugin.core.inputs.profile import load_profile
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "ranks" / "profile_cli.py"

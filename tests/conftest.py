@@ -14,7 +14,7 @@ def examples_dir() -> Path:
 @pytest.fixture(scope="module")
 def plan8():
     """2 IB + 2 RoCE nodes of 2 ranks, tp=2 pp=2: tp inside a node, dp inside a cluster, pp across 25 GbE."""
-    from het_plugin.cluster import load_cluster
-    from het_plugin.planner import make_plan
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.planner import make_plan
     from megatron_common import DATA, MODEL
     return make_plan(load_cluster(DATA / "megatron-ib-roce-8.yaml"), MODEL, tp=2, pp=2)

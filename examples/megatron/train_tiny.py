@@ -35,8 +35,8 @@ def parse() -> argparse.Namespace:
 
 def rank_envs(path: str) -> list[dict]:
     """torchrun-style per-rank variables shaped like the file's nodes."""
-    from het_plugin.cluster import load_cluster
-    from het_plugin.plan import Plan, looks_like_plan
+    from het_plugin.core.inputs.cluster import load_cluster
+    from het_plugin.core.plan import Plan, looks_like_plan
     if looks_like_plan(path):
         nodes = [(n.first_rank, n.num_ranks) for n in Plan.load(path).nodes]
     else:
@@ -64,7 +64,7 @@ def launch(a: argparse.Namespace) -> int:
 def train_rank(a: argparse.Namespace) -> int:
     from integration_tests.support.megatron_tiny import TinyGPT, shutdown, train
     source = a.heterogeneous_nic
-    from het_plugin.plan import looks_like_plan
+    from het_plugin.core.plan import looks_like_plan
     is_plan = looks_like_plan(source)
     result = train(TinyGPT(num_layers=a.num_layers), tp=a.tp, pp=a.pp, steps=a.steps,
                    cluster=None if is_plan else source, plan=source if is_plan else None)

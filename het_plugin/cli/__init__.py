@@ -6,7 +6,7 @@ import importlib
 import os
 import sys
 
-from ..errors import HetPluginError
+from ..core.errors import HetPluginError
 
 # Modules under het_plugin.cli, each with ``register(subparsers)``; add a name when adding a subcommand.
 SUBCOMMANDS = ["plan", "emulate", "discover", "wrap-config", "patch", "check", "profile"]

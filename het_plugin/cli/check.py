@@ -1,6 +1,6 @@
 """``het-plugin check``: the mixed-NIC pre-flight. Which HCAs / interfaces every group's transport uses on
 each node, the NCCL/gloo settings that make the nodes agree (``--format env``: export lines), and a refusal
-(exit status 2) when the environment contradicts the plan (het_plugin.preflight)."""
+(exit status 2) when the environment contradicts the plan (het_plugin.core.nccl_env)."""
 from __future__ import annotations
 
 import json
@@ -33,8 +33,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..errors import ConfigError
-    from ..preflight import check_launch, render_env, render_text
+    from ..core.errors import ConfigError
+    from ..core.nccl_env import check_launch, render_env, render_text
 
     from .discover import check_timeout_arg
     check_timeout_arg(args)
@@ -83,9 +83,9 @@ def run(args) -> int:
 
 def _load(path: str):
     """(Plan or Cluster, the Cluster whose nics describe the nodes, or None for a plan)."""
-    from ..errors import ConfigError
-    from ..plan import Plan
-    from ..resolve import load_source
+    from ..core.errors import ConfigError
+    from ..core.plan import Plan
+    from ..core.launch import load_source
     loaded = load_source(path)
     if loaded is None:
         raise ConfigError(f"{path!r} means discovery", field="source",

@@ -37,10 +37,10 @@ def check_timeout_arg(args) -> None:
 def check_args(args) -> None:
     import math
 
-    from ..errors import ConfigError
+    from ..core.errors import ConfigError
     check_timeout_arg(args)
     if args.ethernet_gbps is not None:
-        from ..cluster import GBPS_RANGE
+        from ..core.inputs.cluster import GBPS_RANGE
         lo, hi = GBPS_RANGE
         if not (math.isfinite(args.ethernet_gbps) and lo <= args.ethernet_gbps <= hi):
             raise ConfigError(f"{args.ethernet_gbps} is outside {lo:g} .. {hi:g} Gbit/s", field="--ethernet-gbps",
@@ -49,7 +49,7 @@ def check_args(args) -> None:
         if not args.gather:
             raise ConfigError("-o writes the cluster file of --gather; without --gather it is not used",
                               field="-o/--output", fix="add --gather (under torchrun), or drop -o")
-        from ..yamlio import check_writable
+        from ..core.inputs.yamlio import check_writable
         check_writable(args.output, "-o/--output", "cluster file")
 
 
@@ -78,7 +78,7 @@ def _gather(args) -> int:
     if rank == 0:
         text = format_yaml(found.data, found.notes)
         if args.output:
-            from ..yamlio import write_atomic
+            from ..core.inputs.yamlio import write_atomic
             write_atomic(args.output, text, "cluster file")
             print(f"cluster file written to {args.output} ({len(found.cluster.nodes)} nodes, "
                   f"{found.cluster.world_size} ranks)", file=sys.stderr)

@@ -58,14 +58,14 @@ def split_command(args) -> argparse.Namespace:
 def check_numbers(args) -> None:
     import math
 
-    from ..errors import ConfigError
+    from ..core.errors import ConfigError
     if not (math.isfinite(args.scale) and 1e-3 <= args.scale <= 1e9):
         raise ConfigError(f"{args.scale} is not a scale the emulator takes (0.001 .. 1e9)", field="--scale",
                           fix="pass real bits per emulated bit, e.g. --scale 1000 (200 Gbit/s -> 200 Mbit/s)")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"{args.port} is not a TCP port", field="--port", fix="pass a port from 1 to 65535, e.g. 29500")
     if args.cpu_per_rank is not None:
-        from ..emulate.speed import MAX_CPU_PER_RANK
+        from ..tools.emulate.speed import MAX_CPU_PER_RANK
         if not (math.isfinite(args.cpu_per_rank) and 0 < args.cpu_per_rank <= MAX_CPU_PER_RANK):
             raise ConfigError(f"{args.cpu_per_rank} is not a share of a core the emulator takes (0 < x <= "
                               f"{MAX_CPU_PER_RANK:g})", field="--cpu-per-rank",
@@ -80,7 +80,7 @@ def check_numbers(args) -> None:
 
 def parse_speeds(words):
     """``--speed`` values: None (unshaped), "catalog", or {name: speed}; a malformed one names the flag."""
-    from ..errors import ConfigError
+    from ..core.errors import ConfigError
     if not words:
         return None
     if "catalog" in words:
@@ -103,10 +103,10 @@ def parse_speeds(words):
 
 
 def run(args) -> int:
-    from ..cluster import load_cluster
-    from ..emulate import Emulation, EmulatorUnavailable, make_layout, stream_prefixed, terminate_on_signals
-    from ..emulate.system import check_preconditions, clean_leftovers
-    from ..errors import ConfigError
+    from ..core.inputs.cluster import load_cluster
+    from ..tools.emulate import Emulation, EmulatorUnavailable, make_layout, stream_prefixed, terminate_on_signals
+    from ..tools.emulate.system import check_preconditions, clean_leftovers
+    from ..core.errors import ConfigError
 
     args = split_command(args)
     check_numbers(args)

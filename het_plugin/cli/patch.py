@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 PACKAGE = Path(__file__).resolve().parent.parent
 # Installed wheels carry the patches inside the package (setup.py copies them); a checkout has patches/.

@@ -7,10 +7,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..topology import DEFAULT_ORDER, parse_order
+from ..core.errors import ConfigError
+from ..core.ranks.dims import DEFAULT_ORDER, parse_order
 
-DEFAULT_CLUSTER = Path(__file__).resolve().parent.parent / "data" / "clusters" / "holmes-ib-roce.yaml"
+DEFAULT_CLUSTER = Path(__file__).resolve().parent.parent / "core" / "inputs" / "presets" / "clusters" / "holmes-ib-roce.yaml"
 DEFAULT_MODEL = "gpt-7.5b"
 PROGRESS_AFTER_S = 1.0      # a search shorter than this shows no progress line
 
@@ -70,8 +70,8 @@ def _flag(name: str) -> str:
 
 def check_numbers(args) -> None:
     """Degrees and the micro-batch size are whole numbers from 1 up to a limit (0 was taken and ignored)."""
-    from ..cluster import MAX_ACCELERATORS
-    from ..model import LIMITS
+    from ..core.inputs.cluster import MAX_ACCELERATORS
+    from ..core.inputs.model import LIMITS
     for name in PLAN_OPTIONS:
         value = getattr(args, name, None)
         if value is None:
@@ -108,7 +108,7 @@ def named_by(option: str):
 
 def check_files(args) -> None:
     """No output may overwrite an input, and every output must be writable: both checked before planning."""
-    from ..yamlio import check_writable, same_file
+    from ..core.inputs.yamlio import check_writable, same_file
     inputs = [("CLUSTER", args.cluster), ("--model", args.model), ("--profile", args.profile)]
     for out_flag, out in (("-o/--output", args.output), ("--svg", args.svg),
                           ("--timeline", getattr(args, "timeline", None))):
@@ -176,7 +176,7 @@ def check_saved_plan(args, plan) -> None:
                           source=args.cluster, field="--profile",
                           fix="drop --profile, or re-plan from the cluster file: het-plugin plan CLUSTER --profile FILE")
     if args.model is not None:
-        from ..resolve import model_from_arg
+        from ..core.launch import model_from_arg
         with named_by("--model"):
             spec = model_from_arg(args.model).model_dump()
         saved = plan.model or {}
@@ -224,10 +224,10 @@ class ProgressLine:
 
 
 def run(args) -> int:
-    from ..plan import Plan
-    from ..resolve import load_source, model_from_arg
-    from ..planner import make_plan
-    from ..report import render_text
+    from ..core.plan import Plan
+    from ..core.launch import load_source, model_from_arg
+    from ..core.planner import make_plan
+    from ..views.report import render_text
 
     check_output_names(args)
     check_numbers(args)
@@ -252,7 +252,7 @@ def run(args) -> int:
         with named_by("--model"):
             model = model_from_arg(DEFAULT_MODEL if args.model is None else args.model)
         if args.profile:
-            from ..profile import load_profile
+            from ..core.inputs.profile import load_profile
             with named_by("--profile"):
                 profile = load_profile(args.profile)
         show = ProgressLine() if sys.stderr.isatty() else None
@@ -271,7 +271,7 @@ def run(args) -> int:
     if args.output:
         plan.save(args.output)
     if args.svg:
-        from ..svg import draw_plan
+        from ..views.svg import draw_plan
         try:
             draw_plan(plan, args.svg, cluster)
         except OSError as exc:
@@ -279,7 +279,7 @@ def run(args) -> int:
                               fix="choose a folder you can write to (and that has space)") from None
     timeline = getattr(args, "timeline", None)
     if timeline:
-        from ..timeline import draw_timeline
+        from ..views.timeline import draw_timeline
         try:
             draw_timeline(plan, timeline, cluster, profile)
         except OSError as exc:
@@ -306,13 +306,13 @@ def measured_comparison(plan, cluster, profile) -> list[str]:
     """The report's measured-run section (a profile written by a training run): predicted against measured per
     stage and, where the new plan has the run's degrees and stage devices, the run's split predicted with the
     profile on the new plan's placement."""
-    from ..measured import comparison_lines, stage_devices
+    from ..core.cost.measured import comparison_lines, stage_devices
     run = profile.measured
     repredicted = None
     if ((plan.pp, plan.tp, plan.micro_batch_size, plan.vpp) == (len(run.layers_per_stage), run.tp,
                                                                 run.micro_batch_size, 1)
             and all(st.device in d.split("+") for st, d in zip(run.stages, stage_devices(plan)))):
-        from ..timeline import split_costs
+        from ..views.timeline import split_costs
         try:
             repredicted = split_costs(plan, cluster, profile).predict(run.layers_per_stage).stage_compute_s
         except (ValueError, ConfigError):

@@ -1,11 +1,11 @@
 """``het-plugin profile``: under a launcher (torchrun, deepspeed, ``het-plugin emulate``), measure this cluster
-and write a measured profile for ``het-plugin plan --profile`` (het_plugin.profiling does the measuring)."""
+and write a measured profile for ``het-plugin plan --profile`` (het_plugin.tools.profiler does the measuring)."""
 from __future__ import annotations
 
 import re
 import sys
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 SIZE = re.compile(r"^\s*(\d+)\s*([kmg]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -61,8 +61,8 @@ def size_list(text: str | None) -> list[int] | None:
 
 
 def run(args) -> int:
-    from ..profiling import make_settings
-    from ..resolve import model_from_arg
+    from ..tools.profiler import make_settings
+    from ..core.launch import model_from_arg
     from .discover import check_timeout_arg
     from .plan import named_by
 
@@ -74,7 +74,7 @@ def run(args) -> int:
                              message_sizes=size_list(args.message_sizes), tp=int_list(args.tp, "--tp"),
                              window_s=args.window, compute=args.compute, links=args.links,
                              layers=args.layers, model_micro_batch=model.micro_batch_size)
-    from ..profiling.run import profile_launch
+    from ..tools.profiler.run import profile_launch
     outcome = profile_launch(args.cluster, model, settings, args.output, timeout_s=args.timeout)
     if outcome.profile is not None:
         prof = outcome.profile

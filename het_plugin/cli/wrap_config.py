@@ -30,9 +30,9 @@ def check_args(args) -> None:
     """Before any planning: degrees in range, the config readable, -o writable and not one of the inputs."""
     from pathlib import Path
 
-    from ..cluster import MAX_ACCELERATORS
-    from ..errors import ConfigError
-    from ..yamlio import check_writable, parse_json, read_text, same_file
+    from ..core.inputs.cluster import MAX_ACCELERATORS
+    from ..core.errors import ConfigError
+    from ..core.inputs.yamlio import check_writable, parse_json, read_text, same_file
     from .plan import named_by
 
     for name in ("pp", "tp"):
@@ -53,7 +53,7 @@ def check_args(args) -> None:
 
 def run(args) -> int:
     from ..deepspeed.config import SECTION, wrap
-    from ..yamlio import write_atomic
+    from ..core.inputs.yamlio import write_atomic
     import json
 
     check_args(args)

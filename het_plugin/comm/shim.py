@@ -22,8 +22,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import HetPluginError
-from ..netselect import SHIM_BACKEND, gloo_network
+from ..core.errors import HetPluginError
+from ..runtime.netselect import SHIM_BACKEND, gloo_network
 from .shim_layout import ShimLayout, chunk_bounds, describe, stripe_pieces
 from ..runtime.exchange import timeout_s
 from .vendors import ShimOptions, agree_on_vendors

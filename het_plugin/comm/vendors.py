@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..runtime.exchange import Exchange, ExchangeTimeout
 
 ENV_VENDOR = "HET_PLUGIN_VENDOR"

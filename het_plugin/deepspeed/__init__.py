@@ -23,7 +23,7 @@ def __getattr__(name):
         from .pipe import PipelineModule
         return PipelineModule
     if name == "PlanTopology":
-        from .topology import PlanTopology
+        from .process_topology import PlanTopology
         return PlanTopology
     if name in ("replica_batch_sampler", "ReplicaDataError"):
         from . import replicas

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..errors import ConfigError
-from ..model import ModelSpec
-from ..plan import Plan
-from ..resolve import ModelArg, load_source, model_from_arg
-from ..topology import Degrees
+from ..core.errors import ConfigError
+from ..core.inputs.model import ModelSpec
+from ..core.plan import Plan
+from ..core.launch import ModelArg, load_source, model_from_arg
+from ..core.ranks.dims import Degrees
 
 SECTION = "heterogeneous"
 SECTION_VERSION = 1
@@ -87,7 +87,7 @@ class HetSection:
         if every is not None and (not isinstance(every, int) or isinstance(every, bool)):
             raise ConfigError(f"profile_every must be a whole number of iterations, got {every!r}", source=source,
                               field=f"{SECTION}.profile_every", fix="e.g. 100")
-        from ..runtime.profiling import DEFAULT_EVERY, ProfileSettings
+        from ..runtime.recorder import DEFAULT_EVERY, ProfileSettings
         cluster = self.cluster if self.cluster not in (None, AUTO) else "CLUSTER"
         try:
             return ProfileSettings(str(path), every=DEFAULT_EVERY if every is None else every,
@@ -171,7 +171,7 @@ def model_for_config(model: ModelSpec, batch: BatchSettings) -> ModelSpec:
         update["micro_batch_size"] = batch.micro_batch_size
     if not update:
         return model
-    from ..yamlio import validate
+    from ..core.inputs.yamlio import validate
     return validate(ModelSpec, {**model.model_dump(), **update}, "<model + DeepSpeed batch settings>")
 
 
@@ -259,7 +259,7 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
             Degrees(loaded.world_size, tp=tp or 1, pp=pp, dp=batch.dp, names=DEEPSPEED_NAMES, source=source)
             if spec is not None:
                 spec = _global_batch_from_accumulation(spec, batch, loaded.world_size, tp or 1, pp)
-                from ..planner import make_plan
+                from ..core.planner import make_plan
                 plan = make_plan(loaded, spec, tp=tp or 1, pp=pp, dp=batch.dp,
                                  micro_batch_size=batch.micro_batch_size)
     if plan is not None:

@@ -18,19 +18,19 @@ from __future__ import annotations
 import copy
 import inspect
 
-from ..agreement import agree_on_plan
-from ..errors import ConfigError
+from ..runtime.agreement import agree_on_plan
+from ..core.errors import ConfigError
 from .config import SECTION, BatchSettings, check_plan, load_ds_config, section_of, strip_section
 from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from .groups import planned_groups
 from .replicas import ReplicaShare, apply_replica_split, check_batch_settings, rank_config
-from .resolve import RunShape, resolve_section
+from .plan_source import RunShape, resolve_section
 
 
 def initialize(*args, profile_out=None, **kwargs):
     """Same signature and return value as ``deepspeed.initialize``; ``profile_out`` (or the section's): rank 0
-    writes the run's measured profile there (:mod:`het_plugin.deepspeed.timing`)."""
+    writes the run's measured profile there (:mod:`het_plugin.deepspeed.recorder_hooks`)."""
     import deepspeed
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     arguments = bound.arguments
@@ -78,7 +78,7 @@ def initialize(*args, profile_out=None, **kwargs):
         apply_replica_split(engine, share, arguments.get("training_data"))
         result = (engine, result[1], engine.training_dataloader, *result[3:])
     if profile is not None:
-        from .timing import install as time_engine
+        from .recorder_hooks import install as time_engine
         time_engine(engine, applied.plan, applied.rank, profile)
     return result
 
@@ -108,7 +108,7 @@ def _data_parallel_setup(arguments, section, batch, source, cfg) -> AppliedPlan:
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
     from .pipe import model_from_module
-    from .topology import PlanTopology
+    from .process_topology import PlanTopology
 
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=arguments.get("distributed_port", deepspeed.TORCH_DISTRIBUTED_DEFAULT_PORT),

@@ -2,7 +2,7 @@
 
 ``PipelineParallelGrid`` and ``PipelineModule`` create every group through ``deepspeed.comm.new_group``
 (the grid's model/data/pipe/slice groups, the module's world group and tied-weight groups). While
-:func:`planned_groups` is active, that function asks the policy (:mod:`het_plugin.runtime.groups`,
+:func:`planned_groups` is active, that function asks the policy (:mod:`het_plugin.runtime.group_policy`,
 through the :class:`~het_plugin.runtime.applied.AppliedPlan`) how to create each group -- backend
 (``het_shim`` across vendors), NCCL ``net_name`` or the shim's options as ``pg_options``, the gloo
 interface, ``sort_ranks=False`` for the plan's member order -- and creates it with

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Optional, Sequence
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .config import SECTION
 
 

@@ -25,11 +25,11 @@ import torch
 from deepspeed.pipe import LayerSpec
 from deepspeed.pipe import PipelineModule as _DeepSpeedPipelineModule
 
-from ..agreement import agree_on_plan
-from ..errors import ConfigError
-from ..model import ModelSpec
-from ..plan import Plan
-from ..report import startup_summary
+from ..runtime.agreement import agree_on_plan
+from ..core.errors import ConfigError
+from ..core.inputs.model import ModelSpec
+from ..core.plan import Plan
+from ..views.report import startup_summary
 from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from .config import SECTION, BatchSettings, load_ds_config, section_of
@@ -37,8 +37,8 @@ from .groups import planned_groups
 from .p2p import route_pipeline_hops
 from .partition import counted_layers, plan_parts
 from .replicas import check_batch_settings
-from .resolve import RunShape, resolve_section
-from .topology import PlanTopology
+from .plan_source import RunShape, resolve_section
+from .process_topology import PlanTopology
 
 ASSUMED_SEQ_LENGTH = 2048
 

@@ -14,7 +14,7 @@ iteration instead of the even ``num_micro_batches`` (the global batch is unchang
   pipeline loss) makes it ``counts[d]/(n*dp)`` = ``replica_weight(d)``: the reduced gradient and the
   pipeline's aggregated loss are those of the even split.
 * **Data**: ``training_data`` is read through :class:`ReplicaSampleOrder` (the replica's contiguous range
-  of each global batch of DeepSpeed's own data order, :class:`het_plugin.data.ReplicaSampler`, so each
+  of each global batch of DeepSpeed's own data order, :class:`het_plugin.core.ranks.batches.ReplicaSampler`, so each
   iteration reads the even split's samples); a data iterator given to
   ``train_batch`` is counted and a dry one stops with :class:`ReplicaDataError` naming the numbers.
 
@@ -27,9 +27,9 @@ import copy
 import types
 from typing import Any, Iterator, Optional, Sequence
 
-from ..data import ReplicaSampler
-from ..errors import ConfigError, HetPluginError
-from ..plan import Plan
+from ..core.ranks.batches import ReplicaSampler
+from ..core.errors import ConfigError, HetPluginError
+from ..core.plan import Plan
 from ..runtime.replicas import ReplicaShare
 from .config import SECTION, BatchSettings
 
@@ -164,7 +164,7 @@ def _count_true_global_batch(engine, share: ReplicaShare) -> None:
 
 class ReplicaSampleOrder:
     """Sample indices (a ``sampler`` for DeepSpeed's loader, batch size = micro): the replica's micro-batches
-    of every complete global batch of ``total_samples`` (:class:`het_plugin.data.ReplicaSampler`), as
+    of every complete global batch of ``total_samples`` (:class:`het_plugin.core.ranks.batches.ReplicaSampler`), as
     positions in the data order: ``order`` (None: 0, 1, 2, ...), or with ``shuffle_seed`` the permutation a
     shuffling DistributedSampler deals out, redrawn by :meth:`set_epoch` as DistributedSampler's is (so each
     epoch's global batches hold the samples the even split's would)."""

@@ -3,8 +3,8 @@ over the bootstrap store into one cluster description that every rank shares.
 
 - :func:`discover_node` -> :class:`NodeView` (this node).
 - :func:`build_cluster_data` (per-rank or per-node views -> a valid cluster file as a dict);
-  :func:`cluster_from_views` (the same views -> :class:`het_plugin.cluster.Cluster`).
-- :func:`discover_cluster` (gather over the store -> :class:`het_plugin.cluster.Cluster`).
+  :func:`cluster_from_views` (the same views -> :class:`het_plugin.core.inputs.cluster.Cluster`).
+- :func:`discover_cluster` (gather over the store -> :class:`het_plugin.core.inputs.cluster.Cluster`).
 
 See docs/discovery.md for what is read, the overrides and the limits.
 """

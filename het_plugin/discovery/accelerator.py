@@ -15,8 +15,8 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from .. import catalog
-from ..errors import ConfigError
+from ..core.inputs import catalog
+from ..core.errors import ConfigError
 
 ENV_ACCELERATOR = "HET_PLUGIN_ACCELERATOR"
 ENV_ACCELERATOR_COUNT = "HET_PLUGIN_ACCELERATOR_COUNT"
@@ -85,8 +85,8 @@ def from_device_name(device_name: str, vendor: str, memory_gib: Optional[float] 
 
 def parse_override(text: str) -> AcceleratorInfo:
     """``HET_PLUGIN_ACCELERATOR``: a catalog name or a YAML mapping checked like a cluster file's spec."""
-    from ..cluster import AcceleratorSpec
-    from ..yamlio import validate
+    from ..core.inputs.cluster import AcceleratorSpec
+    from ..core.inputs.yamlio import validate
 
     text = text.strip()
     if text.startswith("{"):

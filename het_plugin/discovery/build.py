@@ -15,10 +15,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, PositiveFloat
 
-from .. import catalog
-from ..cluster import Cluster, FabricType, LinkSpec, cluster_from_dict
-from ..errors import ConfigError
-from ..yamlio import read_data, validate
+from ..core.inputs import catalog
+from ..core.inputs.cluster import Cluster, FabricType, LinkSpec, cluster_from_dict
+from ..core.errors import ConfigError
+from ..core.inputs.yamlio import read_data, validate
 from .accelerator import OVERRIDE_FIX
 from .node import ENV_FABRIC_NAME, ENV_NODE_NAME, NodeView
 

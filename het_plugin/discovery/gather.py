@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping, Optional
 
-from ..cluster import Cluster, cluster_from_dict
-from ..errors import ConfigError, HetPluginError
+from ..core.inputs.cluster import Cluster, cluster_from_dict
+from ..core.errors import ConfigError, HetPluginError
 from ..runtime.exchange import Entry, Exchange, ExchangeTimeout, first_error, timeout_s as resolve_timeout
 from .build import (SOURCE, LinksArg, LinksFile, RankView, build_cluster_data, links_setting, unknown_speed)
 from .node import discover_node

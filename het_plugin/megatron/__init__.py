@@ -17,10 +17,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "initialize_model_parallel": "core",
-    "resolve_megatron_plan": "core",
-    "current_plan": "core",
-    "forget_plan": "core",
+    "initialize_model_parallel": "mcore",
+    "resolve_megatron_plan": "mcore",
+    "current_plan": "mcore",
+    "forget_plan": "mcore",
     "replica_share": "replicas",
     "replica_sampler": "replicas",
     "model_from_args": "modelspec",

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional, Sequence
 
-from ..errors import ConfigError
-from ..plan import Plan
+from ..core.errors import ConfigError
+from ..core.plan import Plan
 
 FLAG = "--heterogeneous-nic"
 PLAN_OUT_FLAG = "--heterogeneous-plan-out"

@@ -5,7 +5,7 @@ through ``parallel_state.create_group``. While :func:`planned_groups` is active:
 
 * ``get_ranks`` returns *physical* ranks: each logical rank ``r`` becomes ``plan.rank_of_logical[r]``
   (one permutation serves the decoder and the expert generator, and every combined group);
-* ``create_group`` asks het_plugin's one group policy (:mod:`het_plugin.runtime.groups`, through the
+* ``create_group`` asks het_plugin's one group policy (:mod:`het_plugin.runtime.group_policy`, through the
   :class:`~het_plugin.runtime.applied.AppliedPlan`) how to create the group -- backend (``het_shim`` for
   groups spanning vendors), ``pg_options`` (NCCL ``net_name`` per communicator, or the shim's options),
   the gloo interface, and ``sort_ranks=False`` for a permuted member list, so a member's group rank is

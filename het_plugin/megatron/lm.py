@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import ConfigError, HetPluginError
+from ..core.errors import ConfigError, HetPluginError
 from .args import DISCOVER, apply_plan_to_args, check_compatible, degrees_given
 
 
@@ -104,7 +104,7 @@ def install_world_group_network() -> None:
         backend = kw.get("backend", a[0] if a else None)
         if (world_needs_own_network(state.plan) and "nccl" in str(backend or "").lower()
                 and kw.get("pg_options") is None and len(a) < 8):     # 8th positional: pg_options
-            from ..netselect import world_group_options
+            from ..runtime.netselect import world_group_options
             options = world_group_options()
             if options is not None:
                 kw["pg_options"] = options
@@ -144,8 +144,8 @@ def megatron_args() -> Any:
 
 def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int] = None,
               world_size: Optional[int] = None):
-    """The plan (and its cluster) for these Megatron arguments (het_plugin.resolve.Resolved)."""
-    from .core import resolve_megatron_launch
+    """The plan (and its cluster) for these Megatron arguments (het_plugin.core.launch.Resolved)."""
+    from .mcore import resolve_megatron_launch
     from .modelspec import model_from_args
     world = world_size or int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
     rank = rank if rank is not None else int(getattr(args, "rank", None) or os.environ.get("RANK", "0"))
@@ -226,8 +226,8 @@ def apply_plan_to_container(container: Any, plan: Any) -> list[str]:
 def planned_initialize_model_parallel(*args, **kwargs):
     """Megatron-LM's call to initialize_model_parallel, on the plan (pass-through without the flag)."""
     import torch.distributed as dist
-    from ..agreement import agree_on_plan
-    from .core import build_groups, original_initialize_model_parallel
+    from ..runtime.agreement import agree_on_plan
+    from .mcore import build_groups, original_initialize_model_parallel
 
     original = original_initialize_model_parallel()
     if state.args is None:
@@ -243,7 +243,7 @@ def planned_initialize_model_parallel(*args, **kwargs):
             raise state.error
         if state.plan is not None:
             return state.plan
-        from .core import plan_degrees
+        from .mcore import plan_degrees
         fixed = {"tp": kwargs.get("tensor_model_parallel_size", 1), "pp": kwargs.get("pipeline_model_parallel_size", 1),
                  "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": margs.micro_batch_size,
                  **plan_degrees(kwargs),
@@ -271,7 +271,7 @@ def planned_initialize_model_parallel(*args, **kwargs):
 def launch_profile_settings(args: Any):
     """``--heterogeneous-profile-out`` / ``--heterogeneous-profile-interval`` as ProfileSettings (None without)."""
     from .args import PROFILE_INTERVAL_FLAG, PROFILE_OUT_FLAG
-    from .core import profile_settings
+    from .mcore import profile_settings
     path = getattr(args, "heterogeneous_profile_out", None)
     every = getattr(args, "heterogeneous_profile_interval", None)
     try:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..errors import ConfigError
-from ..model import ModelSpec
+from ..core.errors import ConfigError
+from ..core.inputs.model import ModelSpec
 
 # GPT-2's vocabulary padded to a multiple of 128 (Megatron's default make_vocab_size_divisible_by).
 # Used when the launch names no vocabulary size: the tokenizer is built after the plan, and the

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional, Sequence
 
-from ..errors import ConfigError
-from ..plan import Plan
+from ..core.errors import ConfigError
+from ..core.plan import Plan
 
 
 def layout_string(layers_per_stage: Sequence[int], mtp_layers: int = 0) -> str:

@@ -1,7 +1,7 @@
 """Heterogeneous data parallelism on stock Megatron: each replica runs its plan count of micro-batches, its
 loss weighted by its share, reading its own samples (docs/megatron.md, "Heterogeneous data parallelism").
 
-Applied by :func:`het_plugin.megatron.core.build_groups` only when the plan's replicas are uneven; an even
+Applied by :func:`het_plugin.megatron.mcore.build_groups` only when the plan's replicas are uneven; an even
 plan leaves every Megatron function as it is.
 
 * **Schedules.** ``get_forward_backward_func()`` returns one of three functions of
@@ -32,7 +32,7 @@ import functools
 import sys
 from typing import Any, Optional
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..runtime.replicas import ReplicaShare
 
 SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
@@ -42,7 +42,7 @@ SOURCE = "Megatron forward_backward_func"
 
 def replica_share() -> Optional[ReplicaShare]:
     """This rank's replica share of the plan het_plugin applied (None before initialisation or without it)."""
-    from .core import current_plan
+    from .mcore import current_plan
     applied = current_plan()
     return applied.replica_share if applied is not None else None
 
@@ -172,8 +172,8 @@ def replica_sampler(total_samples: int, consumed_samples: int = 0):
     micro-batches of every global batch (sample indices of the data order), its count of them per iteration, from
     ``consumed_samples`` (a whole number of global batches). Every sample of global batch ``i`` (samples
     ``[i*G, (i+1)*G)``, as Megatron's ``MegatronPretrainingSampler`` reads them) is read once, by one replica."""
-    from ..data import ReplicaBatches, ReplicaSampler
-    from .core import current_plan
+    from ..core.ranks.batches import ReplicaBatches, ReplicaSampler
+    from .mcore import current_plan
     applied = current_plan()
     if applied is None:
         raise ConfigError("no plan applied in this process", field="replica_sampler",

@@ -10,7 +10,7 @@ import os
 import re
 from typing import Optional
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 # Tested releases: megatron-core 0.16.x to 0.19.x (CI runs 0.16.1 and 0.19.2). Megatron-LM main reports the
 # next version (0.20.0) before its release; it was checked on 2026-12-01 and is accepted as well.

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from ..plan import Plan
-from .groups import GroupRecord, GroupSpec, Policy, spec_for
+from ..core.plan import Plan
+from .group_policy import GroupRecord, GroupSpec, Policy, spec_for
 from .guard import GroupGuard, bounds_creation, restore_timeout, torch_default_timeout
 from .replicas import ReplicaShare
 

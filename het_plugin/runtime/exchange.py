@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-from ..errors import ConfigError, HetPluginError
-from ..topology import format_ranks
+from ..core.errors import ConfigError, HetPluginError
+from ..core.ranks.dims import format_ranks
 
 ENV_TIMEOUT = "HET_PLUGIN_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0

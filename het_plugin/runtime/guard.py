@@ -46,8 +46,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from ..errors import HetPluginError
-from ..topology import format_ranks
+from ..core.errors import HetPluginError
+from ..core.ranks.dims import format_ranks
 from .exchange import ENV_TIMEOUT, Exchange
 
 PHASE = "group creation"

@@ -2,9 +2,9 @@
 
 Both adapters call :func:`check_network` through :meth:`AppliedPlan.begin`, right after plan agreement.
 When the world group runs NCCL (or RCCL, torch's ``nccl`` backend), every rank sends the NCCL settings of its own environment to rank 0 (a launcher may give each node its own: the per-node lines
-of ``het-plugin check --format env``), rank 0 runs :func:`het_plugin.preflight.preflight` over the plan's
+of ``het-plugin check --format env``), rank 0 runs :func:`het_plugin.core.nccl_env.preflight` over the plan's
 groups, the nodes' NICs (the cluster file's ``nics``, or discovery's) and those environments, adds the world
-group's check (:func:`het_plugin.preflight.world_refusal`) and a refusal for ranks of one node whose NCCL
+group's check (:func:`het_plugin.core.nccl_env.world_refusal`) and a refusal for ranks of one node whose NCCL
 settings differ (NCCL reads them per process), and every rank raises the same ConfigError -- the text of
 ``het-plugin check``. Under gloo (or het_shim) nothing runs, and a homogeneous identity plan (het_plugin a
 no-op) is never checked.
@@ -15,7 +15,15 @@ import logging
 import os
 from typing import Mapping, Optional
 
-from ..preflight import NET_NAME_UNREADABLE, GroupUse, Preflight, Refusal, check_launch, world_refusal, world_warning
+from ..core.nccl_env import (
+    NET_NAME_UNREADABLE,
+    GroupUse,
+    Preflight,
+    Refusal,
+    check_launch,
+    world_refusal,
+    world_warning,
+)
 from .exchange import Exchange
 
 log = logging.getLogger("het_plugin")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 FIX_PLAN = "launch with the plan's global batch and micro-batch size, or re-create the plan for this launch"
 
@@ -41,8 +41,8 @@ class ReplicaShare:
 
     @property
     def batches(self):
-        """Every replica's micro-batches per iteration (het_plugin.data.ReplicaBatches: what samplers read)."""
-        from ..data import ReplicaBatches
+        """Every replica's micro-batches per iteration (het_plugin.core.ranks.batches.ReplicaBatches: what samplers read)."""
+        from ..core.ranks.batches import ReplicaBatches
         return ReplicaBatches(self.counts, self.micro_batch_size)
 
     @property
@@ -101,5 +101,5 @@ class ReplicaShare:
         1-based number of the one that found no data)."""
         return ConfigError(f"replica {self.replica}'s {what} ran dry at micro-batch {micro_batch} of "
                            f"{self.count} in this iteration: {self.describe()}", field="replica_micro_batches",
-                           fix="feed each replica its own sample range of every global batch (het_plugin.data."
+                           fix="feed each replica its own sample range of every global batch (het_plugin.core.ranks.batches."
                                "ReplicaSampler, or the adapter's sampler), with at least one whole global batch left")

@@ -81,7 +81,7 @@ def called() -> None:
     sys.stderr.write(f"HET_TEST_CALL {time.time()!r}\n")
     if os.environ.get("HET_TEST_DIE_RANK") == str(RANK) and os.environ.get("HET_TEST_DIE_AT") == "before-planning":
         die()
-    from het_plugin import agreement
+    from het_plugin.runtime import agreement
     check = agreement.check_plan_agreement
 
     def stamped(*args, **kwargs):

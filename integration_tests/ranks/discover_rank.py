@@ -20,7 +20,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from het_plugin.discovery import gather_discovery
-    from het_plugin.errors import HetPluginError
+    from het_plugin.core.errors import HetPluginError
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

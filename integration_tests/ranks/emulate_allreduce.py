@@ -1,5 +1,5 @@
 """Rank script: gloo across two emulated clusters. Each cluster's group is created under the interface its
-transport names (het_plugin.netselect), the default group on Ethernet; reports per-interface byte counts."""
+transport names (het_plugin.runtime.netselect), the default group on Ethernet; reports per-interface byte counts."""
 import os
 import sys
 import time
@@ -10,9 +10,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.distributed as dist
 
-from het_plugin.cluster import load_cluster
-from het_plugin.netselect import gloo_network
-from het_plugin.placement import transport
+from het_plugin.core.inputs.cluster import load_cluster
+from het_plugin.runtime.netselect import gloo_network
+from het_plugin.core.ranks.placement import transport
 from integration_tests.support.launch import arm_watchdog, report
 
 

@@ -74,7 +74,7 @@ def main() -> int:
         dist.init_process_group("gloo", rank=RANK, world_size=int(os.environ["WORLD_SIZE"]))
     fake_backend()
     calls = count_new_groups()
-    from het_plugin.errors import ConfigError
+    from het_plugin.core.errors import ConfigError
     error, groups = None, None
     try:
         groups = run_megatron(a) if a.framework == "megatron" else run_deepspeed(a)

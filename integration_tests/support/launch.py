@@ -3,7 +3,7 @@
 A rank that hangs is a failure with a stack dump: each rank arms ``faulthandler.dump_traceback_later``
 (through ``HET_TEST_TIMEOUT``, see :func:`arm_watchdog`) and the launcher kills whatever is left.
 A rank that fails stops the run at once (fail fast): the launcher does not wait out the timeout.
-Waiting, draining the ranks' output and killing are ``het_plugin.emulate.procs.collect``, the collector
+Waiting, draining the ranks' output and killing are ``het_plugin.tools.emulate.procs.collect``, the collector
 the emulator's ``Emulation.run_ranks`` uses too. Ranks report results by printing one line ``RESULT <json>``.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ def run_ranks(script: str | Path, world_size: int, args: Sequence[str] = (), *, 
     ``[launcher]`` line at the end of their stderr). At ``timeout`` everything left is killed the same way.
     """
     # Imported here: rank scripts import this module (arm_watchdog, report) and must not load het_plugin.
-    from het_plugin.emulate.procs import collect, kill_group
+    from het_plugin.tools.emulate.procs import collect, kill_group
 
     port = free_port()
     procs: list[subprocess.Popen] = []
@@ -89,7 +89,7 @@ def run_ranks(script: str | Path, world_size: int, args: Sequence[str] = (), *, 
 def failure_report(outs: Sequence[RankResult], first: Optional[int], failed_after_s: Optional[float],
                    killed: Sequence[int], timeout: float) -> str:
     """The failing rank first, with its output tail; then every other rank that did not end with 0."""
-    from het_plugin.emulate.procs import describe_code
+    from het_plugin.tools.emulate.procs import describe_code
 
     if first is not None:
         head = f"rank {first} failed first ({describe_code(outs[first].returncode)})"

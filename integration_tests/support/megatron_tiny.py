@@ -52,7 +52,7 @@ class TinyGPT:
     moe_aux_loss_coeff: float = 1e-2
 
     def model_spec(self):
-        from het_plugin.model import ModelSpec
+        from het_plugin.core.inputs.model import ModelSpec
         return ModelSpec(name="tiny-gpt", num_layers=self.num_layers, hidden_size=self.hidden_size,
                          num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size,
                          vocab_size=self.vocab_size, seq_length=self.seq_length,

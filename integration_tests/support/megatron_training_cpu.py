@@ -219,7 +219,7 @@ def rank_report(namespace: dict) -> dict:
     from megatron.training import arguments
     out["parse_args_wrapped"] = getattr(arguments.parse_args, "__het_plugin_wrapped__", None) is not None
     out["het_plugin_imported"] = sorted(m for m in sys.modules if m.split(".")[0] == "het_plugin")
-    core = sys.modules.get("het_plugin.megatron.core")
+    core = sys.modules.get("het_plugin.megatron.mcore")
     applied = core.current_plan() if core is not None else None
     out["plan_hash"] = applied.plan.hash if applied is not None else None
     out["replica"] = applied.replica_share.replica if applied is not None else None

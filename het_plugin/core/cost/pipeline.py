@@ -1,0 +1,176 @@
+"""The pipeline schedule: 1F1B simulated op by op (and Megatron's interleaved 1F1B through
+:mod:`.interleaved`), the sends between stages.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..inputs.model import ModelSpec
+from ..inputs.profile import Profile
+from .analysis import Analysis
+from .network import Tier, _hops_s
+from .stage import StageModel, _dp_reduce_s
+
+# ---- 1F1B simulation ------------------------------------------------------------------------------
+
+
+def one_f_one_b_order(pp: int, stage: int, m: int) -> list[tuple[str, int]]:
+    """Megatron's non-interleaved schedule for one stage: warm-up forwards, 1F1B pairs, cool-down."""
+    warmup = min(pp - stage - 1, m)
+    ops = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        ops += [("F", warmup + i), ("B", i)]
+    ops += [("B", i) for i in range(m - warmup, m)]
+    return ops
+
+
+def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float], m: int,
+                  send_back: Optional[Sequence[float]] = None, record: Optional[list] = None) -> list[float]:
+    """Finish time of every stage's last backward.
+
+    ``send[s]`` is the time to move one activation (forward) or gradient (backward) between stages s and
+    s+1; the sender is busy for it (Megatron's p2p calls block) and the receiver may start when it ends.
+    ``send_back[s]``: the gradient's time from s+1 to s where it differs (a link measured per direction).
+    ``record``: gets every span as ``(stage, "forward" | "backward" | "send", start, end, micro_batch)`` (the
+    timeline draws them).
+    """
+    pp = len(fwd)
+    back = send if send_back is None else send_back
+    orders = [one_f_one_b_order(pp, s, m) for s in range(pp)]
+    end_f = [[-1.0] * m for _ in range(pp)]
+    end_b = [[-1.0] * m for _ in range(pp)]
+    arrive_f = [[-1.0] * m for _ in range(pp)]     # activation of micro-batch i arrives at stage s
+    arrive_b = [[-1.0] * m for _ in range(pp)]     # gradient of micro-batch i arrives at stage s
+    free = [0.0] * pp
+    ptr = [0] * pp
+    pending = list(range(pp))
+    while pending:
+        s = pending.pop()
+        while ptr[s] < len(orders[s]):
+            kind, i = orders[s][ptr[s]]
+            if kind == "F":
+                ready = 0.0 if s == 0 else arrive_f[s][i]
+                if ready < 0:
+                    break
+                start = max(free[s], ready)
+                end = start + fwd[s]
+                end_f[s][i] = end
+                free[s] = end
+                if record is not None:
+                    record.append((s, "forward", start, end, i))
+                if s + 1 < pp:
+                    if record is not None:
+                        record.append((s, "send", end, end + send[s], i))
+                    free[s] += send[s]
+                    arrive_f[s + 1][i] = free[s]
+                    pending.append(s + 1)
+            else:
+                ready = end_f[s][i] if s == pp - 1 else arrive_b[s][i]
+                if ready < 0:
+                    break
+                start = max(free[s], ready)
+                end = start + bwd[s]
+                end_b[s][i] = end
+                free[s] = end
+                if record is not None:
+                    record.append((s, "backward", start, end, i))
+                if s > 0:
+                    if record is not None:
+                        record.append((s, "send", end, end + back[s - 1], i))
+                    free[s] += back[s - 1]
+                    arrive_b[s - 1][i] = free[s]
+                    pending.append(s - 1)
+            ptr[s] += 1
+    if any(ptr[s] < len(orders[s]) for s in range(pp)):
+        raise RuntimeError("1F1B simulation deadlocked (a bug)")
+    return [max(end_b[s][m - 1], free[s]) for s in range(pp)]
+
+
+def wrap_send_s(model: ModelSpec, analysis: Analysis, mb: int, profile: Optional[Profile] = None) -> float:
+    """One activation (or gradient) from the last stage to the first: the interleaved schedule's extra hop."""
+    dims = analysis.placement.dims
+    act_msg = mb * model.seq_length * model.hidden_size * model.dtype_bytes / (dims.tp * dims.cp)
+    return _hops_s(analysis.wrap_hops, act_msg, profile)
+
+
+def _virtual_times(sts: list[StageModel], virtual_layers: Sequence[Sequence[int]]) -> tuple[list, list]:
+    """Forward and backward of one micro-batch of each virtual stage (chunk): its layers, plus the first stage's
+    fixed part (embedding) on its first chunk and the last stage's (output layer, loss, MTP) on its last."""
+    pp = len(sts)
+    fwd, bwd = [], []
+    first, at = {}, 0                      # chunk c of rank r is virtual stage c * pp + r (Megatron's order)
+    for c in range(len(virtual_layers[0])):
+        for r in range(pp):
+            first[r, c] = at
+            at += virtual_layers[r][c]
+    for r, (st, row) in enumerate(zip(sts, virtual_layers)):
+        if st.layer_deltas:
+            own = [st.own_layers(first[r, c], n) for c, n in enumerate(row)]
+            f, b = [x for x, _ in own], [y for _, y in own]
+        else:
+            f = [n * st.layer_fwd_s for n in row]
+            b = [n * st.layer_bwd_s for n in row]
+        c = 0 if r == 0 else len(row) - 1 if r == pp - 1 else None
+        if c is not None:
+            f[c] += st.fixed_fwd_s
+            b[c] += st.fixed_bwd_s
+        fwd.append(f)
+        bwd.append(b)
+    return fwd, bwd
+
+
+def _interleaved_pipeline(sts: list[StageModel], virtual_layers: Sequence[Sequence[int]], m: int,
+                          overlap_p2p_comm: bool, wrap_send: float, dp: int, overlap_grad_reduce: bool,
+                          distributed_optimizer: bool, profile: Optional[Profile]) -> tuple[list[float], list[float]]:
+    """Each stage's finish of the interleaved schedule and the end of its gradient reduction: with overlap, each
+    chunk's share (by parameters) starts at its last backward's start and the shares run one after another."""
+    from .interleaved import simulate_interleaved
+    fwd, bwd = _virtual_times(sts, virtual_layers)
+    run = simulate_interleaved(fwd, bwd, [max(st.send_s, st.back_s) for st in sts], wrap_send, m,
+                               overlap_p2p_comm=overlap_p2p_comm)
+    ends = []
+    pp = len(sts)
+    for r, (st, row) in enumerate(zip(sts, virtual_layers)):
+        n = sum(row)
+        red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
+        if not overlap_grad_reduce or red <= 0:
+            ends.append(run.finish[r] + red)
+            continue
+        params = [k * st.params_per_layer for k in row]
+        params[0 if r == 0 else -1] += st.fixed_params if r in (0, pp - 1) else 0.0
+        total = sum(params) or 1.0
+        done = 0.0
+        for c in sorted(range(len(row)), key=lambda c: run.last_backward_start[r][c]):
+            done = max(done, run.last_backward_start[r][c]) + red * params[c] / total
+        ends.append(max(run.finish[r], done))
+    return run.finish, ends
+
+
+def _interleaved_stage_costs(sts: list[StageModel], num_layers: int, m: int, vpp: int, overlap_p2p_comm: bool,
+                             wrap_send: float, dp: int, overlap: bool, distributed_optimizer: bool,
+                             profile: Optional[Profile]) -> list[list[float]]:
+    """The exact partition's cost tables for the interleaved schedule (a lower bound of each stage's part of the
+    iteration): compute, and its sends -- blocking, or with overlap_p2p_comm only where its busiest outgoing link
+    is slower than its compute -- plus the reduction the last chunk's backward cannot hide."""
+    pp = len(sts)
+    tables = []
+    for r, st in enumerate(sts):
+        nxt = st.send_s if r < pp - 1 else wrap_send          # activations out, vpp per micro-batch (one less on
+        prv = sts[r - 1].back_s if r > 0 else wrap_send       # the last rank); gradients back, likewise (first)
+        n_next, n_prev = vpp - (r == pp - 1), vpp - (r == 0)
+        if pp == 2:                                            # one link each way carries both
+            links = [n_next * nxt + n_prev * prv]
+        else:
+            links = [n_next * nxt, n_prev * prv]
+        row = []
+        for n in range(num_layers + 1):
+            compute = st.fixed_fwd_s + st.fixed_bwd_s + n * (st.layer_fwd_s + st.layer_bwd_s)
+            red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
+            exposed = max(0.0, (red - st.fixed_bwd_s - n * st.layer_bwd_s) / vpp) if overlap else red
+            if overlap_p2p_comm:
+                busy = m * max([compute] + links)
+            else:
+                busy = m * (compute + n_next * nxt + n_prev * prv)
+            row.append(busy + exposed)
+        tables.append(row)
+    return tables

@@ -1,0 +1,193 @@
+"""The plan a launch runs: one entry point for both adapters and the CLI.
+
+A source is a Plan, a plan (as a dict or a file from ``het-plugin plan -o``), a cluster (object or
+file), or nothing (discover the cluster on every rank). A plan is checked against the launch (world
+size, the degrees the user fixed, the model); a cluster is checked against the launch and planned for
+the model. Pure: discovery (which gathers over the job's store) is passed in by the adapters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from .inputs.cluster import Cluster, load_cluster
+from .errors import ConfigError
+from .inputs.model import ModelSpec, load_model, preset_model
+from .plan import Plan, looks_like_plan
+from .ranks.dims import Degrees, parse_order
+
+PathLike = Union[str, Path]
+ModelArg = Union[ModelSpec, dict, PathLike, None, Callable[[], ModelSpec]]
+Source = Union[Plan, dict, Cluster, PathLike, None]
+
+DISCOVER = ("discover", "auto")      # what the adapters call "find the cluster yourself"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher started (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE)."""
+    world_size: int
+    rank: Optional[int] = None
+    local_world_size: Optional[int] = None
+
+
+def model_from_arg(model: ModelArg) -> Optional[ModelSpec]:
+    """A ModelSpec, a dict of its fields, a model file, a preset name, or a callable making one."""
+    if callable(model) and not isinstance(model, ModelSpec):
+        model = model()
+    if model is None or isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, dict):
+        from .inputs.yamlio import validate
+        return validate(ModelSpec, model, "<model dict>")
+    text = str(model)
+    if Path(text).exists() or text.endswith((".yaml", ".yml", ".json")):
+        return load_model(text)
+    return preset_model(text)
+
+
+def load_source(source: Source, what: str = "cluster") -> Union[Plan, Cluster, None]:
+    """The object a source names: a Plan, a Cluster, or None (discover). Missing files name the field."""
+    if source is None or isinstance(source, (Plan, Cluster)):
+        return source
+    if isinstance(source, dict):
+        return Plan.from_dict(source)
+    text = str(source)
+    if text in DISCOVER:
+        return None
+    path = Path(text)
+    if path.is_dir():
+        raise ConfigError(f"{what} path is a directory, not a file", source=text, field=what,
+                          fix="pass an existing cluster file inside it (see examples/clusters), not the folder, or "
+                              "a plan file (`het-plugin plan -o`)")
+    if not path.is_file():
+        raise ConfigError(f"{what} file not found" if not path.exists() else f"{what} path is not a file",
+                          source=text, field=what,
+                          fix="pass an existing cluster file (see examples/clusters) or a plan file "
+                              "(`het-plugin plan -o`)")
+    return Plan.load(path) if looks_like_plan(path) else load_cluster(path)
+
+
+def no_discovery() -> Cluster:
+    """What a caller without ranks gets for "discover": discovery runs on ranks (het_plugin.discovery), and the
+    pure core cannot reach it; the adapters pass ``discover=het_plugin.discovery.discover_cluster``."""
+    raise ConfigError("no cluster given, and discovery runs only on the job's ranks", field="cluster",
+                      fix="pass a cluster file or a plan file")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The plan a launch runs and the cluster it was made from (a cluster file or discovery; None for a plan
+    file): the adapters' network pre-flight reads the nodes' NICs there (het_plugin.runtime.preflight)."""
+    plan: Plan
+    cluster: Optional[Cluster] = None
+
+
+def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
+                 degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
+                 names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
+                 overlap_p2p_comm: Optional[bool] = None, discover: Callable[[], Cluster] = no_discovery) -> Plan:
+    """The plan this launch runs (see the module docstring). ``degrees``: what the user fixed (None
+    entries are the planner's to choose); ``names``: what the user calls tp/pp/dp/cp, for messages.
+    ``vpp``: virtual pipeline stages per rank (an interleaved pipeline; None: 1, or what a plan file says) and
+    ``overlap_p2p_comm`` (None: the planner's default, on with vpp > 1), taken as given."""
+    return resolve_launch(source, launch=launch, model=model, degrees=degrees, micro_batch_size=micro_batch_size,
+                          names=names, vpp=vpp, overlap_p2p_comm=overlap_p2p_comm, discover=discover).plan
+
+
+def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
+                   degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
+                   names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
+                   overlap_p2p_comm: Optional[bool] = None,
+                   discover: Callable[[], Cluster] = no_discovery) -> Resolved:
+    """:func:`resolve_plan`, with the cluster the plan was made from. ``discover``: what finds the cluster when
+    the source names none (on ranks: ``het_plugin.discovery.discover_cluster``)."""
+    degrees = degrees or Degrees(launch.world_size)
+    names = names or {}
+    loaded = load_source(source)
+    if isinstance(loaded, Plan):
+        where = str(source) if isinstance(source, (str, Path)) else "<plan>"
+        check_plan_fits(loaded, launch, degrees, model_from_arg(model), where, names)
+        check_launch_settings(loaded, {"vpp": vpp, "overlap_p2p_comm": overlap_p2p_comm}, where, names)
+        return Resolved(loaded)
+    cluster = loaded if loaded is not None else discover()
+    from .ranks.placement import check_world_size
+    check_world_size(cluster, launch.world_size, rank=launch.rank, local_world_size=launch.local_world_size)
+    spec = model_from_arg(model)
+    if spec is None:
+        raise ConfigError("a cluster needs a model to plan for", field="model",
+                          fix="pass a model (ModelSpec, model file or preset name), or a plan file")
+    from .planner import make_plan, placeable_degrees
+    fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
+    try:
+        plan = make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
+                         ep=degrees.ep, etp=degrees.etp, order=degrees.order, micro_batch_size=micro_batch_size,
+                         vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm)
+        return Resolved(plan, cluster)
+    except ConfigError as exc:
+        if all(v is None for v in fixed.values()):
+            raise
+        ok = placeable_degrees(cluster, spec, degrees.cp)
+        listed = ", ".join(f"tp={a} pp={b}" for a, b in ok[:12]) or "none"
+        given = ", ".join(f"{k}={v}" for k, v in fixed.items() if v is not None)
+        raise ConfigError(f"the degrees passed ({given}, cp={degrees.cp}) cannot be placed on {cluster.name}: "
+                          f"{exc.problem}", source=exc.source, field=exc.field,
+                          fix=f"{exc.fix + '; ' if exc.fix else ''}degrees this cluster can hold: {listed}") from None
+
+
+LAUNCH_DEGREES = ("tp", "pp", "dp", "cp", "ep", "etp", "order")
+
+
+def check_launch_settings(plan: Plan, given: dict[str, Any], where: Optional[str], names: dict[str, str], *,
+                          droppable: bool = True) -> None:
+    """What a launch sets (degrees, ``order``, ``vpp``, ``overlap_p2p_comm``; None: not set) must be what
+    ``plan`` was made for: the one check for a plan file (:func:`resolve_launch`) and for Megatron-Core's own
+    arguments (``megatron.core.check_kwargs_fit``). ``names``: the launch's names for the fields.
+    ``droppable``: leaving a setting out means "the plan's" (het_plugin's own arguments), not the
+    framework's default (Megatron's ``initialize_model_parallel``: ep 1, etp = tp, its default order)."""
+    drop = " (or drop it)" if droppable else ""
+    dims = plan.dims
+    for key in LAUNCH_DEGREES:
+        value, planned = given.get(key), getattr(dims, key)
+        if key == "order" and value is not None:
+            value = "-".join(parse_order(value, given.get("ep") or 1))
+        if value is not None and value != planned:
+            name = names.get(key, key)
+            raise ConfigError(f"{name}={value!r} was passed, but the plan was made for {planned!r}", source=where,
+                              field=name, fix=f"pass {planned!r}{drop}, or re-plan with `het-plugin plan "
+                                              f"--{key} {value}`")
+    vpp = given.get("vpp")
+    if not plan.accepts_vpp(vpp):
+        name = names.get("vpp", "vpp")
+        raise ConfigError(f"{name}={vpp} was passed, but the plan was made for {plan.vpp} virtual stages per "
+                          "pipeline rank", source=where, field=name,
+                          fix=f"pass {plan.vpp if droppable or plan.vpp > 1 else None}{drop}, or re-plan with "
+                              f"`het-plugin plan --vpp {vpp}`")
+    overlap = given.get("overlap_p2p_comm")
+    if overlap is not None and plan.vpp > 1 and overlap != plan.overlap_p2p_comm:
+        name = names.get("overlap_p2p_comm", "overlap_p2p_comm")
+        raise ConfigError(f"{name}={overlap} was passed, but the plan assumed {plan.overlap_p2p_comm}",
+                          source=where, field=name, fix="re-plan with the same setting, or drop it")
+
+
+def check_plan_fits(plan: Plan, launch: Launch, degrees: Degrees, model: Optional[ModelSpec], where: str,
+                    names: dict[str, str]) -> None:
+    """A plan file made for another launch would build wrong groups or split layers that do not exist."""
+    if plan.world_size != launch.world_size:
+        raise ConfigError(f"the plan is for {plan.world_size} ranks, but {launch.world_size} were launched",
+                          source=where, field="world_size",
+                          fix=f"launch {plan.world_size} ranks, or re-plan for the nodes you launch")
+    check_launch_settings(plan, {k: getattr(degrees, k) for k in LAUNCH_DEGREES}, where, names)
+    if model is None:
+        return
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        planned, given = plan.model.get(name), getattr(model, name)
+        if planned != given:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"the plan was made for {name}={planned}, this run has {given}", source=where,
+                              field=f"model.{name}", fix=f"re-plan for this model (`het-plugin plan` with its "
+                                                         f"model file), or pass {flag} {planned}")
+
+
+

@@ -1,0 +1,748 @@
+"""Planner: choose degrees, placement, micro-batch size and layer split for a cluster and a model.
+
+``make_plan`` searches TP (divisors of the accelerators per node that divide the heads), PP, DP and the
+micro-batch size; for each it tries the domain orders of :func:`placement.domain_orders`, splits the layers
+exactly (:mod:`het_plugin.core.layer_split`) and predicts the iteration (:mod:`het_plugin.core.cost`). The plan also
+carries the *baseline*: what the frameworks do by themselves (identity placement, uniform layers, one
+process-wide network setting) with the degrees that are best for that baseline. On a homogeneous cluster
+the plan *is* that default. ``assemble_plan`` and ``make_plan``'s signature are the adapters' contract.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from . import cost
+from .inputs.cluster import Cluster
+from .errors import ConfigError
+from .inputs.model import ModelSpec
+from .layer_split import bottleneck, exact_partition, virtual_split
+from .ranks.placement import (
+    Placement,
+    baseline_transport,
+    default_placement,
+    domain_orders,
+    local_group_fits,
+    place,
+    place_replicas,
+    stage_domains,
+    transport,
+)
+from .inputs.profile import Profile
+from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction, check_replica_split, replica_split_conflict
+from .ranks.dims import DEFAULT_ORDER, EXPERT_KINDS, GROUP_KINDS, Degrees, ParallelDims
+
+
+#: ``progress(done, total, best_iteration_s)``: called after each degree combination of a search (``done`` of
+#: ``total``; ``best_iteration_s`` None until a candidate fits). A plan may run more than one search.
+Progress = Callable[[int, int, Optional[float]], None]
+
+
+def uniform_layers(num_layers: int, pp: int) -> list[int]:
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, layers_per_stage: Sequence[int],
+                  micro_batch_size: int, *, prediction: Optional[Prediction] = None,
+                  baseline: Optional[Prediction] = None, overlap_grad_reduce: bool = True,
+                  distributed_optimizer: bool = False, alternatives: Sequence[dict] = (),
+                  extra_warnings: Sequence[str] = (), vpp: int = 1, overlap_p2p_comm: bool = False,
+                  replica_micro_batches: Sequence[int] = ()) -> Plan:
+    """Turn a placement and a split into a Plan: every group kind with its transport, node table, warnings.
+    ``vpp > 1``: an interleaved pipeline, each stage's layers split by :func:`layer_split.virtual_split`.
+    ``replica_micro_batches``: micro-batches per data-parallel replica (() or all equal: the even split, stored
+    as [] so the plan is the frameworks' own)."""
+    dims = placement.dims
+    if sum(layers_per_stage) != model.num_layers or len(layers_per_stage) != dims.pp:
+        raise ValueError(f"layers_per_stage {list(layers_per_stage)} must have {dims.pp} entries summing to "
+                         f"{model.num_layers}")
+    groups: dict[str, list[GroupPlan]] = {}
+    net = cost.Network(cluster, transport)      # cached transport(): one call per group shape
+    rank_node = cluster.rank_node
+    embedding_stages = model.embedding_stages(dims.pp)
+    experts = EXPERT_KINDS if (dims.ep, dims.etp) != (1, dims.tp) else ()     # else the same as the dense ones
+    for kind in GROUP_KINDS + ("embedding",) + experts:
+        groups[kind] = [GroupPlan(g, net.transport([rank_node[r] for r in g]))
+                        for g in placement.physical_groups(kind, embedding_stages)]
+    nodes = [NodePlan(n.name, n.cluster, n.fabric.type, n.accelerator.name, n.vendor,
+                      cluster.node_first_rank[n.index], n.num_accelerators) for n in cluster.nodes]
+    links = [LinkPlan(sorted(pair), link.kind) for pair, link in sorted(cluster.links.items(), key=lambda kv: sorted(kv[0]))]
+    warnings = list(extra_warnings)
+    spanning = [(s, doms) for s, doms in enumerate(stage_domains(cluster, placement)) if len(doms) > 1]
+    if placement.dealing == "replica" and spanning:
+        names = ", ".join(f"{c}/{a}" for c, a in spanning[0][1])
+        warnings.append(f"data parallel across domains: every stage's data-parallel groups span {names} "
+                        f"(transport {', '.join(sorted({g.transport for g in groups['dp']}))}; the gradient "
+                        "reduction runs inside each fabric, then between them)")
+        spanning = []
+    for s, doms in spanning:
+        names = ", ".join(f"{c}/{a}" for c, a in doms)
+        warnings.append(f"stage {s} spans {names}: its data-parallel groups cross a slow boundary "
+                        f"(transport {groups['dp'][0].transport if dims.pp == 1 else 'see dp groups'})")
+    per_mb = dims.dp * micro_batch_size
+    if model.global_batch_size % per_mb:
+        raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of dp*micro_batch "
+                          f"= {dims.dp}*{micro_batch_size}", field="global_batch_size",
+                          fix=f"use a multiple of {per_mb}")
+    num_micro_batches = model.global_batch_size // per_mb
+    counts = [int(n) for n in replica_micro_batches]
+    check_replica_split(counts, dims.dp, num_micro_batches, "<planner>", vpp=vpp, dims=dims)
+    if len(set(counts)) == 1:
+        counts = []
+    return Plan(
+        cluster_name=cluster.name, cluster_digest=cluster.digest, model=model.model_dump(),
+        world_size=dims.world_size, tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, ep=dims.ep, etp=dims.etp,
+        order=dims.order, micro_batch_size=micro_batch_size, num_micro_batches=model.global_batch_size // per_mb,
+        rank_of_logical=list(placement.framework_rank_of_logical), layers_per_stage=list(layers_per_stage),
+        groups=groups, embedding_stages=list(embedding_stages), nodes=nodes, links=links,
+        overlap_grad_reduce=overlap_grad_reduce, vpp=vpp, overlap_p2p_comm=overlap_p2p_comm and vpp > 1,
+        layers_per_virtual_stage=virtual_split(layers_per_stage, vpp) if vpp > 1 else [],
+        distributed_optimizer=distributed_optimizer, homogeneous=cluster.is_homogeneous,
+        replica_micro_batches=counts, prediction=prediction, baseline=baseline, alternatives=list(alternatives), warnings=warnings)
+
+
+MICRO_BATCH_CHOICES = (1, 2, 4, 8)
+NUM_ALTERNATIVES = 5
+#: An uneven replica split is planned only when it predicts at least this much less time than the even split of
+#: the same shape (the frameworks' own split stays where the gain is within the model's noise).
+UNEVEN_MIN_GAIN = 0.01
+#: ``make_plan(replica_split=...)``: the planner chooses, the frameworks' even split only, or uneven only.
+REPLICA_SPLITS = ("auto", "even", "uneven")
+
+# The shapes of a heterogeneous plan (Candidate.shape), named in the report and the alternatives.
+SHAPE_PIPELINE = "pipeline across domains"
+SHAPE_DATA = "data parallel across domains"
+SHAPE_MIXED = "pipeline across domains, data parallel across domains inside a stage"
+SHAPE_ONE = "one domain"
+
+
+@dataclass
+class Candidate:
+    """One evaluated plan of the search."""
+    prediction: Prediction
+    placement: Placement
+    layers: list[int]
+    micro_batch_size: int
+    order_index: int
+    distributed_optimizer: bool = False
+    replica_counts: list[int] = field(default_factory=list)     # [] = the even split
+    replica_groups: int = 1              # groups of replicas that run on different devices
+    spans: bool = False                  # some stage (its DP groups) spans domains
+
+    @property
+    def key(self) -> tuple:
+        d = self.placement.dims
+        return (self.prediction.iteration_s, d.tp, d.pp, self.micro_batch_size, self.order_index, d.ep, -d.etp,
+                bool(self.replica_counts), self.placement.dealing != "stage")
+
+    @property
+    def shape(self) -> str:
+        """How the plan spreads over domains of different devices (see the SHAPE_* names)."""
+        d = self.placement.dims
+        if self.placement.dealing == "replica" or (d.pp == 1 and self.spans):
+            return SHAPE_DATA
+        if self.spans:
+            return SHAPE_MIXED
+        return SHAPE_PIPELINE if d.pp > 1 else SHAPE_ONE
+
+    def split_text(self) -> str:
+        """The replica split in words: 'even', or '9 micro-batches on 4 replicas, 5 on 28'."""
+        if not self.replica_counts:
+            return "even"
+        return replica_split_text(self.replica_counts)
+
+    def summary(self, experts: bool = False, shapes: bool = False) -> dict:
+        """The candidate in a few keys; ``experts`` (an MoE model) adds ep and etp even when they are 1 and tp;
+        ``shapes`` (a heterogeneous cluster) its shape and replica split."""
+        d = self.placement.dims
+        p = self.prediction
+        out = {"tp": d.tp, "cp": d.cp, "pp": d.pp, "dp": d.dp}
+        if experts or _has_experts(d):
+            out.update(ep=d.ep, etp=d.etp)
+        out.update({"micro_batch_size": self.micro_batch_size,
+                    "domain_order": [f"{c}/{a}" for c, a in self.placement.domain_order],
+                    "layers_per_stage": list(self.layers), "iteration_s": round(p.iteration_s, 6),
+                    "tokens_per_s": round(p.tokens_per_s, 1), "distributed_optimizer": self.distributed_optimizer})
+        if shapes:
+            out.update(shape=self.shape, replica_split=self.split_text())
+            if self.placement.together > 1:      # how the replicas were dealt, where two dealings compete
+                out["replicas_per_node"] = self.placement.together
+        return out
+
+
+def replica_split_text(counts: Sequence[int]) -> str:
+    """'9 micro-batches on 4 replicas, 5 on 28' (largest count first)."""
+    from collections import Counter
+    parts = sorted(Counter(counts).items(), reverse=True)
+    return ", ".join(f"{c}{' micro-batches' if i == 0 else ''} on {n} replica{'s' if n > 1 else ''}"
+                     for i, (c, n) in enumerate(parts))
+
+
+def _has_experts(dims: ParallelDims) -> bool:
+    """Expert groups of their own (else the expert layers use the dense groups, or there are none)."""
+    return (dims.ep, dims.etp) != (1, dims.tp)
+
+
+@dataclass
+class _Search:
+    """Top candidates kept during a search, plus what was rejected and why (for the error messages)."""
+    keep: int
+    best: list[Candidate] = field(default_factory=list)
+    closest_overflow: Optional[tuple[float, str]] = None     # (GiB over, description) of the nearest miss
+    expert_spans: list[str] = field(default_factory=list)     # placements refused: an expert group spans domains
+    by_shape: dict[str, Candidate] = field(default_factory=dict)   # the best candidate of each shape
+
+    def bound(self) -> float:
+        return self.best[-1].prediction.iteration_s if len(self.best) >= self.keep else math.inf
+
+    def offer(self, cand: Candidate) -> None:
+        self.best.append(cand)
+        self.best.sort(key=lambda c: c.key)
+        del self.best[self.keep:]
+        known = self.by_shape.get(cand.shape)
+        if known is None or cand.key < known.key:
+            self.by_shape[cand.shape] = cand
+
+    def bound_for(self, shape: str) -> float:
+        """Prune a candidate whose lower bound reaches this: worse than the kept ones and than its shape's best
+        (so the report can still say how the best of every shape did)."""
+        known = self.by_shape.get(shape)
+        return max(self.bound(), known.prediction.iteration_s if known is not None else math.inf)
+
+    def miss(self, overflow_gib: float, what: str) -> None:
+        if self.closest_overflow is None or overflow_gib < self.closest_overflow[0]:
+            self.closest_overflow = (overflow_gib, what)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _degree_options(cluster: Cluster, model: ModelSpec, tp: Optional[int], pp: Optional[int],
+                    dp: Optional[int], cp: int, fixed_mb: Optional[int], ep: Optional[int] = 1,
+                    etp: Optional[int] = None, order: str = DEFAULT_ORDER) -> list[ParallelDims]:
+    """Every (tp, pp, dp) the frameworks accept for this cluster and model; fixed ones are checked.
+
+    The planner itself only proposes TP inside a node; a homogeneous cluster takes any fixed tp and cp
+    the frameworks take (its plan is their own numbering), a heterogeneous one what the placement keeps
+    on one fabric (:func:`het_plugin.core.ranks.placement.local_group_fits`)."""
+    per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])
+    src = cluster.source
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise ConfigError(f"cp={cp!r} is not a positive integer", field="cp", fix="give a positive integer")
+    heads, kv = model.num_attention_heads, model.kv_heads
+    fits = (lambda t: True) if cluster.is_homogeneous else (lambda t: local_group_fits(per_node, t, cp))
+    tps = [t for t in _divisors(per_node) if fits(t) and heads % t == 0 and kv % t == 0]
+    if isinstance(tp, int) and tp >= 1:          # placeability first: it names the values that fit
+        if not cluster.is_homogeneous and not local_group_fits(per_node, tp, cp):
+            raise ConfigError(f"tp={tp}, cp={cp}: on a heterogeneous cluster TP stays inside a node ({per_node} "
+                              "accelerators) and tp*cp inside a node or on whole nodes", source=src, field="tp",
+                              fix=f"use tp in {tps}" if tps else "use cp with tp*cp dividing or a multiple of "
+                                                                 f"{per_node}")
+        if heads % tp or kv % tp:
+            raise ConfigError(f"tp={tp} does not divide num_attention_heads={heads} and num_query_groups="
+                              f"{kv}", field="tp", fix=f"use tp in {tps}")
+    elif not tps:
+        raise ConfigError(f"cp={cp}: no tp keeps tp*cp inside a node ({per_node} accelerators) or on whole nodes",
+                          source=src, field="cp", fix=f"use cp dividing or a multiple of {per_node}")
+    if isinstance(pp, int) and pp > model.num_layers:
+        raise ConfigError(f"a pipeline of {pp} stages cannot hold {model.num_layers} layers", field="pp",
+                          fix=f"use pp <= {model.num_layers} (num_layers)")
+    request = Degrees(cluster.world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, order=order, source=src,
+                      num_experts=model.num_moe_experts or None)
+    request.check_expert_rules(tps, model.num_layers)
+    out = [d for d in request.candidates(tps, model.num_layers)
+           if model.global_batch_size % (d.dp * (fixed_mb or 1)) == 0]
+    if not out:
+        fixed = ", ".join(f"{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("cp", cp),
+                                                   ("micro_batch_size", fixed_mb)) if v is not None)
+        raise ConfigError(f"no degree combination is valid for {cluster.world_size} accelerators ({fixed}): tp "
+                          f"must divide {per_node} (accelerators per node) and the heads, pp <= {model.num_layers} "
+                          f"layers, and dp*micro_batch must divide global_batch_size={model.global_batch_size}",
+                          source=src, field="degrees",
+                          fix="drop a fixed degree, or change global_batch_size to a multiple of the data-"
+                              "parallel size")
+    return out
+
+
+def placeable_degrees(cluster: Cluster, model: ModelSpec, cp: int = 1) -> list[tuple[int, int]]:
+    """(tp, pp) pairs the planner accepts for this cluster and model (what an error suggests instead)."""
+    try:
+        options = _degree_options(cluster, model, None, None, None, cp, None)
+    except ConfigError:
+        return []
+    return sorted({(d.tp, d.pp) for d in options})
+
+
+def _micro_batches(model: ModelSpec, dims: ParallelDims, fixed_mb: Optional[int], vpp: int = 1,
+                   replica_split: "str | list[int]" = "auto") -> list[int]:
+    """Micro-batch sizes to try; with vpp > 1 only those whose micro-batch count pp divides (Megatron's
+    interleaved schedule, its default microbatch_group_size_per_vp_stage = pp); with given replica counts only
+    a size whose micro-batches they add up to."""
+    choices = [fixed_mb] if fixed_mb else list(MICRO_BATCH_CHOICES)
+    return [mb for mb in choices if model.global_batch_size % (dims.dp * mb) == 0
+            and (vpp == 1 or (model.global_batch_size // (dims.dp * mb)) % dims.pp == 0)
+            and (isinstance(replica_split, str) or (len(replica_split) == dims.dp
+                                                    and sum(replica_split) * mb == model.global_batch_size))]
+
+
+def _spans_domains(analysis: cost.Analysis) -> bool:
+    """Some stage's data-parallel groups span domains: two device types in a stage, or a DP group that leaves a
+    fabric or a vendor (sockets, the shim)."""
+    return (any(len(st.accelerators) > 1 for st in analysis.stages)
+            or bool(analysis.transports.get("dp", set()) & {"socket", "host-staged"}))
+
+
+def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDims, mb: int,
+                    layers: Optional[list[int]], search: _Search, order_index: int, dist_opt: bool,
+                    overlap: bool, profile: Optional[Profile], label: str, sched: tuple = (1, None),
+                    replica_split: "str | list[int]" = "auto") -> None:
+    """Partition (when ``layers`` is None) and predict one candidate; offer it or record why not.
+    ``sched``: (vpp, overlap_p2p_comm) of the pipeline schedule. ``replica_split``: "even", "auto" (also the
+    speed-proportional split of :meth:`cost.SplitCosts.balance` where replicas run on different devices,
+    re-partitioned for it, offered when it gains :data:`UNEVEN_MIN_GAIN`), "uneven" (only that), or the counts."""
+    split = cost.SplitCosts(model, analysis, mb, overlap_grad_reduce=overlap, distributed_optimizer=dist_opt,
+                            profile=profile, vpp=sched[0], overlap_p2p_comm=sched[1])
+    explicit = not isinstance(replica_split, str)
+    if explicit:
+        split.set_counts(replica_split)
+    groups = len(split.replica_groups)
+    spans = _spans_domains(analysis)
+    fixed = layers
+
+    def partition() -> tuple[Optional[list[int]], Optional[list[list[float]]]]:
+        """The split for the current counts, and the cost tables (None when layers are given)."""
+        caps = split.max_layers()
+        if fixed is not None:
+            return (fixed if all(n <= c for n, c in zip(fixed, caps)) else None), None
+        tables = split.tables()
+        lay = exact_partition(model.num_layers, tables, caps, min_layers=sched[0])
+        if lay is not None:         # per-layer overrides in the profile: single-layer moves from the mean split
+            lay = split.refine(lay, caps, min_layers=sched[0])
+        return lay, tables
+
+    def attempt(lay: list[int], tables, counts: list[int], prune: bool) -> Optional[Candidate]:
+        cand = Candidate(None, analysis.placement, list(lay), mb, order_index, dist_opt, counts, groups, spans)
+        # (with per-layer overrides the tables' bottleneck is not a lower bound: no pruning)
+        if (prune and tables is not None and not split.layers_differ
+                and bottleneck(tables, lay) >= search.bound_for(cand.shape)):
+            return None
+        pred = split.predict(lay)
+        if not pred.fits:
+            search.miss(max(m_ - c for m_, c in zip(pred.memory_gib_per_stage, pred.capacity_gib_per_stage)),
+                        f"{label} mb={mb}")
+            return None
+        cand.prediction = pred
+        return cand
+
+    try_uneven = not explicit and replica_split != "even" and groups > 1 and sched[0] == 1
+    even_layers, tables = partition()
+    if even_layers is None:
+        search.miss(split.overflow_gib(fixed or uniform_layers(model.num_layers, dims.pp)), f"{label} mb={mb}")
+        return
+    even = None
+    even_bound = bottleneck(tables, even_layers) if tables is not None else 0.0
+    if replica_split != "uneven":
+        even = attempt(even_layers, tables, list(split.counts), prune=True)
+        if even is not None:
+            search.offer(even)
+    if not try_uneven:
+        return
+    counts = split.balance(even_layers)         # speed-proportional for the even split's layers ...
+    if not counts:
+        return
+    split.set_counts(counts)
+    lay, tables = partition()                   # ... the layers again for those counts, and the counts again
+    if lay is None:
+        return
+    if lay != even_layers:
+        counts = split.balance(lay)
+        if not counts:
+            return
+        split.set_counts(counts)
+        if any(n > c for n, c in zip(lay, split.max_layers())):
+            return
+        tables = split.tables() if tables is not None else None
+    if replica_split_conflict(dims, counts) is not None:
+        return                                  # an expert group would join replicas of different counts: a hang
+    uneven = attempt(lay, tables, counts, prune=True)
+    if uneven is None:
+        return
+    # Against the even split's prediction, or (pruned: worse than the kept plans) its lower bound.
+    even_s = even.prediction.iteration_s if even is not None else even_bound
+    if replica_split == "uneven" or uneven.prediction.iteration_s < even_s * (1 - UNEVEN_MIN_GAIN):
+        search.offer(uneven)
+
+
+def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
+                    overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None,
+                    sched: tuple = (1, None), replica_split: "str | list[int]" = "auto") -> _Search:
+    """Het-aware search: every domain order, the exact partition, with and without the distributed
+    optimizer, for each degree combination. Where devices differ in speed (:func:`_replica_dealing`: on one
+    fabric and vendor, or across vendors), also each pipeline inside one domain and data parallelism across
+    domains (:func:`placement.place_replicas`, the file's domain order: the order only renumbers the replicas;
+    replicas dealt one at a time and as many together as a node holds stages of), with speed-proportional
+    replica shares (see :func:`_evaluate_split`)."""
+    found = _Search(keep=NUM_ALTERNATIVES + 1)
+    orders = list(domain_orders(cluster))
+    # Whole pipelines per domain where the DP groups that dealing makes stay on one fabric and vendor, or cross
+    # vendors through the shim (reduced inside each vendor's fabric first); across clusters of one vendor DP spans
+    # them only when nothing else fits the degrees (pp = 1), on sockets as before.
+    speeds = _replica_dealing(cluster)
+    least_memory = min(n.accelerator.memory_gib for n in cluster.nodes)
+    per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])
+    net = cost.Network(cluster, transport)
+    most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
+    dense_key = lambda d: (d.tp, d.cp, d.pp, d.dp, d.order)      # noqa: E731 -- what the placement depends on
+    analyses: dict[tuple, list] = {}       # one analysis per dense degrees and domain order, every (ep, etp) on it
+    for i, dims in enumerate(options):
+        dist_opts = [d for d in (False, True) if not (d and dims.dp * dims.cp * dims.expert_dp == 1)]
+        dist_opts = [d for d in dist_opts if cost.params_memory_gib(model, dims, d) <= most_memory]
+        if not dist_opts:
+            found.miss(cost.params_memory_gib(model, dims, True) - most_memory, _label(dims))
+            continue
+        key = dense_key(dims)
+        if key not in analyses:
+            analyses.clear()                # options come grouped by dense degrees: keep one group's analyses
+            seen: set = set()
+            placed = []
+            for k, order in enumerate(orders):
+                placement = place(cluster, dims, order)
+                if placement.rank_of_logical in seen:
+                    continue
+                seen.add(placement.rank_of_logical)
+                placed.append((k, cost.analyze(cluster, placement, transport, net)))
+            # each domain holds whole pipelines, so the smallest devices must hold a pipeline's stages
+            if speeds and dims.pp > 1 and dims.dp > 1 and cost.params_memory_gib(model, dims, True) <= least_memory:
+                for j, together in enumerate(_replicas_together(dims, per_node)):
+                    if not _whole_pipelines(cluster, dims, together):
+                        continue
+                    placement = place_replicas(cluster, dims, orders[0], together)
+                    if placement.rank_of_logical not in seen:
+                        seen.add(placement.rank_of_logical)
+                        placed.append((len(orders) + j, cost.analyze(cluster, placement, transport, net)))
+            analyses[key] = placed
+        for k, dense in analyses[key]:
+            analysis = cost.analyze_experts(cluster, dense, dims, net)
+            if analysis.expert_span is not None:
+                # Token all-to-all across a slow boundary or between vendors: never planned (the cost of
+                # the all-to-all decides only among placements that keep every expert group in one domain).
+                found.expert_spans.append(f"{_label(dims)}, order {' > '.join(f'{c}/{a}' for c, a in dense.placement.domain_order)}: "
+                                          f"{analysis.expert_span}")
+                continue
+            for mb in _micro_batches(model, dims, fixed_mb, sched[0], replica_split):
+                for dist_opt in dist_opts:
+                    _evaluate_split(model, analysis, dims, mb, None, found, k, dist_opt, overlap, profile,
+                                    _label(dims), sched, replica_split)
+        if progress is not None:
+            progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
+    return found
+
+
+def _replica_dealing(cluster: Cluster) -> bool:
+    """Whole pipelines per domain are worth trying: the devices differ in type, and every data-parallel group the
+    dealing makes across domains either stays on one fabric of one vendor, or crosses vendors -- the shim then
+    reduces it inside each vendor's fabric first and stripes only the rest between them (charged so). Not where
+    two clusters of one vendor meet: such a group is one NCCL communicator on sockets, a flat ring over Ethernet."""
+    if len({n.accelerator.name for n in cluster.nodes}) < 2:
+        return False
+    vendors: dict[str, set] = {}
+    for n in cluster.nodes:
+        vendors.setdefault(n.cluster, set()).add(n.vendor)
+    seen: set = set()
+    for vs in vendors.values():
+        if vs & seen:
+            return False
+        seen |= vs
+    return True
+
+
+def _replicas_together(dims: ParallelDims, per_node: int) -> list[int]:
+    """How many replicas :func:`placement.place_replicas` deals together: 1 (a node holds consecutive stages of one
+    replica: its pipeline sends stay inside the node), and as many as a node holds stages of (``per_node /
+    (tp*cp)``: each DP group has that many members per node and reduces inside it first). The cost model picks."""
+    tc = dims.tp * dims.cp
+    out = [1]
+    if tc < per_node and per_node % tc == 0 and dims.dp % (per_node // tc) == 0:
+        out.append(per_node // tc)
+    return out
+
+
+def _whole_pipelines(cluster: Cluster, dims: ParallelDims, together: int = 1) -> bool:
+    """Every domain holds whole pipelines (``together`` x pp*tp*cp ranks): the premise of data parallelism across
+    domains."""
+    size = together * dims.pp * dims.tp * dims.cp
+    per_domain: dict = {}
+    for n in cluster.nodes:
+        per_domain[n.domain] = per_domain.get(n.domain, 0) + n.num_accelerators
+    return all(k % size == 0 for k in per_domain.values())
+
+
+def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
+                    dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
+                    profile: Optional[Profile] = None, ep: Optional[int] = 1, etp: Optional[int] = None,
+                    order: str = DEFAULT_ORDER, replica_split: "str | Sequence[int]" = "auto") -> list[Candidate]:
+    """The best few plans of the het-aware search, best first, on any cluster (homogeneous ones too:
+    benchmarks use it for the best a sub-cluster could do on its own)."""
+    fixed_mb = micro_batch_size or model.micro_batch_size
+    replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, 1)
+    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
+    return _search_planned(cluster, model, options, fixed_mb, True, profile, replica_split=replica_split).best
+
+
+def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
+                    fixed_pp: bool, dist_opt: bool, overlap: bool, profile: Optional[Profile],
+                    transport_fn, progress: Optional[Progress] = None, sched: tuple = (1, None),
+                    replica_split: "str | list[int]" = "even") -> _Search:
+    """The frameworks' default: identity placement, uniform layers (pp must divide the layers, as
+    Megatron-Core requires without a layout, unless the user fixed such a pp), ``transport_fn``."""
+    found = _Search(keep=NUM_ALTERNATIVES + 1)
+    net = cost.Network(cluster, transport_fn)
+    dense: Optional[cost.Analysis] = None
+    for i, dims in enumerate(options):
+        uneven = model.num_layers % (dims.pp * sched[0]) != 0     # Megatron's own split: even virtual stages too
+        if uneven and not fixed_pp:
+            continue
+        states = cost.params_memory_gib(model, dims, dist_opt)
+        most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
+        if states > most_memory:
+            found.miss(states - most_memory, _label(dims))
+            continue
+        d0 = dense.placement.dims if dense is not None else None
+        if d0 is None or (d0.tp, d0.cp, d0.pp, d0.dp, d0.order) != (dims.tp, dims.cp, dims.pp, dims.dp, dims.order):
+            dense = cost.analyze(cluster, default_placement(cluster, dims), transport_fn, net)
+        analysis = cost.analyze_experts(cluster, dense, dims, net)
+        for mb in _micro_batches(model, dims, fixed_mb, sched[0], replica_split):
+            layers = None if uneven else uniform_layers(model.num_layers, dims.pp)
+            _evaluate_split(model, analysis, dims, mb, layers, found, 0, dist_opt, overlap, profile, _label(dims),
+                            sched, replica_split)
+        if progress is not None:
+            progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
+    return found
+
+
+def _label(dims: ParallelDims) -> str:
+    return (f"tp={dims.tp} pp={dims.pp} dp={dims.dp}" + (f" cp={dims.cp}" if dims.cp > 1 else "")
+            + (f" ep={dims.ep} etp={dims.etp}" if _has_experts(dims) else ""))
+
+
+def _describe(cand: Candidate, what: str, shape: bool = False) -> str:
+    d = cand.placement.dims
+    order = " > ".join(f"{c}/{a}" for c, a in cand.placement.domain_order)
+    experts = f" ep={d.ep} etp={d.etp}" if _has_experts(d) else ""
+    return (f"{what}: tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp}{experts} micro-batch {cand.micro_batch_size}, "
+            f"domain order {order}, layers {cand.layers}"
+            + (", distributed optimizer" if cand.distributed_optimizer else "")
+            + (f"; shape: {cand.shape}, replica split {cand.split_text()}" if shape else "")
+            + (f", stages of {cand.placement.together} replicas per node" if shape and cand.placement.together > 1
+               else ""))
+
+
+def _replica_request(cluster: Cluster, model: ModelSpec, replica_split, dp: Optional[int], fixed_mb: Optional[int],
+                     vpp: int) -> tuple["str | list[int]", Optional[int], Optional[int]]:
+    """Check ``replica_split`` ("auto", "even", "uneven", or micro-batches per replica); given counts fix dp
+    (their number) and the micro-batch size (global batch / their sum). Returns (split, dp, micro-batch size)."""
+    fix = "use auto, even, uneven, or one count (>= 1) per data-parallel replica adding up to dp x num_micro_batches"
+    if isinstance(replica_split, str):
+        if replica_split not in REPLICA_SPLITS:
+            raise ConfigError(f"replica_split={replica_split!r} is not one of {', '.join(REPLICA_SPLITS)} or a list of "
+                              "counts", field="replica_split", fix=fix)
+        devices = sorted({n.accelerator.name for n in cluster.nodes})
+        if replica_split == "uneven" and len(devices) == 1:
+            raise ConfigError(f"replica_split=uneven cannot be honoured: every accelerator of {cluster.name} is a "
+                              f"{devices[0]}, so every replica runs at the same speed (an uneven split only makes "
+                              "the others wait for the busiest)", source=cluster.source, field="replica_split",
+                              fix="use auto or even, or give the counts yourself")
+        if replica_split == "uneven" and vpp > 1:
+            raise ConfigError(f"replica_split=uneven cannot be honoured with an interleaved pipeline (vpp={vpp}): "
+                              "the planner models uneven replicas for the 1F1B schedule only", field="replica_split",
+                              fix="use vpp=1, or replica_split auto/even")
+        return replica_split, dp, fixed_mb
+    try:
+        counts = list(replica_split)
+    except TypeError:
+        raise ConfigError(f"replica_split={replica_split!r} is neither a mode nor a list of counts",
+                          field="replica_split", fix=fix) from None
+    if not counts:
+        raise ConfigError("replica_split is an empty list of counts", field="replica_split", fix=fix)
+    for d, n in enumerate(counts):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"replica {d} gets {n!r} micro-batches (replica_split {counts}); each replica needs at "
+                              "least 1", field="replica_split", fix=fix)
+    total, size, batch = sum(counts), len(counts), model.global_batch_size
+    if dp is not None and dp != size:
+        raise ConfigError(f"replica_split gives {size} counts {counts}, but dp={dp}", field="replica_split",
+                          fix=f"give {dp} counts, or drop dp")
+    if total % size:
+        raise ConfigError(f"replica_split {counts} adds up to {total} micro-batches, not a multiple of its {size} "
+                          f"replicas (the frameworks run dp x num_micro_batches per iteration)", field="replica_split",
+                          fix=f"make the counts add up to a multiple of {size}")
+    if fixed_mb is not None and total * fixed_mb != batch:
+        raise ConfigError(f"replica_split {counts} adds up to {total} micro-batches of micro_batch_size {fixed_mb} = "
+                          f"{total * fixed_mb} samples; global_batch_size is {batch}", field="replica_split",
+                          fix=(f"make the counts add up to {batch // fixed_mb}" if batch % fixed_mb == 0 else
+                               "use a micro_batch_size that divides global_batch_size"))
+    if batch % total:
+        raise ConfigError(f"replica_split {counts} adds up to {total} micro-batches, which do not divide "
+                          f"global_batch_size {batch} into equal micro-batches", field="replica_split",
+                          fix=f"make the counts add up to a divisor of {batch}")
+    if vpp > 1 and len(set(counts)) > 1:
+        raise ConfigError(f"replica_split {counts} is uneven, which the planner does not model with an interleaved "
+                          f"pipeline (vpp={vpp})", field="replica_split", fix="use vpp=1, or equal counts")
+    return counts, size, batch // total
+
+
+def _interleaved_options(model: ModelSpec, options: list[ParallelDims], pp: Optional[int], fixed_mb: Optional[int],
+                         vpp: int, overlap_p2p_comm: Optional[bool]) -> tuple[list[ParallelDims], tuple[int, bool]]:
+    """The degree options an interleaved pipeline of ``vpp`` virtual stages per rank can run, and the schedule
+    (vpp, overlap_p2p_comm). Megatron needs pp >= 2 (pp > 2 without p2p overlap: Megatron-LM's validate_args),
+    at least one layer per virtual stage here, and a micro-batch count that pp divides."""
+    if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 1:
+        raise ConfigError(f"vpp={vpp!r} is not a positive integer", field="vpp",
+                          fix="give the virtual pipeline stages per rank (1: not interleaved)")
+    if vpp == 1:
+        return options, (1, False)
+    overlap = True if overlap_p2p_comm is None else bool(overlap_p2p_comm)
+    least = 2 if overlap else 3
+    if pp is not None and pp < least:
+        raise ConfigError(f"an interleaved pipeline (vpp={vpp}) needs pp >= {least}"
+                          + ("" if overlap else " without p2p overlap (Megatron-LM's rule)") + f", got pp={pp}",
+                          field="vpp", fix=f"use vpp=1, or pp >= {least}"
+                                           + ("" if overlap else ", or overlap p2p communication"))
+    keep = [d for d in options if d.pp >= least and d.pp * vpp <= model.num_layers]
+    if not keep:
+        raise ConfigError(f"no pipeline size fits {vpp} virtual stages per rank: pp >= {least} and pp * vpp <= "
+                          f"{model.num_layers} layers (one layer per virtual stage at least)", field="vpp",
+                          fix=f"use a smaller vpp (at most {model.num_layers // least}), or vpp=1")
+    if not any(_micro_batches(model, d, fixed_mb, vpp) for d in keep):
+        raise ConfigError(f"the interleaved schedule needs micro-batches per pipeline (global_batch_size / (dp * "
+                          f"micro_batch_size)) to be a multiple of pp; none of pp {sorted({d.pp for d in keep})} "
+                          f"gets that from global_batch_size={model.global_batch_size}", field="global_batch_size",
+                          fix="use a global batch size that gives a multiple of pp micro-batches, or vpp=1")
+    return keep, (vpp, overlap)
+
+
+def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
+              dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
+              progress: Optional[Progress] = None, profile: Optional[Profile] = None, ep: Optional[int] = 1,
+              etp: Optional[int] = None, order: str = DEFAULT_ORDER, vpp: int = 1,
+              overlap_p2p_comm: Optional[bool] = None, replica_split: "str | Sequence[int]" = "auto") -> Plan:
+    """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected.
+
+    ``ep``/``etp`` (expert parallel sizes) and ``order`` (Megatron's rank order) are the framework's, taken
+    as given: on a homogeneous cluster the plan is the framework's own numbering in that order. ``ep=1``
+    (the default) is no expert parallelism, what a launch without ``--expert-model-parallel-size`` runs;
+    ``ep=None`` lets the planner choose it among the divisors of the model's ``num_moe_experts``, with
+    ``etp`` in {1, tp} unless ``etp`` is given. A heterogeneous plan keeps every expert group (its token
+    all-to-all) inside one domain: one cluster fabric and one device type.
+
+    ``profile`` (measured layer times and link bandwidths) overrides the analytic estimates. ``progress``
+    (see :data:`Progress`) hears how far the search is; the planner itself prints nothing. Raises a
+    ConfigError naming the field when no plan is possible (degrees, memory).
+
+    ``vpp`` (virtual pipeline stages per rank, Megatron's interleaved schedule) is taken as given: each stage's
+    layers go over its ``vpp`` virtual stages (:func:`layer_split.virtual_split`), the cost model simulates the
+    interleaved 1F1B, and ``overlap_p2p_comm`` (None: on, Megatron-LM's default with interleaving) says whether
+    it hides the pipeline's sends behind compute.
+
+    ``replica_split``: how the global batch goes over the data-parallel replicas. "auto" (the default): where
+    replicas run on devices of different speeds (data parallelism across domains, or a stage over two device
+    types), each replica's micro-batch count follows its speed when that predicts at least
+    :data:`UNEVEN_MIN_GAIN` less time, else the frameworks' even split (always on a homogeneous cluster).
+    "even": the even split only. "uneven": only plans with uneven counts (a ConfigError if none exists). A list:
+    those counts (dp = their number, micro-batch size = global batch / their sum).
+    """
+    fixed_mb = micro_batch_size or model.micro_batch_size
+    if fixed_mb is not None and model.global_batch_size % fixed_mb:
+        raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of micro_batch_size "
+                          f"{fixed_mb}", field="micro_batch_size", fix="use a divisor of global_batch_size")
+    replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, vpp)
+    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
+    options, sched = _interleaved_options(model, options, pp, fixed_mb, vpp, overlap_p2p_comm)
+    overlap = True
+    if cluster.is_homogeneous:
+        for dist_opt in (False, True):      # Megatron's default first; the distributed optimizer if needed
+            planned = _search_default(cluster, model, options, fixed_mb, pp is not None, dist_opt, overlap,
+                                      profile, transport, progress, sched, replica_split)
+            if planned.best:
+                break
+        if not planned.best and planned.closest_overflow is None:
+            # No degree option has a pp that divides num_layers (Megatron's uniform default needs one):
+            # the exact split over identical stages, which the layout knob expresses, is the next best.
+            planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched,
+                                      replica_split)
+    else:
+        planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched, replica_split)
+    if not planned.best and replica_split == "uneven":
+        devices = ", ".join(sorted({n.accelerator.name for n in cluster.nodes}))
+        raise ConfigError(f"replica_split=uneven cannot be honoured: of {len(options)} degree combinations on "
+                          f"{cluster.name} ({devices}), none has replicas on devices of different speeds for which "
+                          f"an uneven split fits in memory and predicts a plan", source=cluster.source,
+                          field="replica_split", fix="use auto or even, or fix fewer degrees")
+    if not planned.best:
+        if planned.expert_spans and (planned.closest_overflow is None or (ep or 1) > 1):
+            raise _expert_span_error(cluster, planned, ep)
+        raise _memory_error(cluster, model, planned)
+    base_best = planned.best[0] if cluster.is_homogeneous else None
+    if not cluster.is_homogeneous:
+        # What a user gets today, at its best: either optimizer setting, the best degrees for it.
+        for base_dist_opt in (False, True):
+            found = _search_default(cluster, model, options, fixed_mb, pp is not None, base_dist_opt, overlap,
+                                    profile, baseline_transport, sched=sched)
+            if found.best and (base_best is None or found.best[0].key < base_best.key):
+                base_best = found.best[0]
+    best = planned.best[0]
+    het = not cluster.is_homogeneous
+    best.prediction.description = _describe(best, "planned" if het else
+                                            "framework default (homogeneous cluster: het_plugin changes nothing)",
+                                            shape=het)
+    if het:
+        best.prediction.shape = best.shape
+    baseline = None
+    if base_best is not None:
+        b = base_best
+        baseline = b.prediction
+        if b is not best:
+            baseline.description = _describe(b, "baseline = framework default placement (identity), uniform "
+                                                "layers, one process-wide NCCL network setting, best degrees "
+                                                "for that default")
+    warnings = []
+    if baseline is None:
+        warnings.append("no framework-default plan fits in memory (uniform layers); no baseline to compare")
+    warnings += cost.profile_notes(profile, model, {n.accelerator.name for n in cluster.nodes},
+                                   best.micro_batch_size, best.placement.dims.tp)
+    others = list(planned.best[1:])
+    if het:     # the best of every other shape too, so the report can say why this shape won
+        others += [c for shape, c in sorted(planned.by_shape.items()) if shape != best.shape and c not in others]
+    return assemble_plan(cluster, model, best.placement, best.layers, best.micro_batch_size,
+                         prediction=best.prediction, baseline=baseline, overlap_grad_reduce=overlap,
+                         distributed_optimizer=best.distributed_optimizer,
+                         alternatives=[c.summary(model.is_moe, shapes=het) for c in others], extra_warnings=warnings,
+                         vpp=sched[0], overlap_p2p_comm=bool(sched[1]), replica_micro_batches=best.replica_counts)
+
+
+def _expert_span_error(cluster: Cluster, found: _Search, ep: Optional[int]) -> ConfigError:
+    return ConfigError(
+        f"every placement of these degrees puts an expert group across domains ({len(found.expert_spans)} "
+        f"refused; e.g. {found.expert_spans[0]}): the token all-to-all would cross a slow link or a vendor "
+        "boundary", source=cluster.source, field="ep (expert_model_parallel_size)",
+        fix=("use a smaller ep (an expert group of etp*ep ranks must fit inside one cluster's nodes of one "
+             "device type), or leave ep to the planner (ep=None / no --ep)") if ep is not None else
+            "fix tp/pp/dp so that a pipeline stage fits inside one domain, or leave them to the planner")
+
+
+def _memory_error(cluster: Cluster, model: ModelSpec, found: _Search) -> ConfigError:
+    if found.closest_overflow is None:
+        return ConfigError(f"no plan of {model.name} could be evaluated for {cluster.world_size} accelerators",
+                           source=cluster.source, field="degrees",
+                           fix="drop the fixed degrees, or change num_layers / global_batch_size")
+    over, what = found.closest_overflow
+    mem = sorted({n.accelerator.memory_gib for n in cluster.nodes})
+    return ConfigError(
+        f"memory cannot hold even the smallest plan of {model.name} ({model.total_params / 1e9:.1f}B parameters, "
+        f"seq_length {model.seq_length}): the closest, {what}, is {over:.1f} GiB per device over the "
+        f"{', '.join(f'{m:g}' for m in mem)} GiB the devices have (distributed optimizer tried too)",
+        source=cluster.source, field="clusters[*].nodes[*].accelerator (memory_gib)",
+        fix="add nodes or use accelerators with more memory, or a smaller model / seq_length / global batch")

@@ -1,0 +1,98 @@
+"""On every rank: the plan a wrapped config stands for, checked against what DeepSpeed is about to run.
+
+Three sources, in order: the plan stored in the section (wrap's default); a plan file; a cluster file
+or discovery plus the planning model, planned here by :func:`het_plugin.core.launch.resolve_plan` (then the
+hash must equal the one wrap recorded, if it recorded one). Every failure is a ConfigError; the caller
+runs this inside ``agree_on_plan`` so one rank's failure stops all ranks with the same message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..core.errors import ConfigError
+from ..core.inputs.model import ModelSpec
+from ..core.plan import Plan
+from ..core.inputs.cluster import Cluster
+from ..discovery import discover_cluster
+from ..core.launch import Launch, Resolved, load_source, resolve_launch
+from ..core.ranks.dims import Degrees
+from .config import AUTO, DEEPSPEED_NAMES, SECTION, HetSection, check_plan
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the user's model and launch say: these win, the plan must agree."""
+    world_size: int
+    pp: int
+    tp: int = 1
+    num_layers: Optional[int] = None     # layers the plan counts (pipeline models only)
+
+    def degrees(self, source: str) -> Degrees:
+        """tp and pp as given, dp inferred from the world size (a ConfigError when they do not divide it)."""
+        return Degrees(self.world_size, tp=self.tp, pp=self.pp, dp=-1, names=DEEPSPEED_NAMES, source=source)
+
+
+def resolve_section_plan(section: HetSection, shape: RunShape, *, derive_model: Optional[Callable[[], ModelSpec]] = None,
+                 source: str = "<config>") -> Plan:
+    """The plan for this run; ``derive_model`` builds a planning model from the layer list when the
+    section has none."""
+    return resolve_section(section, shape, derive_model=derive_model, source=source).plan
+
+
+def resolve_section(section: HetSection, shape: RunShape, *, derive_model: Optional[Callable[[], ModelSpec]] = None,
+                    source: str = "<config>") -> Resolved:
+    """:func:`resolve_section_plan` with the cluster the plan came from (for the pre-flight's NICs): the one
+    planned from, or, for an embedded plan, the section's cluster file when it is still the one planned from."""
+    degrees = shape.degrees(source)
+    cluster: Optional[Cluster] = None
+    if section.plan is not None:
+        plan = Plan.from_dict(section.plan, f"{source}: {SECTION}.plan")
+        cluster = _cluster_file_of(section, plan)
+    elif section.cluster is None:
+        raise ConfigError("the section has neither a plan nor a cluster", source=source, field=SECTION,
+                          fix="re-create it with het_plugin.deepspeed.wrap or `het-plugin wrap-config`")
+    else:
+        loaded = load_source(None if section.cluster == AUTO else section.cluster)
+        if isinstance(loaded, Plan):
+            plan = loaded
+        else:
+            if loaded is not None and section.cluster_digest is not None and loaded.digest != section.cluster_digest:
+                raise ConfigError(f"the cluster file changed since the config was wrapped (digest {loaded.digest}, "
+                                  f"recorded {section.cluster_digest})", source=section.cluster, field="cluster",
+                                  fix="re-wrap the config with `het-plugin wrap-config`")
+            model = lambda: _planning_model(section, derive_model, source)  # noqa: E731 - derived only if needed
+            resolved = resolve_launch(loaded, launch=Launch(shape.world_size), model=model, degrees=degrees,
+                                      micro_batch_size=None, names=DEEPSPEED_NAMES, discover=discover_cluster)
+            plan, cluster = resolved.plan, resolved.cluster
+    if section.plan_hash is not None and plan.hash != section.plan_hash:
+        raise ConfigError(f"the plan here ({plan.hash}) is not the one the config was wrapped with "
+                          f"({section.plan_hash}): the cluster, the model or het_plugin's planner changed",
+                          source=source, field=f"{SECTION}.plan_hash",
+                          fix="re-wrap the config, or wrap with the plan embedded (the default)")
+    check_plan(plan, world_size=shape.world_size, pp=shape.pp, tp=shape.tp, dp=degrees.dp,
+               num_layers=shape.num_layers, source=source)
+    return Resolved(plan, cluster)
+
+
+def _cluster_file_of(section: HetSection, plan: Plan) -> Optional[Cluster]:
+    """The section's cluster file, if this rank has it and it is the one the plan was made from (else None:
+    an embedded plan needs no file, and a changed file says nothing about the plan's nodes)."""
+    from pathlib import Path
+    if not section.cluster or section.cluster == AUTO or not Path(section.cluster).is_file():
+        return None
+    try:
+        loaded = load_source(section.cluster)
+    except Exception:          # noqa: BLE001 - unreadable now: the plan itself is what counts
+        return None
+    return loaded if isinstance(loaded, Cluster) and loaded.digest == plan.cluster_digest else None
+
+
+def _planning_model(section: HetSection, derive_model, source: str) -> ModelSpec:
+    if section.model is not None:
+        from ..core.inputs.yamlio import validate
+        return validate(ModelSpec, section.model, f"{source}: {SECTION}.model")
+    if derive_model is None:
+        raise ConfigError("no planning model: the section has none and this model has no layer list to derive "
+                          "one from", source=source, field=f"{SECTION}.model",
+                          fix="wrap with model=<model file or preset>")
+    return derive_model()

@@ -1,0 +1,285 @@
+"""The Megatron-Core drop-in ``initialize_model_parallel`` and the group building both Megatron-LM paths
+end in.
+
+Runs *after* ``torch.distributed.init_process_group`` (the plan check uses the default store), and
+*before* Megatron-Core builds any of its groups. Every rank resolves the plan
+(:func:`het_plugin.core.launch.resolve_plan`), the ranks compare plan hashes through the store (a rank
+that failed publishes its error, so all stop together), and only then are the groups created, through
+:func:`het_plugin.megatron.groups.planned_groups` and the one group policy.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from ..runtime.agreement import agree_on_plan
+from ..core.inputs.cluster import Cluster
+from ..core.errors import ConfigError
+from ..core.inputs.model import ModelSpec
+from ..core.plan import Plan
+from ..views.report import startup_summary
+from ..discovery import discover_cluster
+from ..core.launch import Launch, Resolved, check_launch_settings, resolve_launch
+from ..runtime.applied import AppliedPlan
+from ..runtime.exchange import configured_timeout
+from ..core.ranks.dims import DEFAULT_ORDER, Degrees
+
+if TYPE_CHECKING:
+    from ..runtime.recorder import ProfileSettings
+
+log = logging.getLogger("het_plugin.megatron")
+
+PathLike = Union[str, Path]
+
+# Megatron-Core keeps its groups in module globals (parallel_state); model code reaches what het_plugin
+# applied the same way, through current_plan(). The Megatron-LM path has no other hand-over point.
+_current: Optional[AppliedPlan] = None
+
+# What Megatron calls the degrees (error messages name the user's own argument).
+MEGATRON_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+                  "cp": "context_parallel_size", "dp": "data_parallel_size", "ep": "expert_model_parallel_size",
+                  "etp": "expert_tensor_parallel_size", "order": "order",
+                  "vpp": "virtual_pipeline_model_parallel_size", "overlap_p2p_comm": "overlap_p2p_comm"}
+
+
+def current_plan() -> Optional[AppliedPlan]:
+    """What het_plugin applied in this process (None before initialisation or without het_plugin)."""
+    return _current
+
+
+def forget_plan() -> None:
+    """Take back what het_plugin applied in this process: the measured-profile timing (its recorder writes a last
+    profile), the uneven-replica wrappers (Megatron's own schedules and sampler again) and :func:`current_plan`.
+    For a process that trains several configurations in turn, the next perhaps without het_plugin. Megatron's
+    groups stay Megatron's to destroy (``parallel_state.destroy_model_parallel``)."""
+    global _current
+    from . import recorder_hooks as timing
+    from .replicas import uninstall as uninstall_replicas
+    timing.uninstall()                # first: its wrappers sit on top of the replica wrappers
+    uninstall_replicas()
+    _current = None
+
+
+def resolve_megatron_plan(source: Union[Plan, Cluster, PathLike, None] = None, *,
+                 model: Union[ModelSpec, PathLike, None] = None, world_size: int, rank: Optional[int] = None,
+                 local_world_size: Optional[int] = None, tp: Optional[int] = None, pp: Optional[int] = None,
+                 cp: Optional[int] = None, micro_batch_size: Optional[int] = None, ep: int = 1,
+                 etp: Optional[int] = None, order: str = DEFAULT_ORDER, vpp: Optional[int] = None,
+                 overlap_p2p_comm: Optional[bool] = None) -> Plan:
+    """:func:`het_plugin.core.launch.resolve_plan` with Megatron's names for the degrees (None: the planner
+    chooses; a plan file must agree with what is given). ``ep``, ``etp`` and ``order`` are Megatron's
+    expert sizes and rank order, ``vpp`` its virtual pipeline size (None: not interleaved, or a plan file's),
+    taken as given."""
+    return resolve_megatron_launch(source, model=model, world_size=world_size, rank=rank,
+                                   local_world_size=local_world_size, tp=tp, pp=pp, cp=cp,
+                                   micro_batch_size=micro_batch_size, ep=ep, etp=etp, order=order, vpp=vpp,
+                                   overlap_p2p_comm=overlap_p2p_comm).plan
+
+
+def resolve_megatron_launch(source: Union[Plan, Cluster, PathLike, None] = None, *,
+                            model: Union[ModelSpec, PathLike, None] = None, world_size: int, rank: Optional[int] = None,
+                            local_world_size: Optional[int] = None, tp: Optional[int] = None,
+                            pp: Optional[int] = None, cp: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                            ep: int = 1, etp: Optional[int] = None, order: str = DEFAULT_ORDER,
+                            vpp: Optional[int] = None, overlap_p2p_comm: Optional[bool] = None) -> Resolved:
+    """:func:`resolve_megatron_plan` with the cluster the plan was made from (the pre-flight reads its NICs)."""
+    degrees = Degrees(world_size, tp=tp, pp=pp, cp=cp or 1, ep=ep or 1, etp=etp, order=order or DEFAULT_ORDER,
+                      names=MEGATRON_NAMES, source="Megatron arguments")
+    return resolve_launch(source, launch=Launch(world_size, rank, local_world_size), model=model, degrees=degrees,
+                          micro_batch_size=micro_batch_size, names=MEGATRON_NAMES, vpp=vpp,
+                          overlap_p2p_comm=overlap_p2p_comm, discover=discover_cluster)
+
+
+# ---- applying a plan to Megatron-Core ---------------------------------------------------------------
+
+def original_initialize_model_parallel():
+    """parallel_state.initialize_model_parallel with any het_plugin wrapper peeled off."""
+    from megatron.core import parallel_state
+    fn = parallel_state.initialize_model_parallel
+    while getattr(fn, "__het_plugin_wrapped__", None) is not None:
+        fn = fn.__het_plugin_wrapped__
+    return fn
+
+
+def plan_degrees(megatron_kwargs: dict) -> dict[str, Any]:
+    """The expert sizes and rank order in Megatron's initialize_model_parallel arguments (the planner
+    takes them as given)."""
+    return {"ep": megatron_kwargs.get("expert_model_parallel_size") or 1,
+            "etp": megatron_kwargs.get("expert_tensor_parallel_size") or None,
+            "order": megatron_kwargs.get("order") or DEFAULT_ORDER,
+            "vpp": megatron_kwargs.get("virtual_pipeline_model_parallel_size")}
+
+
+def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
+    """Megatron's own arguments must describe the plan's groups; refuse what the plan cannot express."""
+    wanted = plan_degrees(megatron_kwargs)
+    # Megatron's expert_tensor_parallel_size None means tp, which build_groups sets to the plan's.
+    check_launch_settings(plan, {"ep": wanted["ep"], "etp": wanted["etp"] or plan.tp, "order": wanted["order"],
+                                 "vpp": wanted["vpp"]}, None, MEGATRON_NAMES, droppable=False)
+    if plan.is_identity:
+        return            # the framework's own numbering: whatever else Megatron builds is its own
+    for key in ("gtp_remat_size", "expert_gtp_remat_size"):
+        if (megatron_kwargs.get(key) or 1) != 1:
+            raise ConfigError(f"{key}={megatron_kwargs[key]}: the GTP weight-rematerialisation axis re-orders "
+                              "Megatron's ranks, and het_plugin's placement does not model it", field=key,
+                              fix=f"use {key}=1 on a heterogeneous cluster")
+
+
+def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLike] = None,
+                 timeout_s: Optional[float] = None, cluster: Optional[Cluster] = None,
+                 profile: Optional["ProfileSettings"] = None) -> AppliedPlan:
+    """Create every Megatron-Core group on the (agreed) plan's placement; rank 0 logs the summary once.
+    First, under NCCL, the network pre-flight (``cluster``: the Cluster the plan came from, for the nodes'
+    NICs; runtime.preflight). A rank that fails or disappears meanwhile stops every rank within ``timeout_s``
+    (None: ``HET_PLUGIN_TIMEOUT`` or 300 s) with a GroupCreationTimeout naming it (runtime.guard).
+    ``profile``: time each stage's forward and backward while training and write the measured profile
+    (:mod:`het_plugin.megatron.recorder_hooks`)."""
+    global _current
+    import torch.distributed as dist
+    from .groups import planned_groups
+    from .version import check_megatron_version
+
+    check_megatron_version()
+    check_kwargs_fit(plan, megatron_kwargs)
+    kwargs = dict(megatron_kwargs)
+    kwargs.update(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
+                  context_parallel_size=plan.cp)
+    if plan.vpp > 1 and kwargs.get("virtual_pipeline_model_parallel_size") is None:
+        kwargs["virtual_pipeline_model_parallel_size"] = plan.vpp    # the model gets plan.vpp chunks per rank
+    for key in RANK_CALLBACKS:
+        if kwargs.get(key) is not None:
+            kwargs[key] = through_plan(plan, kwargs[key])
+    applied = AppliedPlan.begin(plan, dist.get_rank(), cluster=cluster, timeout_s=timeout_s)
+    if applied.rank == 0:
+        print(startup_summary(plan, "Megatron"), flush=True)
+        if plan_out:
+            plan.save(plan_out)
+            print(f"het_plugin: plan written to {plan_out}", flush=True)
+    with planned_groups(applied, timeout_s=timeout_s):
+        original_initialize_model_parallel()(**kwargs)
+    from . import recorder_hooks as timing
+    from .replicas import install as install_replicas
+    timing.uninstall()            # a plan applied before in this process: its timing ends here
+    install_replicas(plan)        # uneven replicas: per-rank counts, weights and samples; even: Megatron's own
+    if profile is not None:
+        timing.install(plan, applied.rank, profile)
+    note = embedding_note(plan, applied.records)
+    if note and applied.rank == 0:
+        log.warning("het_plugin: %s", note)
+    _current = applied
+    return applied
+
+
+# Megatron-Core's callbacks that pick members out of each pipeline group (a script passes its own:
+# Megatron-LM's pretrain_gpt drops the last stage for untied embeddings and adds the MTP stage).
+RANK_CALLBACKS = ("get_embedding_ranks", "get_position_embedding_ranks")
+
+
+def through_plan(plan: Plan, callback):
+    """Wrap a ``get_*_ranks(pp_ranks, ...)`` callback: it sees the *logical* pipeline ranks, exactly what it
+    would see on a homogeneous cluster, and its answer is mapped through the plan's permutation. A callback
+    written for Megatron's numbering (``min(pp_ranks)`` is the first stage, say) stays right after placement."""
+    if plan.is_identity or getattr(callback, "__het_plugin_plan__", None) is plan:
+        return callback
+    logical_of, physical_of = plan.logical_of_physical, plan.rank_of_logical
+
+    def mapped(pp_ranks, *args, **kwargs):
+        chosen = callback([logical_of[r] for r in pp_ranks], *args, **kwargs)
+        return [physical_of[r] for r in chosen]
+
+    mapped.__het_plugin_plan__ = plan
+    mapped.__wrapped__ = callback
+    return mapped
+
+
+def embedding_note(plan: Plan, records) -> Optional[str]:
+    """Say so when the script's embedding groups are not the plan's (the groups follow the script; the
+    prediction assumed the plan's, from the model's tie_embeddings and mtp_layers)."""
+    made = sorted(sorted(r.ranks) for r in records if r.desc == "EMBEDDING_GROUP")
+    want = sorted(sorted(g.ranks) for g in plan.groups.get("embedding", []))
+    if not made or made == want:
+        return None
+    stages = sorted({plan.stage_of(r) for g in made for r in g})
+    model = plan.model
+    return (f"the script's embedding groups (get_embedding_ranks) hold pipeline stages {stages}, the plan "
+            f"assumed {plan.embedding_stages} (tie_embeddings={model.get('tie_embeddings', True)}, "
+            f"mtp_layers={model.get('mtp_layers', 0)}); the groups follow the script, the predicted embedding "
+            "all-reduce does not. Describe the model as the script builds it (--untie-embeddings-and-output-weights, "
+            "--mtp-num-layers, or the model file) for a matching prediction")
+
+
+def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
+                              pipeline_model_parallel_size: Optional[int] = None, *,
+                              cluster: Union[Cluster, PathLike, None] = None,
+                              plan: Union[Plan, PathLike, None] = None,
+                              model: Union[ModelSpec, PathLike, None] = None,
+                              micro_batch_size: Optional[int] = None,
+                              plan_out: Optional[PathLike] = None,
+                              timeout_s: Optional[float] = None,
+                              profile_out: Optional[PathLike] = None,
+                              profile_every: Optional[int] = None,
+                              **megatron_kwargs: Any) -> Plan:
+    """Drop-in for ``megatron.core.parallel_state.initialize_model_parallel`` on a heterogeneous cluster.
+
+    Call after ``torch.distributed.init_process_group``. Give ``plan`` (a Plan or a plan file), or
+    ``cluster`` (a Cluster or cluster file) plus ``model`` (ModelSpec, model file or preset); with
+    neither, the cluster is discovered. Degrees passed are respected, the rest the planner chooses.
+    Other keyword arguments go to Megatron-Core unchanged. Returns the plan: build the model with
+    ``plan.tp``/``plan.pp`` and :func:`apply_plan_to_config` (layer split), and DDP with
+    :func:`ddp_config_for_plan`; :func:`current_plan` holds what was applied (groups created).
+    ``timeout_s`` bounds every wait of het_plugin in this call (the plan check, group creation; default
+    ``HET_PLUGIN_TIMEOUT`` or 300 s): a rank that fails or disappears stops every rank within it, naming
+    the rank and the phase (PlanMismatchError before the groups, GroupCreationTimeout while they are built).
+    ``profile_out``: rank 0 writes the measured profile there (each stage's forward and backward per micro-batch
+    and the iteration time) every ``profile_every`` iterations (default 100) and at exit, for
+    ``het-plugin plan --profile`` (docs/planner.md, "Plans that learn from the run").
+    """
+    import torch.distributed as dist
+    from .version import check_megatron_version
+    check_megatron_version()
+    if not dist.is_initialized():
+        raise RuntimeError("call torch.distributed.init_process_group before "
+                           "het_plugin.megatron.initialize_model_parallel")
+    if plan is not None and cluster is not None:
+        raise ConfigError("pass either plan= or cluster=, not both", fix="a plan already names its cluster")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    cp = megatron_kwargs.pop("context_parallel_size", None)
+    settings = profile_settings(profile_out, profile_every, cluster)
+    resolved: list[Resolved] = []
+
+    def make() -> Plan:
+        resolved.append(resolve_megatron_launch(
+            plan if plan is not None else cluster, model=model, world_size=world, rank=rank,
+            local_world_size=int(lws) if lws else None, tp=tensor_model_parallel_size,
+            pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size, **plan_degrees(megatron_kwargs)))
+        return resolved[-1].plan
+
+    with configured_timeout(timeout_s):
+        agreed = agree_on_plan(make, rank=rank, world_size=world, timeout_s=timeout_s)
+        build_groups(agreed, megatron_kwargs, plan_out=plan_out, timeout_s=timeout_s, cluster=resolved[-1].cluster,
+                     profile=settings)
+    return agreed
+
+
+def profile_settings(profile_out: Optional[PathLike], every: Optional[int], cluster: Any = None,
+                     field: str = "profile_out", every_field: str = "profile_every") -> Optional["ProfileSettings"]:
+    """The measured-profile settings (None without a path); checked before any group exists. ``cluster``: the
+    cluster file, named in the re-plan command of the imbalance warning; ``field``/``every_field``: the names
+    errors give the two settings."""
+    if profile_out is None:
+        if every is not None:
+            raise ConfigError(f"a profile interval ({every}) was given without a file to write the profile to",
+                              field=every_field,
+                              fix=f"add {field} FILE, or drop the interval")
+        return None
+    from ..runtime.recorder import DEFAULT_EVERY, ProfileSettings
+    source = cluster if isinstance(cluster, (str, Path)) and str(cluster) != "discover" else "CLUSTER"
+    try:
+        return ProfileSettings(str(profile_out), every=DEFAULT_EVERY if every is None else every,
+                               replan=f"het-plugin plan {source} --profile {profile_out}")
+    except ConfigError as exc:
+        name = every_field if exc.field == "profile_every" else field
+        raise ConfigError(exc.problem, source=exc.source, field=name, fix=exc.fix) from None

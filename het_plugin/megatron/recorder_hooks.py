@@ -1,0 +1,98 @@
+"""Megatron's hooks for the measured profile (:mod:`het_plugin.runtime.recorder`): applied by
+:func:`het_plugin.megatron.mcore.build_groups` when a profile is asked for (``--heterogeneous-profile-out``,
+``initialize_model_parallel(profile_out=...)``).
+
+Megatron-Core's schedules (``megatron.core.pipeline_parallel.schedules``) run each micro-batch through the module
+functions ``forward_step`` and ``backward_step``, looked up at each call, and a training iteration is one call of
+the function ``get_forward_backward_func()`` returns (also looked up in that module at each call). Wrapping those
+five module attributes times every script (Megatron-LM's ``train_step``, Megatron-Core scripts) without an edit;
+``forward_only`` calls (evaluation) are not timed. The pipeline's send and receive happen between those calls,
+so a forward or backward span is the stage's compute (and, on the last stage, the loss).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Optional
+
+from ..runtime.recorder import ProfileRecorder, ProfileSettings
+
+STEPS = ("forward_step", "backward_step")
+SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+             "forward_backward_pipelining_with_interleaving")
+MODULE = "megatron.core.pipeline_parallel.schedules"
+
+_recorder: Optional[ProfileRecorder] = None
+
+
+def recorder() -> Optional[ProfileRecorder]:
+    """The recorder of the plan applied in this process (None without a profile)."""
+    return _recorder
+
+
+def _timed_step(fn, kind: str):
+    @functools.wraps(fn, updated=())
+    def step(*args, **kwargs):
+        rec = _recorder
+        if rec is None:
+            return fn(*args, **kwargs)
+        with rec.timer.timing(kind):
+            return fn(*args, **kwargs)
+
+    step.__het_plugin_timed__ = fn
+    return step
+
+
+def _timed_schedule(fn):
+    @functools.wraps(fn, updated=())
+    def schedule(*args, **kwargs):
+        rec = _recorder
+        if rec is None or args or kwargs.get("forward_only", False):
+            return fn(*args, **kwargs)
+        model = kwargs.get("model")
+        chunks = len(model) if isinstance(model, (list, tuple)) else 1
+        with rec.timer.iteration(chunks):
+            out = fn(**kwargs)
+        rec.after_iteration()
+        return out
+
+    schedule.__het_plugin_timed__ = fn
+    return schedule
+
+
+def _untimed(fn):
+    while getattr(fn, "__het_plugin_timed__", None) is not None:
+        fn = fn.__het_plugin_timed__
+    return fn
+
+
+def uninstall() -> None:
+    """Megatron's functions without the timing (the previous recorder writes its last profile)."""
+    global _recorder
+    if _recorder is not None:
+        _recorder.close()
+        _recorder = None
+    schedules = sys.modules.get(MODULE)
+    if schedules is None:
+        return
+    for name in STEPS + SCHEDULES:
+        fn = getattr(schedules, name, None)
+        if fn is not None:
+            setattr(schedules, name, _untimed(fn))
+
+
+def install(plan, rank: int, settings: ProfileSettings, framework: str = "Megatron") -> ProfileRecorder:
+    """Time this rank's forward and backward per micro-batch and its iterations for ``settings``."""
+    global _recorder
+    uninstall()
+    from megatron.core.pipeline_parallel import schedules
+
+    from ..runtime.recorder import default_store
+    _recorder = ProfileRecorder(plan, rank, settings, framework, store=default_store())
+    for name in STEPS:
+        setattr(schedules, name, _timed_step(getattr(schedules, name), name.split("_")[0]))
+    for name in SCHEDULES:
+        fn = getattr(schedules, name, None)
+        if fn is not None:
+            setattr(schedules, name, _timed_schedule(fn))
+    return _recorder

@@ -1,0 +1,89 @@
+"""Every rank must use the same plan: compare plan hashes across ranks before any group is built.
+
+Runs over :class:`het_plugin.runtime.exchange.Exchange` (the default store, not a collective): a rank
+whose plan computation failed publishes its error instead of a hash, so every rank stops with the same
+clear message, and a rank that never arrives is named after one bounded wait (``HET_PLUGIN_TIMEOUT``).
+Linear in the world size (:meth:`Exchange.decide`): every rank publishes its hash, rank 0 compares them all
+and publishes one verdict that every rank reads (a few store requests per rank, whatever the world size;
+the all-gather it replaces was N requests per rank, N^2 on the one store).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..core.errors import PlanMismatchError
+from .exchange import Entry, Exchange, ExchangeTimeout
+from ..core.ranks.dims import format_ranks
+
+
+def _default_store():
+    from torch.distributed import distributed_c10d
+    return distributed_c10d._get_default_store()
+
+
+def check_plan_agreement(value: str, *, rank: int, world_size: int, store=None, label: str = "plan",
+                         timeout_s: Optional[float] = None, error: Optional[BaseException] = None) -> None:
+    """Publish ``value`` (a plan hash) or ``error`` and compare with every other rank.
+
+    Raises PlanMismatchError on every rank, naming the ranks that differ, failed, or never reported.
+    """
+    ex = Exchange(store or _default_store(), f"agree/{label}", index=rank, members=range(world_size),
+                  what=f"the {label} check", timeout=timeout_s)
+    try:
+        verdict = ex.decide(value, error=error, judge=lambda entries: _verdict(entries, label))
+    except ExchangeTimeout as exc:
+        raise PlanMismatchError(f"{exc} (crashed before planning?)") from None
+    if verdict.error is not None:       # rank 0's judging itself failed: say so, on every rank
+        raise PlanMismatchError(f"rank {verdict.rank} could not compare the {label}s: "
+                                f"{verdict.error.get('problem', '?')}")
+    if verdict.value is not None:
+        raise PlanMismatchError(verdict.value)
+
+
+def _verdict(entries: list[Entry], label: str) -> Optional[str]:
+    """Rank 0: None when every entry is the same value, else the message every rank raises."""
+    try:
+        describe_disagreement(entries, label)
+    except PlanMismatchError as exc:
+        return str(exc)
+    return None
+
+
+def describe_disagreement(entries: list[Entry], label: str = "plan") -> None:
+    """Raise PlanMismatchError when the entries are not all the same value."""
+    failed = [e for e in entries if e.error is not None]
+    if failed:
+        first = failed[0]
+        raise PlanMismatchError(f"rank(s) {format_ranks([e.rank for e in failed])} could not compute the {label}; "
+                                f"rank {first.rank}: {_error_text(first.error)}")
+    by_value: dict[str, list[int]] = {}
+    for e in entries:
+        by_value.setdefault(e.value, []).append(e.rank)
+    if len(by_value) > 1:
+        parts = "; ".join(f"ranks {format_ranks(rs)} have {v}"
+                          for v, rs in sorted(by_value.items(), key=lambda kv: kv[1][0]))
+        raise PlanMismatchError(f"ranks computed different {label}s ({parts}); give every rank the same "
+                                "cluster file (or plan file) and the same arguments")
+
+
+def _error_text(err: dict) -> str:
+    where = "".join(f"{err[k]}: " for k in ("source", "field") if err.get(k))
+    return where + err.get("problem", "?") + (f" (fix: {err['fix']})" if err.get("fix") else "")
+
+
+def agree_on_plan(make, *, rank: int, world_size: int, store=None, timeout_s: Optional[float] = None):
+    """Call ``make()`` (returns a Plan), then check every rank got the same one; raise on any failure.
+
+    A rank whose own planning failed tells the others first, then raises *its* error (the file, field
+    and fix of its problem); the other ranks raise PlanMismatchError naming it.
+    """
+    try:
+        plan = make()
+    except Exception as exc:
+        try:
+            check_plan_agreement("", rank=rank, world_size=world_size, store=store, timeout_s=timeout_s, error=exc)
+        except PlanMismatchError:
+            pass                # expected: this rank's own error is the clearer message
+        raise
+    check_plan_agreement(plan.hash, rank=rank, world_size=world_size, store=store, timeout_s=timeout_s)
+    return plan

@@ -1,0 +1,156 @@
+"""The group-creation policy both adapters call: plan + members -> everything a patch site needs.
+
+A patch site (Megatron-Core's ``create_group``, DeepSpeed's ``deepspeed.comm.new_group``) asks
+:func:`spec_for` and creates the group with what it says:
+
+* **backend**: what the framework asked for, except that a group spanning accelerator vendors
+  ('host-staged') goes through het_plugin's ``het_shim`` backend (its gloo twins stay gloo);
+* **pg_options**: for ``het_shim``, the group's :class:`~het_plugin.comm.ShimOptions` (vendors and the
+  plan's transport rule, per group: no module state); for NCCL, the framework's own options (or new
+  ones) with ``config.net_name`` = 'IB' or 'Socket' from the group's transport -- NCCL reads
+  ``NCCL_IB_HCA`` once per process, so a per-communicator ``net_name`` is the only per-group switch;
+* **gloo interface**: ``GLOO_SOCKET_IFNAME`` for the creation, from ``HET_PLUGIN_GLOO_IFNAMES``;
+* **member order**: a member's group rank is what it would be without het_plugin. Torch sorts a group's
+  members by rank, and a framework's lists are derived from its coordinates (logical ranks), so members are
+  ordered by *logical* rank (:attr:`GroupSpec.torch_ranks`), with ``sort_ranks=False`` where that is not
+  ascending in launch ranks (a pipeline group's member then has its stage as group rank, as the framework
+  assumes). On an identity plan this is torch's own sorting whatever order a list comes in (Megatron
+  concatenates some). DeepSpeed also lists launch ranks itself (``range(world)``): there an ascending list
+  keeps torch's sorting (``ascending_is_launch_order``).
+
+On a homogeneous cluster whose plan is the identity the framework's own choices stand (no net_name:
+NCCL picks its network as it always does).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterator, Optional, Sequence
+
+from ..core.errors import ConfigError
+from .netselect import SHIM_BACKEND, gloo_ifnames, ifname_set, nccl_net_name
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """How to create one group."""
+    ranks: tuple[int, ...]
+    transport: str
+    backend: Optional[str]          # None: the default backend
+    net_name: Optional[str]         # NCCL per-communicator network, or None (no choice / not NCCL)
+    gloo_ifname: Optional[str]      # GLOO_SOCKET_IFNAME while the group is created, or None
+    sort_ranks: bool                # False: hand torch ``torch_ranks`` in that order
+    pg_options: Any = None          # what to pass as new_group's pg_options (see the module docstring)
+    torch_ranks: tuple[int, ...] = ()   # the members ordered by logical rank (what torch gets as ranks)
+    timeout: Optional[timedelta] = None  # new_group's timeout (AppliedPlan.create: bounded for gloo, see runtime.guard)
+
+    def new_group_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``torch.distributed.new_group`` beyond ``ranks``."""
+        kwargs: dict[str, Any] = {}
+        if self.backend is not None:
+            kwargs["backend"] = self.backend
+        if self.pg_options is not None:
+            kwargs["pg_options"] = self.pg_options
+        if not self.sort_ranks:
+            kwargs["sort_ranks"] = False
+        if self.timeout is not None:
+            kwargs["timeout"] = self.timeout
+        return kwargs
+
+    @contextlib.contextmanager
+    def creating(self) -> Iterator[None]:
+        """The process environment one creation needs (gloo reads GLOO_SOCKET_IFNAME per group)."""
+        with ifname_set(self.gloo_ifname):
+            yield
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """One group created under a plan (for the start-up report, checks and tests)."""
+    ranks: list[int]
+    transport: str
+    backend: Optional[str]
+    net_name: Optional[str]
+    gloo_ifname: Optional[str]
+    desc: Optional[str] = None
+
+
+@dataclass
+class Policy:
+    """The per-run inputs of :func:`spec_for` that are not in the plan."""
+    default_backend: str                       # the world group's backend ('gloo', 'nccl', 'cpu:gloo,cuda:nccl')
+    native_network: bool = False               # homogeneous identity plan: the framework's own network choice
+    shim_backend: Optional[str] = None         # 'het_shim' where registered (looked up on first need)
+    shim_checked: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+
+def spec_for(plan, ranks: Optional[Sequence[int]], policy: Policy, *, backend: Optional[str] = None,
+             pg_options: Any = None, ascending_is_launch_order: bool = False) -> GroupSpec:
+    """How a group over ``ranks`` (None: every rank) is created under ``plan``; ``backend`` and
+    ``pg_options`` are what the framework asked for. ``ascending_is_launch_order``: the framework may list
+    launch ranks itself (DeepSpeed's ``range(world)`` group), so an ascending list keeps torch's sorting;
+    otherwise (Megatron: every list comes from its rank generator) members are ordered by logical rank."""
+    members = tuple(range(plan.world_size)) if ranks is None else tuple(int(r) for r in ranks)
+    transport = plan.transport_of(members)
+    chosen, options = backend, pg_options
+    if transport == "host-staged" and backend in (None, "nccl"):
+        shim = _shim_backend(policy)
+        if shim is not None:
+            from ..comm import ShimOptions
+            chosen, options = shim, ShimOptions.from_plan(plan)
+    effective = str(chosen or policy.default_backend).lower()
+    net_name = None
+    if "nccl" in effective and chosen != SHIM_BACKEND and not policy.native_network:
+        net_name = nccl_net_name(transport)
+        if net_name is not None:
+            options = with_net_name(options, net_name)
+    ifname = None
+    if "gloo" in effective or chosen == SHIM_BACKEND:     # e.g. 'gloo', 'cpu:gloo,cuda:nccl', the shim's host hops
+        ifname = gloo_ifnames().get(transport)
+    logical = plan.logical_of_physical
+    keep = ranks is None or (ascending_is_launch_order and list(members) == sorted(members))
+    by_logical = members if keep else tuple(sorted(members, key=lambda r: logical[r]))
+    sort = list(by_logical) == sorted(members)
+    if not sort:
+        check_torch_keeps_order()
+    return GroupSpec(members, transport, chosen, net_name if options is not None else None, ifname, sort, options,
+                     by_logical)
+
+
+def with_net_name(options: Any, net_name: str) -> Any:
+    """NCCL options selecting ``net_name``: the framework's own (Megatron passes its per-group config)
+    or new ones; None where this torch has no NCCL (a CPU build: nothing to select)."""
+    if options is None:
+        import torch.distributed as tdist
+        pg_nccl = getattr(tdist, "ProcessGroupNCCL", None)
+        if pg_nccl is None:
+            return None
+        options = pg_nccl.Options()
+    options.config.net_name = net_name
+    return options
+
+
+def check_torch_keeps_order() -> None:
+    """A permuted plan needs ``new_group(sort_ranks=False)`` (added to torch in March 2026, pytorch#176580);
+    an older torch would give members group ranks in ascending order and the framework would deadlock."""
+    from torch.distributed import distributed_c10d      # torch's own function, whatever wraps the attribute
+    if "sort_ranks" not in inspect.signature(distributed_c10d.new_group).parameters:
+        import torch
+        raise ConfigError(f"torch {torch.__version__} sorts every group's members (its new_group has no "
+                          "sort_ranks), but this plan places ranks out of order", field="torch",
+                          fix="use a torch whose new_group takes sort_ranks (2026 releases; 2.13 is tested), or "
+                              "launch the nodes in the plan's order (launch.node_order) so the plan is the identity")
+
+
+def _shim_backend(policy: Policy) -> Optional[str]:
+    if not policy.shim_checked:
+        policy.shim_checked = True
+        from ..comm import registered_backend     # registers het_shim; imported only for cross-vendor groups
+        policy.shim_backend = registered_backend()
+        if policy.shim_backend is None:
+            policy.warnings.append("a group spans accelerator vendors but this torch did not accept the het_shim "
+                                   "backend; such groups use the default backend")
+    return policy.shim_backend
