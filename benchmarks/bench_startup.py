@@ -63,7 +63,7 @@ from het_plugin.core.planner import make_plan  # noqa: E402
 from het_plugin.runtime import exchange  # noqa: E402
 from het_plugin.runtime.guard import GroupGuard  # noqa: E402
 from het_plugin.runtime.preflight import exchange_check  # noqa: E402
-from het_plugin.runtime.store_counts import CountingStore, StoreCounts  # noqa: E402
+from het_plugin.runtime.store_counts import CountingStore  # noqa: E402
 
 RANKS_PER_NODE = 8
 TIMEOUT_S = 600.0
@@ -155,7 +155,17 @@ def fake_sysfs() -> Path:
     return root
 
 
-def het_plugin_phases(n: int, sysfs: Path, model_name: str) -> tuple[list[Phase], dict]:
+def file_cluster(n: int):
+    """The cluster discovery finds, as a cluster file would give it (the DeepSpeed / cluster-file path)."""
+    from het_plugin.core.inputs.cluster import cluster_from_dict
+    return cluster_from_dict({"name": "bench", "clusters": [{"name": "ib", "fabric": {"type": "ib", "gbps": 800},
+                              "nodes": [{"count": n // RANKS_PER_NODE, "accelerator": "H100",
+                                         "accelerators_per_node": RANKS_PER_NODE,
+                                         "nics": [{"type": "ib", "gbps": 200,
+                                                   "devices": ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]}]}]}]})
+
+
+def het_plugin_phases(n: int, sysfs: Path, model_name: str, discovery: bool = True) -> tuple[list[Phase], dict]:
     exchange.reset_call_counts()
     server = tdist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
     clients = connect(server.port, n)
@@ -170,8 +180,12 @@ def het_plugin_phases(n: int, sysfs: Path, model_name: str) -> tuple[list[Phase]
             found["cluster"] = d.cluster
             found["cluster_bytes"] = len(json.dumps(d.data))
 
-    phases = [run_phase("discovery", stores, discover)]
-    cluster = found["cluster"]
+    if discovery:
+        phases = [run_phase("discovery", stores, discover)]
+        cluster = found["cluster"]
+    else:
+        phases, cluster = [], file_cluster(n)
+        found["cluster_bytes"] = 0
     model = preset_model(model_name).model_copy(update={"global_batch_size": 4 * n})
     c0, t0 = time.process_time(), time.perf_counter()
     plan = make_plan(cluster, model)
@@ -390,6 +404,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--markdown", type=Path, help="write the tables here")
     ap.add_argument("--chart", type=Path, help="draw the chart here (PNG)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each phase, the fastest kept")
+    ap.add_argument("--no-discovery", action="store_true",
+                    help="start at the plan (a cluster file: the DeepSpeed wrapped-config path)")
     args = ap.parse_args(argv)
     global REPEATS
     REPEATS = args.repeats
@@ -400,7 +416,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     text = ""
     for n in sizes:
         before = load()
-        het, sizes_info = het_plugin_phases(n, sysfs, args.model)
+        het, sizes_info = het_plugin_phases(n, sysfs, args.model, discovery=not args.no_discovery)
         ref = torch_reference(n)
         results[n] = {"load_before": before, "load_after": load(), "phases": het, "torch": ref, **sizes_info}
         print(f"N={n}: het_plugin {sum(p.wall_s for p in het):.2f} s ("
