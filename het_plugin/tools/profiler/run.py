@@ -73,7 +73,7 @@ _START_CHECKS = (("on_gpu", "accelerator", "launch the profile on nodes where to
 def _judge_start(views) -> None:
     """Rank 0, before any process group: a rank that refused stops every rank with its reason; views that
     differ (backend, whose layers) stop every rank naming the ranks."""
-    from ..runtime.exchange import first_error
+    from ...runtime.exchange import first_error
     refused = first_error(views)
     if refused is not None:
         if refused.error.get("config"):
