@@ -167,7 +167,7 @@ def pipeline_plan(cluster: Cluster, shape: TinyShape, layers_arg, out_dir: Path,
     speed_layers = split_by_speed(spec.num_layers, [n.accelerator.sustained_flops for n in stage_node])
     plan = planned
     if layers_arg and list(layers_arg) != planned.layers_per_stage:
-        placed = Placement(dims, tuple(planned.rank_of_logical), tuple(cluster.domains))
+        placed = Placement.from_rank_of_logical(dims, planned.rank_of_logical, tuple(cluster.domains))
         plan = assemble_plan(cluster, spec, placed, list(layers_arg), shape.micro_batch_size,
                              overlap_grad_reduce=True)
     path = out_dir / f"plan-hetdp-pipeline{_suffix(framework)}.json"
@@ -240,7 +240,7 @@ def predict_plan(cluster: Cluster, spec, plan: Plan, profile: Profile | None = N
     counts), the plain optimizer the runs use, and the framework's gradient overlap (Megatron's DDP overlaps
     the reduction with the last backward; DeepSpeed's pipeline engine reduces after it)."""
     dims = ParallelDims(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp)
-    placed = Placement(dims, tuple(plan.rank_of_logical), tuple(cluster.domains))
+    placed = Placement.from_rank_of_logical(dims, plan.rank_of_logical, tuple(cluster.domains))
     costs = SplitCosts(spec, analyze(cluster, placed), plan.micro_batch_size, overlap_grad_reduce=overlap_grad_reduce,
                        distributed_optimizer=False, profile=profile)
     if plan.uneven_replicas:

@@ -55,12 +55,12 @@ def rank_two_tier(args) -> dict:
     import het_plugin.comm as comm
     from het_plugin.core.inputs.cluster import cluster_from_dict
     from het_plugin.runtime.netselect import gloo_network
-    from het_plugin.core.ranks.placement import transport
+    from het_plugin.core.ranks.placement import cluster_transport
     cluster = cluster_from_dict(two_tier_cluster(args))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     options = comm.ShimOptions({r: cluster.node_of(r).vendor for r in range(world)},
-                               lambda ranks: transport(cluster, ranks))
+                               lambda ranks: cluster_transport(cluster, ranks))
     with gloo_network("host-staged"):             # as the adapters create host-staged groups
         flat = dist.new_group(list(range(world)), backend="gloo")
         shim = dist.new_group(list(range(world)), backend=comm.SHIM_BACKEND, pg_options=options)

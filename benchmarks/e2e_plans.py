@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from het_plugin.core.cost.predict import predict
-from het_plugin.core.ranks.placement import Placement, baseline_transport, default_placement, transport
+from het_plugin.core.ranks.placement import Placement, baseline_transport, default_placement, cluster_transport
 from het_plugin.core.plan import Plan
 from het_plugin.core.planner import assemble_plan, make_plan, uniform_layers
 from het_plugin.core.inputs.profile import Profile
@@ -149,7 +149,7 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
     plan = _plan(mixed, spec, prof)
     plan_path = out_dir / f"plan-{tag}.json"
     plan.save(plan_path)
-    placed = Placement(dims, tuple(plan.rank_of_logical), tuple(mixed.domains))
+    placed = Placement.from_rank_of_logical(dims, plan.rank_of_logical, tuple(mixed.domains))
     # the interleaved runs' profile: the extra chunk calls' framework overhead on the layers (with_chunk_overhead)
     chunked = with_chunk_overhead(compute, VPP, spec.num_layers // PP)
     prof_vpp = build_profile(chunked, links, "fabric")
@@ -214,8 +214,8 @@ def predict_configs(ratio: float, shape: TinyShape, compute: dict, links: dict, 
     dims = ParallelDims(tp=1, cp=1, pp=PP, dp=DP)
     mb = spec.micro_batch_size
     uniform = uniform_layers(spec.num_layers, PP)
-    placed = Placement(dims, tuple(plan.rank_of_logical), tuple(mixed.domains))
-    placed_vpp = Placement(dims, tuple(plan_vpp.rank_of_logical), tuple(mixed.domains))
+    placed = Placement.from_rank_of_logical(dims, plan.rank_of_logical, tuple(mixed.domains))
+    placed_vpp = Placement.from_rank_of_logical(dims, plan_vpp.rank_of_logical, tuple(mixed.domains))
     fast = fast_cluster(ratio)
     slow = slow_cluster()
     preds = {
@@ -224,19 +224,19 @@ def predict_configs(ratio: float, shape: TinyShape, compute: dict, links: dict, 
         "3-mixed-today": predict(mixed, spec, default_placement(mixed, dims), uniform, mb,
                                  transport_fn=baseline_transport, profile=prof),
         "4p-placement": predict(mixed, spec, placed, uniform, mb, transport_fn=baseline_transport, profile=prof),
-        "4t-place+transport": predict(mixed, spec, placed, uniform, mb, transport_fn=transport, profile=prof),
+        "4t-place+transport": predict(mixed, spec, placed, uniform, mb, transport_fn=cluster_transport, profile=prof),
         "4-het_plugin": predict(mixed, spec, placed, plan.layers_per_stage, plan.micro_batch_size,
-                                transport_fn=transport, overlap_grad_reduce=plan.overlap_grad_reduce,
+                                transport_fn=cluster_transport, overlap_grad_reduce=plan.overlap_grad_reduce,
                                 profile=prof),
         # DeepSpeed's pipeline engine reduces gradients after the last micro-batch: no overlap
         "3-ds": predict(mixed, spec, default_placement(mixed, dims), uniform, mb, transport_fn=baseline_transport,
                         overlap_grad_reduce=False, profile=prof),
-        "4-ds": predict(mixed, spec, placed, plan.layers_per_stage, plan.micro_batch_size, transport_fn=transport,
+        "4-ds": predict(mixed, spec, placed, plan.layers_per_stage, plan.micro_batch_size, transport_fn=cluster_transport,
                         overlap_grad_reduce=False, profile=prof),
         "1v-all-fast+vpp": predict(fast, spec, default_placement(fast, dims), uniform, mb, profile=prof_ref_vpp,
                                    vpp=VPP, overlap_p2p_comm=True),
         "5-het_plugin+vpp": predict(mixed, spec, placed_vpp, plan_vpp.layers_per_stage, plan_vpp.micro_batch_size,
-                                    transport_fn=transport, overlap_grad_reduce=plan_vpp.overlap_grad_reduce,
+                                    transport_fn=cluster_transport, overlap_grad_reduce=plan_vpp.overlap_grad_reduce,
                                     profile=prof_vpp, vpp=VPP, overlap_p2p_comm=plan_vpp.overlap_p2p_comm),
     }
     # het_plugin.core.cost has no CPU per-step overhead (update, zero-grad, loss sync): add the measured one

@@ -133,6 +133,8 @@ def build_profile(cluster, compute: dict[str, DeviceCompute], links: dict[str, d
             prof.add_compute(device, kind, micro_batch_size, 1, max(f, 0.0), max(b, 0.0))
         prof.add_optimizer(device, 1, c.optimizer_s_per_param)
         prof.add_overhead(device, c.overhead_per_step)
+        # measured: the per-micro-batch framework work is in embedding + output above (not the default slot)
+        prof.add_pipeline_slot(device, 0.0)
     fabric = {n.cluster: n.fabric.type for n in cluster.nodes}
     for key, link in links.items():
         curve = [(int(b), float(g)) for b, g in link["bandwidth"]]

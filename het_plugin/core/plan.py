@@ -80,6 +80,10 @@ class Prediction:
     # in dp order; [] when every replica runs the same devices with the same count (then pipeline_s is theirs).
     replica_pipeline_s: list[float] = field(default_factory=list)
     shape: str = ""                    # how a heterogeneous plan spreads over its domains (planner.SHAPE_*)
+    # Where its compute lies outside the measured profile (compute_curve.Extrapolation lines: a micro-batch size
+    # beyond the measured ones, a TP degree not measured, a device type with no entry); [] = all measured or no
+    # format-2 profile. Hashed only when set.
+    extrapolated: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -163,8 +167,14 @@ class Plan:
         return self.is_identity and even
 
     @property
+    def replica_split(self):
+        """The replica split as one value (:class:`het_plugin.core.ranks.batches.ReplicaBatches`)."""
+        from .ranks.batches import ReplicaBatches
+        return ReplicaBatches.of(self.replica_micro_batches, self.dp, self.num_micro_batches, self.micro_batch_size)
+
+    @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.num_micro_batches * self.dp       # = ReplicaBatches' sum of shares
+        return self.replica_split.global_batch_size
 
     @property
     def replica_counts(self) -> list[int]:
@@ -182,14 +192,12 @@ class Plan:
     def replica_samples(self, replica: int) -> tuple[int, int]:
         """[start, stop) of the replica's samples within the global batch: replicas in dp order, each a
         contiguous range, so the samples of one iteration are those of the even split, in the same order."""
-        from .ranks.batches import ReplicaBatches
-        return ReplicaBatches.from_plan(self).samples(replica)
+        return self.replica_split.samples(replica)
 
     def replica_weight(self, replica: int) -> float:
         """The replica's share of the global batch: its gradient (a mean over its own samples) times this,
         summed over replicas, is the gradient of the global batch's mean. 1/dp on the even split."""
-        counts = self.replica_counts
-        return counts[replica] / sum(counts)
+        return self.replica_split.weight(replica)
 
     def coord(self, physical_rank: int) -> dict[str, int]:
         return self.dims.coord(self.logical_of_physical[physical_rank])
@@ -428,18 +436,8 @@ def check_replica_split(replica_micro_batches: Sequence[int], dp: int, num_micro
     counts = list(replica_micro_batches)
     if not counts:
         return
-    fix = "re-create the plan with `het-plugin plan -o` (or remove replica_micro_batches for the even split)"
-    if len(counts) != dp:
-        raise ConfigError(f"replica_micro_batches has {len(counts)} entries for dp={dp} replicas", source=source,
-                          field="replica_micro_batches", fix=fix)
-    for d, n in enumerate(counts):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ConfigError(f"replica {d} has {n!r} micro-batches; each replica needs at least 1", source=source,
-                              field="replica_micro_batches", fix=fix)
-    if sum(counts) != dp * num_micro_batches:
-        raise ConfigError(f"replica_micro_batches {counts} add up to {sum(counts)} micro-batches, the global batch "
-                          f"holds dp x num_micro_batches = {dp} x {num_micro_batches} = {dp * num_micro_batches}",
-                          source=source, field="replica_micro_batches", fix=fix)
+    from .ranks.batches import ReplicaBatches
+    ReplicaBatches.of(counts, dp, num_micro_batches, 1, source)      # the split's own rules: count, sum
     if len(set(counts)) > 1 and vpp > 1:
         raise ConfigError(f"replica_micro_batches {counts} are uneven with an interleaved pipeline (vpp={vpp}): "
                           "Megatron's interleaved schedule groups micro-batches by pipeline size, and a replica with "
@@ -461,7 +459,7 @@ def _drop_zero_alltoall(data: dict) -> None:
     for key in ("prediction", "baseline"):
         if data.get(key) is not None and data[key].get("alltoall_s") == 0.0:
             del data[key]["alltoall_s"]
-        for name, empty in (("replica_pipeline_s", []), ("shape", "")):
+        for name, empty in (("replica_pipeline_s", []), ("shape", ""), ("extrapolated", [])):
             if data.get(key) is not None and data[key].get(name) == empty:
                 del data[key][name]
 

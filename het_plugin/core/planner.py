@@ -15,9 +15,11 @@ from typing import Callable, Optional, Sequence
 
 from . import cost
 from .inputs.cluster import Cluster
+from .inputs.compute_curve import extrapolation_advice
 from .errors import ConfigError
 from .inputs.model import ModelSpec
 from .layer_split import bottleneck, exact_partition, virtual_split
+from .ranks.transport import OVER_SOCKETS
 from .ranks.placement import (
     Placement,
     baseline_transport,
@@ -27,7 +29,7 @@ from .ranks.placement import (
     place,
     place_replicas,
     stage_domains,
-    transport,
+    cluster_transport,
 )
 from .inputs.profile import Profile
 from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction, check_replica_split, replica_split_conflict
@@ -59,12 +61,12 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         raise ValueError(f"layers_per_stage {list(layers_per_stage)} must have {dims.pp} entries summing to "
                          f"{model.num_layers}")
     groups: dict[str, list[GroupPlan]] = {}
-    net = cost.Network(cluster, transport)      # cached transport(): one call per group shape
+    net = cost.Network(cluster, cluster_transport)      # cached nodes_transport(): one call per group shape
     rank_node = cluster.rank_node
     embedding_stages = model.embedding_stages(dims.pp)
     experts = EXPERT_KINDS if (dims.ep, dims.etp) != (1, dims.tp) else ()     # else the same as the dense ones
     for kind in GROUP_KINDS + ("embedding",) + experts:
-        groups[kind] = [GroupPlan(g, net.transport([rank_node[r] for r in g]))
+        groups[kind] = [GroupPlan(g, net.nodes_transport([rank_node[r] for r in g]))
                         for g in placement.physical_groups(kind, embedding_stages)]
     nodes = [NodePlan(n.name, n.cluster, n.fabric.type, n.accelerator.name, n.vendor,
                       cluster.node_first_rank[n.index], n.num_accelerators) for n in cluster.nodes]
@@ -95,7 +97,7 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         cluster_name=cluster.name, cluster_digest=cluster.digest, model=model.model_dump(),
         world_size=dims.world_size, tp=dims.tp, cp=dims.cp, pp=dims.pp, dp=dims.dp, ep=dims.ep, etp=dims.etp,
         order=dims.order, micro_batch_size=micro_batch_size, num_micro_batches=model.global_batch_size // per_mb,
-        rank_of_logical=list(placement.framework_rank_of_logical), layers_per_stage=list(layers_per_stage),
+        rank_of_logical=list(placement.rank_of_logical), layers_per_stage=list(layers_per_stage),
         groups=groups, embedding_stages=list(embedding_stages), nodes=nodes, links=links,
         overlap_grad_reduce=overlap_grad_reduce, vpp=vpp, overlap_p2p_comm=overlap_p2p_comm and vpp > 1,
         layers_per_virtual_stage=virtual_split(layers_per_stage, vpp) if vpp > 1 else [],
@@ -292,7 +294,7 @@ def _spans_domains(analysis: cost.Analysis) -> bool:
     """Some stage's data-parallel groups span domains: two device types in a stage, or a DP group that leaves a
     fabric or a vendor (sockets, the shim)."""
     return (any(len(st.accelerators) > 1 for st in analysis.stages)
-            or bool(analysis.transports.get("dp", set()) & {"socket", "host-staged"}))
+            or bool(analysis.transports.get("dp", set()) & OVER_SOCKETS))
 
 
 def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDims, mb: int,
@@ -393,7 +395,7 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
     speeds = _replica_dealing(cluster)
     least_memory = min(n.accelerator.memory_gib for n in cluster.nodes)
     per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])
-    net = cost.Network(cluster, transport)
+    net = cost.Network(cluster, cluster_transport)
     most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
     dense_key = lambda d: (d.tp, d.cp, d.pp, d.dp, d.order)      # noqa: E731 -- what the placement depends on
     analyses: dict[tuple, list] = {}       # one analysis per dense degrees and domain order, every (ep, etp) on it
@@ -410,19 +412,19 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
             placed = []
             for k, order in enumerate(orders):
                 placement = place(cluster, dims, order)
-                if placement.rank_of_logical in seen:
+                if placement.rank_of_canonical in seen:
                     continue
-                seen.add(placement.rank_of_logical)
-                placed.append((k, cost.analyze(cluster, placement, transport, net)))
+                seen.add(placement.rank_of_canonical)
+                placed.append((k, cost.analyze(cluster, placement, cluster_transport, net)))
             # each domain holds whole pipelines, so the smallest devices must hold a pipeline's stages
             if speeds and dims.pp > 1 and dims.dp > 1 and cost.params_memory_gib(model, dims, True) <= least_memory:
                 for j, together in enumerate(_replicas_together(dims, per_node)):
                     if not _whole_pipelines(cluster, dims, together):
                         continue
                     placement = place_replicas(cluster, dims, orders[0], together)
-                    if placement.rank_of_logical not in seen:
-                        seen.add(placement.rank_of_logical)
-                        placed.append((len(orders) + j, cost.analyze(cluster, placement, transport, net)))
+                    if placement.rank_of_canonical not in seen:
+                        seen.add(placement.rank_of_canonical)
+                        placed.append((len(orders) + j, cost.analyze(cluster, placement, cluster_transport, net)))
             analyses[key] = placed
         for k, dense in analyses[key]:
             analysis = cost.analyze_experts(cluster, dense, dims, net)
@@ -665,7 +667,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     if cluster.is_homogeneous:
         for dist_opt in (False, True):      # Megatron's default first; the distributed optimizer if needed
             planned = _search_default(cluster, model, options, fixed_mb, pp is not None, dist_opt, overlap,
-                                      profile, transport, progress, sched, replica_split)
+                                      profile, cluster_transport, progress, sched, replica_split)
             if planned.best:
                 break
         if not planned.best and planned.closest_overflow is None:
@@ -713,6 +715,10 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
         warnings.append("no framework-default plan fits in memory (uniform layers); no baseline to compare")
     warnings += cost.profile_notes(profile, model, {n.accelerator.name for n in cluster.nodes},
                                    best.micro_batch_size, best.placement.dims.tp)
+    advice = extrapolation_advice(profile, model, {n.accelerator.name for n in cluster.nodes},
+                                  best.micro_batch_size, best.placement.dims.tp) if best.prediction.extrapolated else None
+    if advice:                                # chosen on guessed numbers: say so, and what to measure
+        warnings.append(advice)
     others = list(planned.best[1:])
     if het:     # the best of every other shape too, so the report can say why this shape won
         others += [c for shape, c in sorted(planned.by_shape.items()) if shape != best.shape and c not in others]

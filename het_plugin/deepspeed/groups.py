@@ -15,6 +15,7 @@ import contextlib
 from typing import Iterator, Optional, Sequence
 
 from ..runtime.applied import AppliedPlan
+from ..runtime.patches import PATCHES
 
 
 def new_group(applied: AppliedPlan, ranks: Sequence[int]):
@@ -31,10 +32,9 @@ def planned_groups(applied: AppliedPlan, what: str = "DeepSpeed's PipelineModule
     (runtime.guard): a rank that fails or disappears stops every rank within ``timeout_s`` (None: the
     section's, HET_PLUGIN_TIMEOUT or the default)."""
     import deepspeed.comm as ds_comm
-    original = ds_comm.new_group
-    ds_comm.new_group = lambda ranks: new_group(applied, ranks)
-    try:
+    def planned(_deepspeeds_own):
+        return lambda ranks: new_group(applied, ranks)
+
+    with PATCHES.temporarily("deepspeed.groups", [(ds_comm, "new_group", planned)]):
         with applied.guarding(what, timeout_s=timeout_s):
             yield applied
-    finally:
-        ds_comm.new_group = original

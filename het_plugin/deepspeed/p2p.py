@@ -17,9 +17,11 @@ import functools
 import weakref
 from typing import Any
 
+from ..runtime.patches import PATCHES
+
 # grid -> the pipeline process group its hops use (grids of applied, non-native plans only)
 _routed: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-_WRAPPED = "__het_plugin_wrapped__"
+PATCH_LABEL = "deepspeed.p2p"       # DeepSpeed's pipeline send/recv, over the plan's pipeline groups
 
 
 def route_pipeline_hops(grid, applied) -> bool:
@@ -40,8 +42,7 @@ def pipeline_group_of(grid):
 def _install() -> None:
     from deepspeed.runtime.pipe import p2p
     for name in ("send", "recv"):
-        if getattr(getattr(p2p, name), _WRAPPED, None) is None:
-            setattr(p2p, name, _wrap(getattr(p2p, name), name))
+        PATCHES.apply(p2p, name, functools.partial(_wrap, name=name), label=PATCH_LABEL)
 
 
 def _wrap(original, name: str):
@@ -57,5 +58,4 @@ def _wrap(original, name: str):
         here = p2p._grid.get_stage_id()
         p2p._is_valid_send_recv(*((here, peer_stage) if name == "send" else (peer_stage, here)))
         return getattr(dist, name)(tensor, p2p._grid.stage_to_global(stage_id=peer_stage), group=group)
-    setattr(hop, _WRAPPED, original)
     return hop

@@ -23,12 +23,10 @@ The global rank itself is never relabelled: logs, checkpoints and LOCAL_RANK -> 
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterator, Optional
 
 from ..runtime.applied import AppliedPlan
-
-_lock = threading.Lock()
+from ..runtime.patches import PATCHES
 
 
 @contextlib.contextmanager
@@ -44,46 +42,42 @@ def planned_groups(applied: AppliedPlan, *, parallel_state=None, timeout_s: Opti
     plan = applied.plan
     perm = list(plan.rank_of_logical)
     identity = plan.is_identity
-    RankGenerator = parallel_state.RankGenerator
-    orig_get_ranks = RankGenerator.get_ranks
-    orig_create_group = parallel_state.create_group
 
-    def get_ranks(self, token):
-        ranks = orig_get_ranks(self, token)
-        if identity:
-            return ranks
-        if self.world_size + self.rank_offset > len(perm):
-            raise RuntimeError(f"Megatron asks for ranks up to {self.world_size + self.rank_offset}, "
-                               f"the plan places {len(perm)}")
-        return [[perm[r] for r in group] for group in ranks]
+    def planned_get_ranks(orig_get_ranks):
+        def get_ranks(self, token):
+            ranks = orig_get_ranks(self, token)
+            if identity:
+                return ranks
+            if self.world_size + self.rank_offset > len(perm):
+                raise RuntimeError(f"Megatron asks for ranks up to {self.world_size + self.rank_offset}, "
+                                   f"the plan places {len(perm)}")
+            return [[perm[r] for r in group] for group in ranks]
+        return get_ranks
 
-    def create_group(ranks=None, timeout=None, backend=None, pg_options=None,
-                     use_local_synchronization=False, group_desc=None):
-        def make(spec):
-            orig_new_group = dist.new_group
-            extra = {"sort_ranks": False} if not spec.sort_ranks else {}
+    def planned_create_group(orig_create_group):
+        def create_group(ranks=None, timeout=None, backend=None, pg_options=None,
+                         use_local_synchronization=False, group_desc=None):
+            def make(spec):
+                def ordered(orig_new_group):
+                    extra = {"sort_ranks": False} if not spec.sort_ranks else {}
 
-            def new_group(*args, **kwargs):       # Megatron's create_group passes everything by keyword
-                if not spec.sort_ranks:
-                    kwargs["ranks"] = list(spec.torch_ranks)
-                return orig_new_group(*args, **kwargs, **extra)
+                    def new_group(*args, **kwargs):       # Megatron's create_group passes everything by keyword
+                        if not spec.sort_ranks:
+                            kwargs["ranks"] = list(spec.torch_ranks)
+                        return orig_new_group(*args, **kwargs, **extra)
+                    return new_group
 
-            dist.new_group = new_group
-            try:
-                return orig_create_group(ranks, timeout=spec.timeout, backend=spec.backend,
-                                         pg_options=spec.pg_options,
-                                         use_local_synchronization=use_local_synchronization, group_desc=group_desc)
-            finally:
-                dist.new_group = orig_new_group
+                with PATCHES.temporarily("megatron.groups.new_group", [(dist, "new_group", ordered)]):
+                    return orig_create_group(ranks, timeout=spec.timeout, backend=spec.backend,
+                                             pg_options=spec.pg_options,
+                                             use_local_synchronization=use_local_synchronization,
+                                             group_desc=group_desc)
 
-        return applied.create(make, ranks, backend=backend, pg_options=pg_options, desc=group_desc, timeout=timeout)
+            return applied.create(make, ranks, backend=backend, pg_options=pg_options, desc=group_desc,
+                                  timeout=timeout)
+        return create_group
 
-    with _lock:
-        RankGenerator.get_ranks = get_ranks
-        parallel_state.create_group = create_group
-        try:
-            with applied.guarding("Megatron-Core's initialize_model_parallel", timeout_s=timeout_s):
-                yield applied
-        finally:
-            RankGenerator.get_ranks = orig_get_ranks
-            parallel_state.create_group = orig_create_group
+    with PATCHES.temporarily("megatron.groups", [(parallel_state.RankGenerator, "get_ranks", planned_get_ranks),
+                                                 (parallel_state, "create_group", planned_create_group)]):
+        with applied.guarding("Megatron-Core's initialize_model_parallel", timeout_s=timeout_s):
+            yield applied

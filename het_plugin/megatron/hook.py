@@ -63,10 +63,13 @@ class MegatronArgsFinder(MetaPathFinder):
 
 def patch_arguments_module(module) -> None:
     """Wrap ``parse_args`` of a loaded megatron.training.arguments (idempotent)."""
-    original = getattr(module, "parse_args", None)
-    if original is None or getattr(original, "__het_plugin_wrapped__", None) is not None:
+    if getattr(module, "parse_args", None) is None:
         return
+    from ..runtime.patches import PATCHES
+    PATCHES.apply(module, "parse_args", _wrap_parse_args, label="megatron.hook")
 
+
+def _wrap_parse_args(original):
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         from .args import chain_extra_args_provider
@@ -74,8 +77,7 @@ def patch_arguments_module(module) -> None:
         args = original(chain_extra_args_provider(extra_args_provider), ignore_unknown_args)
         return prepare_args(args)
 
-    parse_args.__het_plugin_wrapped__ = original
-    module.parse_args = parse_args
+    return parse_args
 
 
 def install() -> None:

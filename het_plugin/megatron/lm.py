@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..core.errors import ConfigError, HetPluginError
+from ..runtime.patches import PATCHES
 from .args import DISCOVER, apply_plan_to_args, check_compatible, degrees_given
+
+PATCH_LABEL = "megatron.lm"    # Megatron-LM's init_process_group, initialize_model_parallel, setup_model_and_optimizer
 
 
 @dataclass
@@ -96,10 +99,10 @@ def install_world_group_network() -> None:
     what docs/user-guide.md tells a script that creates the group itself to do. The bare flag plans after
     the group exists: there the pre-flight names the fix."""
     import torch.distributed as dist
-    current = dist.init_process_group
-    if getattr(current, "__het_plugin_wrapped__", None) is not None:
-        return
+    PATCHES.apply(dist, "init_process_group", _world_network_init, label=PATCH_LABEL)
 
+
+def _world_network_init(current):
     def init_process_group(*a, **kw):
         backend = kw.get("backend", a[0] if a else None)
         if (world_needs_own_network(state.plan) and "nccl" in str(backend or "").lower()
@@ -113,9 +116,7 @@ def install_world_group_network() -> None:
                           "'Socket' for it (the plan's groups keep their own networks)", flush=True)
         return current(*a, **kw)
 
-    functools.update_wrapper(init_process_group, current)
-    init_process_group.__het_plugin_wrapped__ = current
-    dist.init_process_group = init_process_group
+    return functools.update_wrapper(init_process_group, current)
 
 
 def check_replica_batch(args: Any, plan: Any) -> None:
@@ -163,30 +164,31 @@ def install_initialize_wrapper() -> None:
     """Route ``parallel_state.initialize_model_parallel`` (what Megatron-LM calls, as ``mpu.``) through het_plugin,
     and megatron.training's ``setup_model_and_optimizer`` through :func:`apply_plan_to_container`."""
     from megatron.core import parallel_state
-    current = parallel_state.initialize_model_parallel
-    if getattr(current, "__het_plugin_wrapped__", None) is None:
-        def planned(*a, **kw):
-            return planned_initialize_model_parallel(*a, **kw)
-
-        functools.update_wrapper(planned, current)
-        planned.__het_plugin_wrapped__ = current
-        parallel_state.initialize_model_parallel = planned
+    PATCHES.apply(parallel_state, "initialize_model_parallel", _planned_initialize, label=PATCH_LABEL)
     # megatron.training's package __init__ imports .training: loaded by the time a script parses arguments.
     training = sys.modules.get("megatron.training.training")
-    setup = getattr(training, "setup_model_and_optimizer", None)
-    if setup is not None and getattr(setup, "__het_plugin_wrapped__", None) is None:
-        def setup_model_and_optimizer(*a, **kw):
-            container = kw.get("cfg_container")
-            if container is not None and state.plan is not None:
-                changes = apply_plan_to_container(container, state.plan)
-                if changes and int(getattr(megatron_args(), "rank", 0) or 0) == 0:
-                    print("het_plugin: pretrain's config container set from the plan: " + ", ".join(changes),
-                          flush=True)
-            return setup(*a, **kw)
+    if getattr(training, "setup_model_and_optimizer", None) is not None:
+        PATCHES.apply(training, "setup_model_and_optimizer", _planned_setup, label=PATCH_LABEL)
 
-        functools.update_wrapper(setup_model_and_optimizer, setup)
-        setup_model_and_optimizer.__het_plugin_wrapped__ = setup
-        training.setup_model_and_optimizer = setup_model_and_optimizer
+
+def _planned_initialize(current):
+    def planned(*a, **kw):
+        return planned_initialize_model_parallel(*a, **kw)
+
+    return functools.update_wrapper(planned, current)
+
+
+def _planned_setup(setup):
+    def setup_model_and_optimizer(*a, **kw):
+        container = kw.get("cfg_container")
+        if container is not None and state.plan is not None:
+            changes = apply_plan_to_container(container, state.plan)
+            if changes and int(getattr(megatron_args(), "rank", 0) or 0) == 0:
+                print("het_plugin: pretrain's config container set from the plan: " + ", ".join(changes),
+                      flush=True)
+        return setup(*a, **kw)
+
+    return functools.update_wrapper(setup_model_and_optimizer, setup)
 
 
 def apply_plan_to_container(container: Any, plan: Any) -> list[str]:

@@ -57,7 +57,7 @@ def forget_plan() -> None:
     global _current
     from . import recorder_hooks as timing
     from .replicas import uninstall as uninstall_replicas
-    timing.uninstall()                # first: its wrappers sit on top of the replica wrappers
+    timing.uninstall()                # in any order: runtime.patches keeps the other label's wrappers
     uninstall_replicas()
     _current = None
 
@@ -97,10 +97,9 @@ def resolve_megatron_launch(source: Union[Plan, Cluster, PathLike, None] = None,
 def original_initialize_model_parallel():
     """parallel_state.initialize_model_parallel with any het_plugin wrapper peeled off."""
     from megatron.core import parallel_state
-    fn = parallel_state.initialize_model_parallel
-    while getattr(fn, "__het_plugin_wrapped__", None) is not None:
-        fn = fn.__het_plugin_wrapped__
-    return fn
+
+    from ..runtime.patches import PATCHES
+    return PATCHES.original(parallel_state, "initialize_model_parallel")
 
 
 def plan_degrees(megatron_kwargs: dict) -> dict[str, Any]:

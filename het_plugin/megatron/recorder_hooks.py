@@ -12,15 +12,16 @@ so a forward or backward span is the stage's compute (and, on the last stage, th
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Optional
 
+from ..runtime.patches import PATCHES
 from ..runtime.recorder import ProfileRecorder, ProfileSettings
 
 STEPS = ("forward_step", "backward_step")
 SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
              "forward_backward_pipelining_with_interleaving")
-MODULE = "megatron.core.pipeline_parallel.schedules"
+
+PATCH_LABEL = "megatron.recorder"     # the timing wrappers on the schedule module's functions
 
 _recorder: Optional[ProfileRecorder] = None
 
@@ -39,7 +40,6 @@ def _timed_step(fn, kind: str):
         with rec.timer.timing(kind):
             return fn(*args, **kwargs)
 
-    step.__het_plugin_timed__ = fn
     return step
 
 
@@ -56,14 +56,7 @@ def _timed_schedule(fn):
         rec.after_iteration()
         return out
 
-    schedule.__het_plugin_timed__ = fn
     return schedule
-
-
-def _untimed(fn):
-    while getattr(fn, "__het_plugin_timed__", None) is not None:
-        fn = fn.__het_plugin_timed__
-    return fn
 
 
 def uninstall() -> None:
@@ -72,13 +65,7 @@ def uninstall() -> None:
     if _recorder is not None:
         _recorder.close()
         _recorder = None
-    schedules = sys.modules.get(MODULE)
-    if schedules is None:
-        return
-    for name in STEPS + SCHEDULES:
-        fn = getattr(schedules, name, None)
-        if fn is not None:
-            setattr(schedules, name, _untimed(fn))
+    PATCHES.undo(PATCH_LABEL)
 
 
 def install(plan, rank: int, settings: ProfileSettings, framework: str = "Megatron") -> ProfileRecorder:
@@ -90,9 +77,8 @@ def install(plan, rank: int, settings: ProfileSettings, framework: str = "Megatr
     from ..runtime.recorder import default_store
     _recorder = ProfileRecorder(plan, rank, settings, framework, store=default_store())
     for name in STEPS:
-        setattr(schedules, name, _timed_step(getattr(schedules, name), name.split("_")[0]))
+        PATCHES.apply(schedules, name, functools.partial(_timed_step, kind=name.split("_")[0]), label=PATCH_LABEL)
     for name in SCHEDULES:
-        fn = getattr(schedules, name, None)
-        if fn is not None:
-            setattr(schedules, name, _timed_schedule(fn))
+        if getattr(schedules, name, None) is not None:
+            PATCHES.apply(schedules, name, _timed_schedule, label=PATCH_LABEL)
     return _recorder

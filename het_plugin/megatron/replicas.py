@@ -33,11 +33,13 @@ import sys
 from typing import Any, Optional
 
 from ..core.errors import ConfigError
+from ..runtime.patches import PATCHES
 from ..runtime.replicas import ReplicaShare
 
 SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
              "forward_backward_pipelining_with_interleaving")
 SOURCE = "Megatron forward_backward_func"
+PATCH_LABEL = "megatron.replicas"      # the schedules and Megatron-LM's sampler, for an uneven plan
 
 
 def replica_share() -> Optional[ReplicaShare]:
@@ -94,9 +96,6 @@ def _counting_step(forward_step_func, share: ReplicaShare, chunks: int):
 
 def wrap_schedule(schedule):
     """One schedule function, running this rank's replica count and weight (module docstring)."""
-    if getattr(schedule, "__het_plugin_wrapped__", None) is not None:
-        return schedule
-
     @functools.wraps(schedule)
     def replica_schedule(*args, **kwargs):
         share = replica_share()
@@ -115,7 +114,6 @@ def wrap_schedule(schedule):
         with _ScaledGrads(config, share.loss_scale):
             return schedule(**kwargs)
 
-    replica_schedule.__het_plugin_wrapped__ = schedule
     return replica_schedule
 
 
@@ -133,12 +131,6 @@ def _check_no_cross_replica_collectives(config, share: ReplicaShare) -> None:
                               "--replica-split even)")
 
 
-def _unwrapped(fn):
-    while getattr(fn, "__het_plugin_wrapped__", None) is not None:
-        fn = fn.__het_plugin_wrapped__
-    return fn
-
-
 def install(plan) -> None:
     """Wrap the schedules (and Megatron-LM's sampler, when megatron.training is loaded) for an uneven plan;
     restore Megatron's own for an even one (a process may apply several plans, e.g. tests)."""
@@ -151,18 +143,16 @@ def uninstall() -> None:
 
 
 def _wrap(uneven: bool) -> None:
-    if not uneven and "megatron.core.pipeline_parallel.schedules" not in sys.modules:
-        return            # nothing was wrapped: an even plan imports nothing
+    if not uneven:
+        PATCHES.undo(PATCH_LABEL)      # nothing was wrapped: an even plan imports nothing
+        return
     from megatron.core.pipeline_parallel import schedules
     for name in SCHEDULES:
-        fn = getattr(schedules, name, None)
-        if fn is not None:
-            setattr(schedules, name, wrap_schedule(fn) if uneven else _unwrapped(fn))
+        if getattr(schedules, name, None) is not None:
+            PATCHES.apply(schedules, name, wrap_schedule, label=PATCH_LABEL)
     samplers = sys.modules.get("megatron.training.datasets.data_samplers")
     if samplers is not None:
-        current = samplers.MegatronPretrainingSampler
-        original = getattr(current, "__het_plugin_original__", current)
-        samplers.MegatronPretrainingSampler = replica_sampler_class(original) if uneven else original
+        PATCHES.apply(samplers, "MegatronPretrainingSampler", replica_sampler_class, label=PATCH_LABEL)
 
 
 # ---- data ------------------------------------------------------------------------------------------
@@ -188,8 +178,6 @@ def replica_sampler_class(base):
     each global batch; constructed as Megatron-LM's data loader constructs the original."""
 
     class ReplicaPretrainingSampler(base):
-        __het_plugin_original__ = base
-
         def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
                      data_parallel_size, drop_last=True, **kwargs: Any):
             super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,

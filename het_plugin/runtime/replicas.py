@@ -16,34 +16,52 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..core.errors import ConfigError
+from ..core.ranks.batches import ReplicaBatches
 
 FIX_PLAN = "launch with the plan's global batch and micro-batch size, or re-create the plan for this launch"
 
 
 @dataclass(frozen=True)
 class ReplicaShare:
-    """One rank's replica and what the plan gives it per iteration."""
+    """One rank's replica of the plan's replica split (:class:`ReplicaBatches`: the one value the counts,
+    the global batch, the weights and the sample ranges come from)."""
     replica: int                 # the rank's dp coordinate in the plan
-    count: int                   # micro-batches this replica runs per iteration
-    even_count: int              # the plan's num_micro_batches: what every replica runs on the even split
-    dp: int
-    micro_batch_size: int
-    samples: tuple[int, int]     # [start, stop) of the replica's samples within one global batch
-    uneven: bool                 # the plan's replicas run different counts
-    counts: tuple[int, ...] = ()  # every replica's count, in dp order
+    batches: ReplicaBatches      # every replica's micro-batches per iteration, and their size
 
     @classmethod
     def from_plan(cls, plan, rank: int) -> "ReplicaShare":
-        d = plan.replica_of(rank)
-        return cls(replica=d, count=plan.replica_counts[d], even_count=plan.num_micro_batches, dp=plan.dp,
-                   micro_batch_size=plan.micro_batch_size, samples=tuple(plan.replica_samples(d)),
-                   uneven=plan.uneven_replicas, counts=tuple(plan.replica_counts))
+        return cls(replica=plan.replica_of(rank), batches=plan.replica_split)
 
     @property
-    def batches(self):
-        """Every replica's micro-batches per iteration (het_plugin.core.ranks.batches.ReplicaBatches: what samplers read)."""
-        from ..core.ranks.batches import ReplicaBatches
-        return ReplicaBatches(self.counts, self.micro_batch_size)
+    def count(self) -> int:
+        """Micro-batches this replica runs per iteration."""
+        return self.batches.counts[self.replica]
+
+    @property
+    def even_count(self) -> int:
+        """The plan's num_micro_batches: what every replica runs on the even split."""
+        return self.batches.even_count
+
+    @property
+    def dp(self) -> int:
+        return self.batches.dp
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batches.micro_batch_size
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return self.batches.counts
+
+    @property
+    def uneven(self) -> bool:
+        return self.batches.uneven
+
+    @property
+    def samples(self) -> tuple[int, int]:
+        """[start, stop) of the replica's samples within one global batch."""
+        return self.batches.samples(self.replica)
 
     @property
     def local_train_batch_size(self) -> int:
@@ -53,18 +71,18 @@ class ReplicaShare:
 
     @property
     def global_batch_size(self) -> int:
-        return self.dp * self.even_count * self.micro_batch_size
+        return self.batches.global_batch_size
 
     @property
     def weight(self) -> float:
         """The replica's share of the global batch (``Plan.replica_weight``): 1/dp on the even split."""
-        return self.count / (self.dp * self.even_count)
+        return self.batches.weight(self.replica)
 
     @property
     def loss_scale(self) -> float:
         """Factor on this replica's loss when the framework divides by the replica's own count and averages
         over dp replicas: ``count / even_count`` (1.0 on the even split)."""
-        return self.count / self.even_count
+        return self.batches.loss_scale(self.replica)
 
     def describe(self) -> str:
         start, stop = self.samples

@@ -113,6 +113,11 @@ def _prediction_lines(p: Prediction, indent: str = "  ", memory: bool = True) ->
         parts.append(f"expert all-to-all {_fmt_s(alltoall)} ({alltoall / p.iteration_s:.1%} of the iteration)")
     if parts:
         lines.append(indent + ", ".join(parts))
+    extrapolated = getattr(p, "extrapolated", [])
+    if extrapolated:
+        lines.append(f"{indent}extrapolated: {len(extrapolated)} compute entr{'y' if len(extrapolated) == 1 else 'ies'}"
+                     " outside the measured profile:")
+        lines.extend(f"{indent}  {line}" for line in extrapolated)
     if memory and p.memory_gib_per_stage:
         lines.append(f"{indent}memory per rank, by stage (used / capacity):")
         caps = p.capacity_gib_per_stage or [None] * len(p.memory_gib_per_stage)

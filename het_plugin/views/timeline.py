@@ -69,13 +69,7 @@ def simulate_1f1b_ops(fwd: Sequence[float], bwd: Sequence[float], send: Sequence
 
 def placement_of(plan: Plan) -> Placement:
     """The plan's placement as the cost model reads it (default-order numbering)."""
-    dims = plan.dims
-    if dims.is_default_order:
-        return Placement(dims, tuple(plan.rank_of_logical), ())
-    canonical = [0] * plan.world_size
-    for framework_rank, canonical_rank in enumerate(dims.to_canonical()):
-        canonical[canonical_rank] = plan.rank_of_logical[framework_rank]
-    return Placement(dims, tuple(canonical), ())
+    return Placement.from_rank_of_logical(plan.dims, plan.rank_of_logical)
 
 
 def split_costs(plan: Plan, cluster, profile: Optional[Profile] = None) -> cost.SplitCosts:

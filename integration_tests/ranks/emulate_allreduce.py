@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from het_plugin.core.inputs.cluster import load_cluster
 from het_plugin.runtime.netselect import gloo_network
-from het_plugin.core.ranks.placement import transport
+from het_plugin.core.ranks.placement import cluster_transport
 from integration_tests.support.launch import arm_watchdog, report
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     transports = {}
     for name in cluster.cluster_names:
         ranks = [r for r in range(world) if cluster.node_of(r).cluster == name]
-        kind = transport(cluster, ranks)
+        kind = cluster_transport(cluster, ranks)
         with gloo_network(kind):
             g = dist.new_group(ranks)
         transports[name] = kind

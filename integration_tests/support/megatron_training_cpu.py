@@ -217,7 +217,8 @@ def rank_report(namespace: dict) -> dict:
         None if args.pipeline_model_parallel_layout is None else str(args.pipeline_model_parallel_layout))
     out["flag_in_args"] = hasattr(args, "heterogeneous_nic")
     from megatron.training import arguments
-    out["parse_args_wrapped"] = getattr(arguments.parse_args, "__het_plugin_wrapped__", None) is not None
+    patches = sys.modules.get("het_plugin.runtime.patches")       # loaded only where the hook wrapped parse_args
+    out["parse_args_wrapped"] = patches is not None and "megatron.hook" in patches.PATCHES.labels(arguments, "parse_args")
     out["het_plugin_imported"] = sorted(m for m in sys.modules if m.split(".")[0] == "het_plugin")
     core = sys.modules.get("het_plugin.megatron.mcore")
     applied = core.current_plan() if core is not None else None

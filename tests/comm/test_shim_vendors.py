@@ -42,14 +42,14 @@ def test_set_vendor_map_accepts_list_and_mapping_and_rejects_bad_keys():
 def test_shim_options_from_a_plan_carry_vendors_and_the_plan_transport_rule(examples_dir):
     from het_plugin.core.inputs.cluster import load_cluster
     from het_plugin.core.inputs.model import preset_model
-    from het_plugin.core.ranks.placement import transport
+    from het_plugin.core.ranks.placement import cluster_transport
     from het_plugin.core.planner import make_plan
     cluster = load_cluster(examples_dir / "clusters" / "hethub-mix.yaml")
     plan = make_plan(cluster, preset_model("gpt-7.5b"))
     options = V.ShimOptions.from_plan(plan)
     assert options.vendors == {r: cluster.node_of(r).vendor for r in range(cluster.world_size)}
     for ranks in ([0, 1], [0, 8], [0, cluster.world_size - 1], list(range(0, cluster.world_size, 7))):
-        assert options.transport_of(ranks) == transport(cluster, ranks)
+        assert options.transport_of(ranks) == cluster_transport(cluster, ranks)
 
 
 def test_belief_sources_in_priority_order():

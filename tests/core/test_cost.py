@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from het_plugin.core import cost
 from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
 from het_plugin.core.inputs.model import preset_model
-from het_plugin.core.ranks.placement import baseline_transport, default_placement, place, transport
+from het_plugin.core.ranks.placement import baseline_transport, default_placement, place, cluster_transport
 from het_plugin.core.ranks.dims import ParallelDims
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -76,7 +76,7 @@ def test_schedule_order_is_megatrons_one_f_one_b():
 
 def test_socket_transport_uses_the_ethernet_nic_inside_an_rdma_cluster(holmes):
     dims = ParallelDims(tp=8, pp=2, dp=4)
-    right = cost.analyze(holmes, place(holmes, dims), transport)
+    right = cost.analyze(holmes, place(holmes, dims), cluster_transport)
     forced = cost.analyze(holmes, default_placement(holmes, dims), baseline_transport)
     ib_level = right.stages[0].dp_paths[0].levels[-1]
     assert ib_level.tier.kind == "ib" and ib_level.tier.gbps == 800
@@ -96,11 +96,11 @@ def test_socket_without_an_ethernet_nic_falls_back_to_the_slowest_inter_cluster_
 
 def test_dp_group_spanning_two_fabrics_reduces_hierarchically_and_slower(holmes):
     # pp=1, tp=8: every DP group spans all 8 nodes, so it crosses the 25 GbE link between the clusters
-    wide = cost.analyze(holmes, place(holmes, ParallelDims(tp=8, dp=8)), transport)
+    wide = cost.analyze(holmes, place(holmes, ParallelDims(tp=8, dp=8)), cluster_transport)
     levels = wide.stages[0].dp_paths[0].levels
     assert [lv.members for lv in levels] == [4, 2]                       # 4 nodes per cluster, 2 clusters
     assert levels[1].tier.gbps == 25
-    narrow = cost.analyze(holmes, place(holmes, ParallelDims(tp=8, pp=2, dp=4)), transport)
+    narrow = cost.analyze(holmes, place(holmes, ParallelDims(tp=8, pp=2, dp=4)), cluster_transport)
     nbytes = 1e9
     assert wide.stages[0].dp_paths[0].allreduce_s(nbytes) > 5 * narrow.stages[0].dp_paths[0].allreduce_s(nbytes)
 
@@ -122,7 +122,7 @@ def test_ring_allreduce_latency_bandwidth():
 
 
 def test_pipeline_hop_between_clusters_uses_the_ethernet_link(holmes):
-    a = cost.analyze(holmes, place(holmes, ParallelDims(tp=8, pp=2, dp=4)), transport)
+    a = cost.analyze(holmes, place(holmes, ParallelDims(tp=8, pp=2, dp=4)), cluster_transport)
     (tier, share, staged), = a.stages[0].hop_next
     assert tier.kind in ("ethernet", "socket") and tier.gbps == 25 and share == 8 and not staged
 
@@ -168,7 +168,7 @@ def test_distributed_optimizer_saves_optimizer_state_across_dp(holmes, gpt7):
 
 
 def test_first_stage_holds_pp_micro_batches_and_the_last_one(holmes, gpt7):
-    a = cost.analyze(holmes, place(holmes, ParallelDims(tp=2, pp=4, dp=8)), transport)
+    a = cost.analyze(holmes, place(holmes, ParallelDims(tp=2, pp=4, dp=8)), cluster_transport)
     sts = cost.SplitCosts(gpt7, a, 1).stages
     assert [st.in_flight for st in sts] == [4, 3, 2, 1]
     assert sts[0].fixed_params > 0 and sts[-1].fixed_params > 0 and sts[1].fixed_params == 0
@@ -179,7 +179,7 @@ def test_faster_devices_predict_faster_layers(gpt7):
     def layer_time(acc):
         cl = cluster_from_dict({"clusters": [{"name": "c", "fabric": {"type": "ib", "gbps": 200},
                                               "nodes": [{"count": 1, "accelerator": acc, "accelerators_per_node": 8}]}]})
-        a = cost.analyze(cl, default_placement(cl, ParallelDims(tp=8)), transport)
+        a = cost.analyze(cl, default_placement(cl, ParallelDims(tp=8)), cluster_transport)
         return cost.SplitCosts(gpt7, a, 1).stages[0].layer_fwd_s
     assert layer_time("H100") < layer_time("A100-80")
 
@@ -189,7 +189,7 @@ def test_faster_devices_predict_faster_layers(gpt7):
 
 def test_split_costs_predicts_what_predict_does(holmes, gpt7):
     placement = place(holmes, ParallelDims(tp=4, pp=2, dp=8))
-    split = cost.SplitCosts(gpt7, cost.analyze(holmes, placement, transport), 2, distributed_optimizer=True)
+    split = cost.SplitCosts(gpt7, cost.analyze(holmes, placement, cluster_transport), 2, distributed_optimizer=True)
     assert split.num_micro_batches == gpt7.global_batch_size // 16
     assert split.predict([20, 16], "x") == cost.predict(holmes, gpt7, placement, [20, 16], 2,
                                                         distributed_optimizer=True, description="x")
@@ -205,7 +205,7 @@ def test_split_costs_predicts_what_predict_does(holmes, gpt7):
 def test_split_costs_memory_cap_is_where_overflow_starts(gpt7):
     small = cluster_from_dict({"clusters": [{"name": "c", "fabric": {"type": "ib", "gbps": 200},
                                              "nodes": [{"count": 1, "accelerator": "A100-40", "accelerators_per_node": 8}]}]})
-    a = cost.analyze(small, default_placement(small, ParallelDims(pp=2, dp=4)), transport)
+    a = cost.analyze(small, default_placement(small, ParallelDims(pp=2, dp=4)), cluster_transport)
     split = cost.SplitCosts(gpt7, a, 1)
     cap = split.max_layers()[0]
     assert 0 <= cap < gpt7.num_layers

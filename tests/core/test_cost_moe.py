@@ -7,7 +7,7 @@ import pytest
 from het_plugin.core import cost
 from het_plugin.core.inputs.cluster import load_cluster
 from het_plugin.core.inputs.model import ModelSpec
-from het_plugin.core.ranks.placement import Placement, place, transport
+from het_plugin.core.ranks.placement import Placement, place, cluster_transport
 from het_plugin.core.ranks.dims import ParallelDims
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -27,7 +27,7 @@ def moe(**kw) -> ModelSpec:
 
 
 def stages(cluster, model, placement, mb=1):
-    analysis = cost.analyze(cluster, placement, transport)
+    analysis = cost.analyze(cluster, placement, cluster_transport)
     return cost.SplitCosts(model, analysis, mb).stages
 
 
@@ -68,8 +68,8 @@ def test_alltoall_inside_a_node_beats_one_over_the_fabric_and_one_over_ethernet(
     t = {name: stages(holmes, moe(), p)[0].alltoall_per_layer_s
          for name, p in (("inside", inside), ("fabric", fabric), ("ethernet", ethernet))}
     assert t["inside"] < t["fabric"] < t["ethernet"]
-    assert cost.analyze(holmes, ethernet, transport).transports["expert-ep"] == {"socket"}
-    assert cost.analyze(holmes, inside, transport).transports["expert-ep"] == {"local"}
+    assert cost.analyze(holmes, ethernet, cluster_transport).transports["expert-ep"] == {"socket"}
+    assert cost.analyze(holmes, inside, cluster_transport).transports["expert-ep"] == {"local"}
 
 
 def test_alltoall_shows_in_the_prediction(holmes):
@@ -115,9 +115,9 @@ def test_expert_gradients_are_reduced_over_expert_dp(holmes):
     model = moe(moe_ffn_hidden_size=4096)
     # ep = the whole stage: expert-dp is 1, the experts' gradients need no reduction
     whole = cost.SplitCosts(model, cost.analyze(holmes, place(holmes, ParallelDims(tp=1, pp=2, dp=32, ep=32, etp=1)),
-                                                transport), 1).stages[0]
+                                                cluster_transport), 1).stages[0]
     node = cost.SplitCosts(model, cost.analyze(holmes, place(holmes, ParallelDims(tp=1, pp=2, dp=32, ep=8, etp=1)),
-                                               transport), 1).stages[0]
+                                               cluster_transport), 1).stages[0]
     assert whole.expert_dp == 1 and node.expert_dp == 4
     dense_only = cost.stage._dp_reduce_s(whole, 4, 32, False, None)
     with_experts = cost.stage._dp_reduce_s(node, 4, 32, False, None)

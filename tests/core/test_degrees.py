@@ -22,7 +22,7 @@ def test_minus_one_is_inferred_from_the_others():
     (dict(tp=True), "tp", "tp=True is not a positive integer"),
     (dict(pp=0), "pp", "pp=0 is not a positive integer"),
     (dict(cp=-1), "cp", "cp=-1 is not a positive integer"),          # only tp, pp, dp are searched
-    (dict(tp=2, pp=2, dp=4, ep=16), "ep", "etp*ep = 2*16 does not divide tp, cp, dp product 8"),
+    (dict(tp=2, pp=2, dp=4, ep=16), "ep", "etp*ep = 2*16 does not divide tp*cp*dp = 8"),
     (dict(tp=2, pp=2, dp=4, ep=2, order="tp-cp-dp-pp"), "order", "leaves out ep"),
 ])
 def test_bad_degrees_name_the_field(kwargs, field, words):

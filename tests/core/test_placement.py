@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from het_plugin.core.inputs.cluster import cluster_from_dict  # noqa: E402
-from het_plugin.core.ranks.placement import default_placement, domain_orders, place, stage_domains, transport
+from het_plugin.core.ranks.placement import default_placement, domain_orders, place, stage_domains, cluster_transport
 from het_plugin.core.ranks.dims import GROUP_KINDS, ParallelDims  # noqa: E402
 
 PARTS = ["A100-80", "H100", "MI250X", "MI300X", "other-vendor"]
@@ -61,7 +61,7 @@ PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthC
 @given(placed())
 def test_placement_is_a_permutation(case):
     cluster, dims, p = case
-    assert sorted(p.rank_of_logical) == list(range(cluster.world_size))
+    assert sorted(p.rank_of_canonical) == list(range(cluster.world_size))
 
 
 @PROPS
@@ -85,7 +85,7 @@ def test_tp_and_cp_never_span_nodes_or_vendors(case):
     for kind in ("tp", "cp", "tp-cp"):
         for g in p.physical_groups(kind):
             assert len({cluster.rank_node[r] for r in g}) == 1, (kind, g)
-            assert transport(cluster, g) == "local"
+            assert cluster_transport(cluster, g) == "local"
 
 
 @PROPS
@@ -103,7 +103,7 @@ def test_dp_stays_in_one_domain_when_the_degrees_allow(case):
         for g in p.physical_groups(kind):
             nodes = [cluster.node_of(r) for r in g]
             assert len({n.domain for n in nodes}) == 1, (kind, g)
-            t = transport(cluster, g)
+            t = cluster_transport(cluster, g)
             fabric = nodes[0].fabric.type
             assert t == "local" or t == (fabric if fabric != "ethernet" else "socket"), (kind, t, fabric)
 
@@ -125,7 +125,7 @@ def test_transport_matches_the_members(case):
     for kind in ("dp", "pp", "embedding"):
         for g in p.physical_groups(kind):
             nodes = [cluster.node_of(r) for r in g]
-            t = transport(cluster, g)
+            t = cluster_transport(cluster, g)
             if len({n.index for n in nodes}) == 1:
                 assert t == "local"
             elif len({n.vendor for n in nodes}) > 1:
@@ -157,8 +157,8 @@ def test_holmes_shape_keeps_tp_dp_inside_fabrics(examples_dir):
     cluster = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
     p = place(cluster, ParallelDims(tp=8, pp=2, dp=4))
     for kind, expected in (("tp", {"local"}), ("dp", {"ib", "roce"})):
-        assert {transport(cluster, g) for g in p.physical_groups(kind)} == expected
-    assert {transport(cluster, g) for g in p.physical_groups("pp")} == {"socket"}
+        assert {cluster_transport(cluster, g) for g in p.physical_groups(kind)} == expected
+    assert {cluster_transport(cluster, g) for g in p.physical_groups("pp")} == {"socket"}
     # stage 0 in the IB cluster, stage 1 in the RoCE cluster
     assert [[cluster.node_of(r).cluster for r in p.stage_ranks(s)][0] for s in range(2)] == ["ib", "roce"]
 
@@ -193,7 +193,7 @@ def test_baseline_forces_sockets_on_mixed_fabrics(examples_dir):
     holmes = load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml")
     homog = load_cluster(examples_dir / "clusters" / "homogeneous-ib.yaml")
     ib_ranks = list(range(0, 32, 8))
-    assert transport(holmes, ib_ranks) == "ib" and baseline_transport(holmes, ib_ranks) == "socket"
+    assert cluster_transport(holmes, ib_ranks) == "ib" and baseline_transport(holmes, ib_ranks) == "socket"
     assert baseline_transport(homog, ib_ranks) == "ib"
 
 

@@ -19,7 +19,7 @@ from het_plugin.core.plan import FORMAT_VERSION, Plan, Prediction, looks_like_pl
 from het_plugin.core.planner import assemble_plan, make_plan  # noqa: E402
 from het_plugin.core.ranks.dims import GROUP_KINDS  # noqa: E402
 
-from test_placement import placed  # noqa: E402  (tests/ is on sys.path under pytest)
+from tests.core.test_placement import placed  # noqa: E402  (tests/ is on sys.path under pytest)
 
 finite = st.floats(min_value=0, max_value=1e7, allow_nan=False, allow_infinity=False)
 
@@ -214,7 +214,7 @@ def test_malformed_json_plan_names_the_line(tmp_path):
 def test_planner_output_on_random_clusters(data):
     """Whatever the planner picks: a permutation, complete disjoint groups, TP inside a node, and the
     same plan again for the same input -- or a ConfigError, never another exception."""
-    from test_placement import clusters
+    from tests.core.test_placement import clusters
     cluster = data.draw(clusters(max_clusters=2))
     model = ModelSpec(name="small", num_layers=24, hidden_size=512, num_attention_heads=8, vocab_size=1000,
                       seq_length=256, global_batch_size=96)

@@ -40,7 +40,9 @@ def results(profile: Profile) -> dict:
         layers = [model.num_layers // d.pp] * d.pp
         pred = cost.predict(holmes, model, place(holmes, d), layers, mb, distributed_optimizer=dist_opt,
                             profile=profile, vpp=vpp)
-        out[f"{dims} mb={mb} distopt={dist_opt} vpp={vpp}"] = json.loads(json.dumps(asdict(pred), default=repr))
+        fields = asdict(pred)
+        assert fields.pop("extrapolated") == []        # added with issue 23; format 1 never extrapolates (frozen)
+        out[f"{dims} mb={mb} distopt={dist_opt} vpp={vpp}"] = json.loads(json.dumps(fields, default=repr))
     for name in ("holmes-ib-roce", "two-clusters-25gbe"):
         cluster = load_cluster(ROOT / "examples" / "clusters" / f"{name}.yaml")
         out[f"plan {name}"] = make_plan(cluster, model, tp=4, profile=profile).hash

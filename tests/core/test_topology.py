@@ -145,5 +145,5 @@ def test_orders_and_expert_sizes_megatron_refuses_are_refused():
         ParallelDims(tp=2, dp=4, ep=2, order="tp-cp-dp-pp")
     with pytest.raises(ValueError, match="at most once"):
         ParallelDims(order="tp-tp-dp-pp")
-    with pytest.raises(ValueError, match="etp\\*ep = 2\\*4 to divide tp\\*cp\\*dp = 4"):
+    with pytest.raises(ValueError, match="etp\\*ep = 2\\*4 does not divide tp\\*cp\\*dp = 4"):
         ParallelDims(tp=2, dp=2, ep=4)

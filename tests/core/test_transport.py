@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from het_plugin.core.inputs.cluster import cluster_from_dict
 from het_plugin.core.errors import ConfigError
 from het_plugin.core.inputs.model import ModelSpec
-from het_plugin.core.ranks.placement import place, transport
+from het_plugin.core.ranks.placement import place, cluster_transport
 from het_plugin.core.plan import FORMAT_VERSION, Plan
 from het_plugin.core.planner import assemble_plan
 from het_plugin.core.ranks.dims import ParallelDims
 from het_plugin.core.ranks.transport import Member, transport_rule
 
-from test_placement import placed  # noqa: E402  (tests/ is on sys.path under pytest)
+from tests.core.test_placement import placed  # noqa: E402  (tests/ is on sys.path under pytest)
 
 KINDS = {("a", "a"): "ib", ("b", "b"): "roce", ("c", "c"): "ib", ("e", "e"): "ethernet",
          ("a", "b"): "ethernet", ("a", "c"): "ib", ("a", "e"): "ethernet", ("b", "c"): "ethernet",
@@ -63,7 +63,7 @@ def test_plan_uses_the_cluster_links_for_groups_it_does_not_list():
     plan = _plan(cluster, ParallelDims(tp=2, pp=2, dp=2))
     world = list(range(plan.world_size))
     assert frozenset(world) not in plan._transport_by_members       # not a planned group: the rule decides
-    assert plan.transport_of(world) == transport(cluster, world) == "ib"
+    assert plan.transport_of(world) == cluster_transport(cluster, world) == "ib"
     loaded = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert loaded.transport_of(world) == "ib"
 
@@ -75,8 +75,8 @@ def test_plan_and_planner_agree_on_any_rank_set(case, data):
     plan = _plan(cluster, dims, placement.domain_order)
     for _ in range(5):
         ranks = data.draw(st.lists(st.integers(0, cluster.world_size - 1), min_size=1, max_size=8, unique=True))
-        assert plan.transport_of(ranks) == transport(cluster, ranks)
-        assert plan.rule_transport(ranks) == transport(cluster, ranks)
+        assert plan.transport_of(ranks) == cluster_transport(cluster, ranks)
+        assert plan.rule_transport(ranks) == cluster_transport(cluster, ranks)
 
 
 def test_an_older_plan_names_both_versions_and_the_fix():

@@ -226,8 +226,8 @@ def test_resolve_derives_the_planning_model_from_the_layers(cluster_file):
 
 
 def test_resolve_auto_plans_from_discovery(monkeypatch):
-    import het_plugin.core.launch as resolve_mod
-    monkeypatch.setattr(resolve_mod, "discover", lambda: cluster_from_dict(hetero_cluster()))
+    import het_plugin.deepspeed.plan_source as plan_source      # discovery is passed into core.launch from here
+    monkeypatch.setattr(plan_source, "discover_cluster", lambda: cluster_from_dict(hetero_cluster()))
     section = section_of(wrap(DS, "auto", TINY, pp=2))
     plan = resolve_section_plan(section, SHAPE)
     assert plan.cluster_name == "het" and plan.world_size == 4 and plan.pp == 2

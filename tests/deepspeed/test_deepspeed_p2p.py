@@ -84,6 +84,7 @@ def test_other_grids_keep_deepspeeds_behaviour_after_routing(calls):
     p2p._grid = plain
     p2p.send(None, 1)
     assert calls == [("send", 3, None)]
-    assert getattr(p2p.send, "__het_plugin_wrapped__") is not None
+    from het_plugin.runtime.patches import PATCHES
+    assert PATCHES.labels(p2p, "send") == [hop.PATCH_LABEL]
     hop._install()                                                  # idempotent: wrapped once
-    assert getattr(p2p.send.__het_plugin_wrapped__, "__het_plugin_wrapped__", None) is None
+    assert PATCHES.labels(p2p, "send") == [hop.PATCH_LABEL]

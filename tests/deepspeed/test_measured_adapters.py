@@ -10,8 +10,8 @@ from het_plugin.deepspeed import SECTION, HetSection, wrap
 from het_plugin.core.errors import ConfigError
 from het_plugin.megatron import args as hargs
 from het_plugin.runtime.recorder import ProfileSettings
-from test_deepspeed_config import DS, TINY, cluster_file  # noqa: F401  (fixture)
-from test_measured import FakeClock
+from tests.deepspeed.test_deepspeed_config import DS, TINY, cluster_file  # noqa: F401  (fixture)
+from tests.core.test_measured import FakeClock
 
 
 # ---- Megatron-LM flags ---------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def test_megatron_hooks_time_training_iterations_only_and_come_off(fake_schedule
     from het_plugin.megatron import recorder_hooks as timing
     from het_plugin.core.inputs.cluster import load_cluster
     from het_plugin.core.planner import make_plan
-    from test_measured import IB_ROCE_4, tiny_model
+    from tests.core.test_measured import IB_ROCE_4, tiny_model
     schedules, calls = fake_schedules
     plan = make_plan(load_cluster(IB_ROCE_4), tiny_model(), tp=1, pp=2)
     originals = {n: getattr(schedules, n) for n in timing.STEPS + timing.SCHEDULES}
@@ -160,7 +160,7 @@ def test_deepspeed_engine_hooks_end_an_iteration_at_the_accumulation_boundary(tm
     from het_plugin.runtime.recorder import ProfileRecorder
     from het_plugin.core.inputs.cluster import load_cluster
     from het_plugin.core.planner import make_plan
-    from test_measured import IB_ROCE_4, tiny_model
+    from tests.core.test_measured import IB_ROCE_4, tiny_model
     plan = make_plan(load_cluster(IB_ROCE_4), tiny_model(), tp=1, pp=2)
     rec = ProfileRecorder(plan, 0, ProfileSettings(str(tmp_path / "m.yaml"), warmup=0), "DeepSpeed",
                           clock=FakeClock(), exit_handler=False)
@@ -181,7 +181,7 @@ def test_deepspeed_backward_time_leaves_out_the_gradient_reduction(tmp_path):
     from het_plugin.runtime.recorder import ProfileRecorder
     from het_plugin.core.inputs.cluster import load_cluster
     from het_plugin.core.planner import make_plan
-    from test_measured import IB_ROCE_4, FakeClock, tiny_model
+    from tests.core.test_measured import IB_ROCE_4, FakeClock, tiny_model
     plan = make_plan(load_cluster(IB_ROCE_4), tiny_model(), tp=1, pp=2)
     clock = FakeClock()
     rec = ProfileRecorder(plan, 0, ProfileSettings(str(tmp_path / "m.yaml"), warmup=0), "DeepSpeed",
@@ -214,7 +214,7 @@ def test_deepspeed_pipeline_hooks_time_the_forward_and_backward_instructions(tmp
     from het_plugin.runtime.recorder import ProfileRecorder
     from het_plugin.core.inputs.cluster import load_cluster
     from het_plugin.core.planner import make_plan
-    from test_measured import IB_ROCE_4, tiny_model
+    from tests.core.test_measured import IB_ROCE_4, tiny_model
     plan = make_plan(load_cluster(IB_ROCE_4), tiny_model(), tp=1, pp=2)
     rec = ProfileRecorder(plan, 0, ProfileSettings(str(tmp_path / "m.yaml"), warmup=0), "DeepSpeed",
                           clock=FakeClock(), exit_handler=False)
@@ -252,7 +252,7 @@ def test_hds_initialize_times_the_engine_it_returns(monkeypatch, tmp_path):
     from het_plugin.core.planner import assemble_plan
     from het_plugin.runtime.applied import AppliedPlan
     from het_plugin.core.ranks.dims import ParallelDims
-    from test_deepspeed_config import hetero_cluster
+    from tests.deepspeed.test_deepspeed_config import hetero_cluster
     engine = FakeEngine(accumulation=2)
 
     def fake_initialize(*args, **kwargs):

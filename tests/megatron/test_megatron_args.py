@@ -116,7 +116,8 @@ def test_hook_wraps_parse_args_and_applies_the_plan(argv):
     mod = fake_arguments_module()
     hook.patch_arguments_module(mod)
     hook.patch_arguments_module(mod)          # idempotent
-    assert not hasattr(mod.parse_args.__het_plugin_wrapped__, "__het_plugin_wrapped__")
+    from het_plugin.runtime.patches import PATCHES
+    assert PATCHES.labels(mod, "parse_args") == ["megatron.hook"]              # wrapped once
     args = mod.parse_args(script_provider)
     plan = lm.state.plan
     assert isinstance(plan, Plan) and lm.state.error is None

@@ -11,6 +11,7 @@ import pytest
 from het_plugin.core.inputs.cluster import load_cluster
 from het_plugin.core.errors import ConfigError
 from het_plugin.megatron import mcore as core, replicas
+from het_plugin.runtime.patches import PATCHES
 from het_plugin.core.planner import make_plan
 from het_plugin.runtime.applied import AppliedPlan
 from het_plugin.runtime.group_policy import Policy
@@ -117,7 +118,8 @@ def test_install_wraps_megatrons_schedules_for_an_uneven_plan_only(applied, even
         replicas.install(dataclasses.replace(even, replica_micro_batches=[3, 1]))
         for name in replicas.SCHEDULES:
             assert getattr(schedules, name) is not own[name]
-            assert getattr(schedules, name).__het_plugin_wrapped__ is own[name]
+            assert PATCHES.original(schedules, name) is own[name]
+            assert PATCHES.labels(schedules, name) == [replicas.PATCH_LABEL]
             assert getattr(schedules, name).__name__ == name
         replicas.install(even)
         assert {name: getattr(schedules, name) for name in replicas.SCHEDULES} == own
@@ -179,7 +181,7 @@ def test_megatron_lms_sampler_becomes_the_replicas_for_its_micro_batch_size(appl
     samplers = pytest.importorskip("megatron.training.datasets.data_samplers")
     base = samplers.MegatronPretrainingSampler
     cls = replicas.replica_sampler_class(base)
-    assert issubclass(cls, base) and cls.__het_plugin_original__ is base
+    assert issubclass(cls, base) and cls.__mro__[1] is base
     uneven = applied(dataclasses.replace(even, replica_micro_batches=[3, 1]), rank_of_replica(even, 1))
     megatron_rank = 0                # the replica comes from the plan, whatever Megatron's dp rank says
     mine = cls(total_samples=16, consumed_samples=0, micro_batch_size=2, data_parallel_rank=megatron_rank,
@@ -199,8 +201,8 @@ def test_a_global_aux_loss_across_replicas_is_refused_with_uneven_counts():
     from het_plugin.core.errors import ConfigError
     from het_plugin.megatron.replicas import _check_no_cross_replica_collectives
     from het_plugin.runtime.replicas import ReplicaShare
-    share = ReplicaShare(replica=0, count=3, even_count=2, dp=2, micro_batch_size=1, samples=(0, 3), uneven=True,
-                         counts=(3, 1))
+    from het_plugin.core.ranks.batches import ReplicaBatches
+    share = ReplicaShare(replica=0, batches=ReplicaBatches((3, 1), 1))
     for kinds in ("global_aux_loss", ["aux_loss", "global_aux_loss"]):
         with pytest.raises(ConfigError) as info:
             _check_no_cross_replica_collectives(types.SimpleNamespace(moe_router_load_balancing_type=kinds), share)

@@ -22,7 +22,7 @@ from het_plugin.runtime.exchange import configured_timeout, timeout_s  # noqa: E
 from het_plugin.runtime.guard import (GroupCreationTimeout, GroupGuard, bounds_creation,  # noqa: E402
                                       torch_default_timeout)
 
-from test_agreement import run_rank_threads, tcp_stores  # noqa: E402
+from tests.runtime.test_agreement import run_rank_threads, tcp_stores  # noqa: E402
 
 BOUND = 2.0
 INTERVAL = 0.2

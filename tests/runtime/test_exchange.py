@@ -11,7 +11,7 @@ from het_plugin.core.errors import ConfigError  # noqa: E402
 from het_plugin.runtime import exchange  # noqa: E402
 from het_plugin.runtime.exchange import Exchange, ExchangeTimeout, RemoteError, first_error  # noqa: E402
 
-from test_agreement import run_rank_threads  # noqa: E402  (tests/ is on sys.path under pytest)
+from tests.runtime.test_agreement import run_rank_threads  # noqa: E402  (tests/ is on sys.path under pytest)
 
 
 @pytest.fixture(autouse=True)

@@ -95,7 +95,7 @@ def test_applied_plan_records_every_creation(plan8, monkeypatch):
 
 
 def test_transport_of_known_and_derived_groups(plan8):
-    """(Was tests/test_megatron_groups.py, against the Megatron adapter's own copy of the rule.)"""
+    """(Was tests/megatron/test_megatron_groups.py, against the Megatron adapter's own copy of the rule.)"""
     policy = Policy("gloo")
     assert spec_for(plan8, plan8.groups["pp"][0].ranks, policy).transport == "socket"
     assert spec_for(plan8, plan8.groups["dp"][0].ranks, policy).transport == plan8.groups["dp"][0].transport

@@ -16,7 +16,7 @@ from het_plugin.core.cost.measured import RankTimes, duration, measured_profile,
 from het_plugin.core.planner import make_plan
 from het_plugin.views.timeline import bubbles, layout, plan_timeline, simulate_1f1b_ops, split_costs
 from het_plugin.views.svg import to_svg
-from test_measured import IB_ROCE_4, tiny_model, times_for
+from tests.core.test_measured import IB_ROCE_4, tiny_model, times_for
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -182,7 +182,7 @@ def test_uneven_replicas_draw_the_slowest_replica_groups_pipeline():
     pipeline that finishes last (its own count), and its iteration is the plan's."""
     from het_plugin.core.inputs.cluster import cluster_from_dict
     from het_plugin.core.inputs.model import preset_model
-    from test_planner_hetdp import _node
+    from tests.core.test_planner_hetdp import _node
     mixed = cluster_from_dict({"name": "mixed", "clusters": [
         {"name": "a", "fabric": {"type": "ib", "gbps": 1600}, "nodes": [_node("H100"), _node("A100-80")]}]})
     plan = make_plan(mixed, preset_model("gpt-7.5b"), pp=2, replica_split="uneven")

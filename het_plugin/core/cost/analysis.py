@@ -11,9 +11,10 @@ from typing import Optional, Sequence
 
 from ..inputs.catalog import Accelerator
 from ..inputs.cluster import Cluster
-from ..ranks.placement import Placement, transport as placement_transport
+from ..ranks.placement import Placement, cluster_transport
 from ..inputs.profile import Profile
 from ..ranks.dims import ParallelDims
+from ..ranks.transport import Transport
 from .network import CollectivePath, HOST_COPY_GBPS, LOCAL_LATENCY_US, Level, Network, Tier, TransportFn, _level, _slowest
 
 # ---- placement analysis ---------------------------------------------------------------------------
@@ -80,7 +81,7 @@ def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[Collec
     """The hierarchical ring of a group whose members sit on ``members_nodes`` (one entry per member)."""
     nodes = net.cluster.nodes
     node_set = frozenset(members_nodes)
-    t = net.transport(node_set)
+    t = net.nodes_transport(node_set)
     per_node: dict[int, int] = {}
     for n in members_nodes:
         per_node[n] = per_node.get(n, 0) + 1
@@ -104,7 +105,7 @@ def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[Collec
         reps = [v[0] for v in by_cluster.values()]
         tiers = [net.hop(a, b, t) for i, a in enumerate(reps) for b in reps[i + 1:]]
         levels.append(_level(tiers, len(by_cluster), share))
-    return CollectivePath(tuple(levels), t == "host-staged"), t
+    return CollectivePath(tuple(levels), t == Transport.HOST_STAGED), t
 
 
 def _sectioned_path(net: Network, per_node: dict[int, int], t: str) -> Optional[CollectivePath]:
@@ -125,19 +126,19 @@ def _sectioned_path(net: Network, per_node: dict[int, int], t: str) -> Optional[
         levels.append(Level(_slowest([net.hop(n, n, t) for n in per_node]), k, 1))
     n_nodes = max(len(v) for v in sections.values())
     if n_nodes > 1:
-        tiers = [net.hop(v[0], v[1], net.transport(frozenset(v))) for v in sections.values() if len(v) > 1]
+        tiers = [net.hop(v[0], v[1], net.nodes_transport(frozenset(v))) for v in sections.values() if len(v) > 1]
         levels.append(Level(_slowest(tiers), n_nodes, share))
     leaders = [v[0] for v in sections.values()]
     tiers = [net.hop(a, b, t) for i, a in enumerate(leaders) for b in leaders[i + 1:]]
     levels.append(Level(_slowest(tiers), len(sections), share))
-    return CollectivePath(tuple(levels), t == "host-staged", 1.0 / (k * n_nodes))
+    return CollectivePath(tuple(levels), t == Transport.HOST_STAGED, 1.0 / (k * n_nodes))
 
 
 def _ring_hop(net: Network, ring_nodes: Sequence[int]) -> tuple[Tier, int, bool]:
     """Slowest hop of a ring (member i sends to i+1, the last to the first) whose members sit on
     ``ring_nodes``: its tier, how many ranks of the sending node send off it at once, host-staged or not."""
     nodes = net.cluster.nodes
-    t = net.transport(frozenset(ring_nodes))
+    t = net.nodes_transport(frozenset(ring_nodes))
     per_node: dict[int, int] = {}
     for n in ring_nodes:
         per_node[n] = per_node.get(n, 0) + 1
@@ -148,7 +149,7 @@ def _ring_hop(net: Network, ring_nodes: Sequence[int]) -> tuple[Tier, int, bool]
         if worst is None or (cand[0].gbps / cand[1], -cand[0].latency_us) < (worst[0].gbps / worst[1],
                                                                              -worst[0].latency_us):
             worst = cand
-    return worst[0], worst[1], t == "host-staged"
+    return worst[0], worst[1], t == Transport.HOST_STAGED
 
 
 def _alltoall(net: Network, members_nodes: Sequence[int]) -> tuple[AllToAll, str]:
@@ -156,7 +157,7 @@ def _alltoall(net: Network, members_nodes: Sequence[int]) -> tuple[AllToAll, str
     send off its node, the shares of its bytes per leg (own node, its cluster's fabric, other clusters)."""
     nodes = net.cluster.nodes
     size = len(members_nodes)
-    t = net.transport(frozenset(members_nodes))
+    t = net.nodes_transport(frozenset(members_nodes))
     per_node: dict[int, int] = {}
     for n in members_nodes:
         per_node[n] = per_node.get(n, 0) + 1
@@ -177,20 +178,20 @@ def _alltoall(net: Network, members_nodes: Sequence[int]) -> tuple[AllToAll, str
         if other:
             legs.append((_slowest([net.hop(n, m, t) for m in other]), (size - per_cluster[c]) / size,
                          nodes[n].num_accelerators))
-        cand = AllToAll(tuple(legs), t == "host-staged")
+        cand = AllToAll(tuple(legs), t == Transport.HOST_STAGED)
         cost = cand.time_s(1 << 24)
         if worst is None or cost > worst[0]:
             worst = (cost, cand)
     return worst[1], t
 
 
-def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = placement_transport,
+def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = cluster_transport,
             network: Optional[Network] = None) -> Analysis:
     """Walk every DP, pipeline and embedding group of a placement once (O(world size))."""
     net = network if network is not None and network.fn is transport_fn else Network(cluster, transport_fn)
     dims = placement.dims
     rank_node = cluster.rank_node
-    node_of_logical = [rank_node[r] for r in placement.rank_of_logical]
+    node_of_logical = [rank_node[r] for r in placement.rank_of_canonical]
     nodes = cluster.nodes
     path_cache: dict[frozenset, CollectivePath] = {}
 
@@ -211,7 +212,7 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
         col = tuple(node_of_logical[i::S])
         t = columns.get(col)
         if t is None:
-            t = columns[col] = net.transport(col)
+            t = columns[col] = net.nodes_transport(col)
         pp_transport.append(t)
     transports["pp"] = set(pp_transport)
     stages: list[StageInfo] = []
@@ -239,7 +240,7 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
                         continue
                     seen_rings.add(ring)
                     hop = _ring_hop(net, ring)
-                    transports.setdefault("cp", set()).add(net.transport(frozenset(ring)))
+                    transports.setdefault("cp", set()).add(net.nodes_transport(frozenset(ring)))
                     if hop not in cp_hops:
                         cp_hops.append(hop)
         hops: list[tuple[Tier, int, bool]] = []
@@ -251,7 +252,7 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
                     continue
                 seen.add((a, b, t))
                 share = 1 if a == b else nodes[a].num_accelerators
-                hop = (net.hop(a, b, t), share, t == "host-staged")
+                hop = (net.hop(a, b, t), share, t == Transport.HOST_STAGED)
                 if hop not in hops:
                     hops.append(hop)
         stages.append(StageInfo(accs, capacity, tp_tier, tuple(paths), tuple(hops), tuple(cp_hops)))
@@ -262,7 +263,7 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
             a, b, t = node_of_logical[last_base + i], node_of_logical[i], pp_transport[i]
             if (a, b, t) not in seen_wrap:
                 seen_wrap.add((a, b, t))
-                hop = (net.hop(a, b, t), 1 if a == b else nodes[a].num_accelerators, t == "host-staged")
+                hop = (net.hop(a, b, t), 1 if a == b else nodes[a].num_accelerators, t == Transport.HOST_STAGED)
                 if hop not in wrap:
                     wrap.append(hop)
     emb_paths: list[CollectivePath] = []

@@ -179,7 +179,22 @@ def measured_profile(plan: Plan, ranks: Sequence[RankTimes], framework: str = ""
         for kind, weight in (("embedding", emb_w), ("output", out_w)):
             if (dev.lower(), kind) not in seen and layer_w > 0:
                 prof.add_compute(dev, kind, mb, tp, f / n * weight / layer_w, b / n * weight / layer_w)
+    over = run_overhead_s(run, plan)
+    if over is not None:
+        for dev in sorted({st.device for st in run.stages}, key=str.lower):
+            prof.add_overhead(dev, over)
     return prof
+
+
+def run_overhead_s(run: MeasuredRun, plan: Plan) -> Optional[float]:
+    """The run's per-iteration overhead (issue 23): the mean iteration minus the forward-backward schedule call
+    minus the optimizer step the plan predicts (the predictor adds that step back, so the measured plan's
+    iteration is re-predicted); None when the run timed no schedule call or the plan carries no prediction.
+    The per-pipeline-slot cost is not derived here (the schedule call also holds the sends and the exposed
+    gradient reduction, which the predictor adds itself): it keeps its default (cost.fixed_costs)."""
+    if run.schedule_s is None or plan.prediction is None or run.iteration_s <= 0:
+        return None
+    return max(0.0, run.iteration_s - run.schedule_s - plan.prediction.optimizer_s)
 
 
 # ---- predicted against measured ---------------------------------------------------------------------

@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from ..inputs.cluster import Cluster, Link, Node, RDMA
-from ..ranks.placement import baseline_transport, transport as placement_transport
+from ..ranks.placement import baseline_transport, cluster_transport
 from ..inputs.profile import Profile
+from ..ranks.transport import OVER_SOCKETS, Transport
 
 TransportFn = Callable[[Cluster, Sequence[int]], str]
 
@@ -32,14 +33,14 @@ GIB = 1024 ** 3
 # 'host-staged' groups (vendor subgroups on their own fabric, stripes between them over host memory). A 'socket'
 # group (one vendor, across clusters) is one NCCL communicator on sockets: a flat ring over the Ethernet NICs,
 # charged so; add "socket" here once the runtime reduces such groups inside each fabric first.
-SECTIONED_TRANSPORTS: tuple[str, ...] = ("host-staged",)
+SECTIONED_TRANSPORTS: tuple[str, ...] = (Transport.HOST_STAGED,)
 
 
 # ---- link tiers -----------------------------------------------------------------------------------
 
 
 # Profile tiers tried after a hop's own kind: the shim and sockets both ride on Ethernet.
-FALLBACK_TIERS = {"host-staged": ["socket", "ethernet"], "socket": ["ethernet"]}
+FALLBACK_TIERS = {Transport.HOST_STAGED: ["socket", "ethernet"], Transport.SOCKET: ["ethernet"]}
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def hop_tier(cluster: Cluster, a: Node, b: Node, transport: str, link: Optional[
     if a.index == b.index:
         return Tier("local", min(a.accelerator.intra_node_gbps, b.accelerator.intra_node_gbps), LOCAL_LATENCY_US,
                     cluster=a.cluster)
-    sockets = transport in ("socket", "host-staged")
+    sockets = transport in OVER_SOCKETS
     link = link or cluster.link(a, b)
     names: tuple[str, ...] = ()
     back: tuple[str, ...] = ()
@@ -146,11 +147,11 @@ class Network:
     too slow for 16k ranks).
 
     ``transport_fn`` is assumed to depend only on which (cluster, vendor) pairs a group touches and whether
-    it spans more than one node -- true of ``placement.transport`` and ``placement.baseline_transport`` --
+    it spans more than one node -- true of ``placement.cluster_transport`` and ``placement.baseline_transport`` --
     so one call per such shape is enough.
     """
 
-    def __init__(self, cluster: Cluster, transport_fn: TransportFn = placement_transport,
+    def __init__(self, cluster: Cluster, transport_fn: TransportFn = cluster_transport,
                  hierarchical: Optional[bool] = None):
         self.cluster, self.fn = cluster, transport_fn
         # Groups of these transports reduce hierarchically by section (:func:`_sectioned_path`) under a plan;
@@ -171,7 +172,8 @@ class Network:
             return self.fabric[a.cluster]
         return self.cluster.links[frozenset((a.cluster, b.cluster))]
 
-    def transport(self, node_ids) -> str:
+    def nodes_transport(self, node_ids) -> str:
+        """The transport of a group on these nodes (node indices), cached per shape of the set."""
         reps: dict = {}
         first = second = None
         for n in node_ids:

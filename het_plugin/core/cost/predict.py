@@ -8,12 +8,14 @@ from typing import Optional, Sequence
 
 from ..inputs.cluster import Cluster
 from ..inputs.model import ModelSpec
-from ..ranks.placement import Placement, transport as placement_transport
+from ..ranks.placement import Placement, cluster_transport
 from ..plan import Prediction
 from ..inputs.profile import Profile
+from ..ranks.batches import ReplicaBatches
 from ..ranks.dims import ParallelDims
 from .analysis import Analysis, ReplicaClass, analyze
 from .network import GIB, GRAD_BYTES, OPTIMIZER_STATE_BYTES, TransportFn, WEIGHT_BYTES
+from .fixed_costs import iteration_overhead_s, with_slots
 from .pipeline import _interleaved_pipeline, _interleaved_stage_costs, simulate_1f1b, wrap_send_s
 from .stage import (
     StageModel, _dp_reduce_s, _max_layers_fitting, _memory_bytes, _optimizer_s, _stage_cost_parts, _stage_costs,
@@ -46,10 +48,11 @@ def stage_times(sts: Sequence[StageModel], layers_per_stage: Sequence[int]) -> t
 
 
 def steady_step_s(fwd: Sequence[float], bwd: Sequence[float], sts: Sequence[StageModel]) -> float:
-    """One steady-state 1F1B step of the slowest stage: its forward and backward, its activation send to the next
-    stage and its gradient send back to the previous one (each link's own direction)."""
+    """One steady-state 1F1B step of the slowest stage: its forward and backward (with their pipeline slots), its
+    activation send to the next stage and its gradient send back to the previous one (each link's own
+    direction)."""
     pp = len(sts)
-    return max(f + b + (sts[s].send_s if s + 1 < pp else 0.0) + (sts[s - 1].back_s if s else 0.0)
+    return max(f + b + 2 * sts[s].slot_s + (sts[s].send_s if s + 1 < pp else 0.0) + (sts[s - 1].back_s if s else 0.0)
                for s, (f, b) in enumerate(zip(fwd, bwd)))
 
 
@@ -85,7 +88,8 @@ def group_pipelines(sc: "SplitCosts", layers_per_stage: Sequence[int], record: b
             finish, ends = _interleaved_pipeline(sts, virtual, m, sc.overlap_p2p_comm, sc.wrap_send_s, dims.dp,
                                                  sc.overlap_grad_reduce, sc.distributed_optimizer, sc.profile)
         else:
-            finish = simulate_1f1b(fwd, bwd, [st.send_s for st in sts], m, [st.back_s for st in sts], record=spans)
+            finish = simulate_1f1b(*with_slots(fwd, bwd, sts), [st.send_s for st in sts], m, [st.back_s for st in sts],
+                                   record=spans)
             ends = [f + exposed_reduction_s(r, b, sc.overlap_grad_reduce) for f, r, b in zip(finish, reds, bwd)]
         out.append(GroupPipeline(reps, m, fwd, bwd, finish, ends, steady_step_s(fwd, bwd, sts), spans))
     return out
@@ -144,11 +148,8 @@ def _evaluate(sc: "SplitCosts", layers_per_stage: Sequence[int], description: st
 
 
 def _iteration_overhead_s(analysis: Analysis, profile: Optional[Profile]) -> float:
-    """The profile's fixed cost per iteration: the slowest device type's (0 without one)."""
-    if profile is None or not profile.overhead:
-        return 0.0
-    return max((profile.iteration_overhead_s(a.name) or 0.0 for st in analysis.stages for a in st.accelerators),
-               default=0.0)
+    """The fixed cost per iteration: the slowest device type's, measured or defaulted (fixed_costs)."""
+    return iteration_overhead_s(profile, [a for st in analysis.stages for a in st.accelerators])
 
 
 def profile_notes(profile: Optional[Profile], model: ModelSpec, devices, micro_batch_size: int, tp: int) -> list[str]:
@@ -221,10 +222,7 @@ class SplitCosts:
     def set_counts(self, counts: Sequence[int]) -> None:
         """Micro-batches per replica ([] or all equal: the even split); the first stages hold up to pp of the
         largest count in flight (1F1B), so the memory follows the largest."""
-        counts = list(counts)
-        if counts and (len(counts) != self.dp or sum(counts) != self.dp * self.num_micro_batches or min(counts) < 1):
-            raise ValueError(f"replica counts {counts} must be {self.dp} counts >= 1 adding up to "
-                             f"{self.dp * self.num_micro_batches}")
+        counts = list(ReplicaBatches.of(counts, self.dp, self.num_micro_batches, self.micro_batch_size).counts)
         if counts and self.vpp > 1 and len(set(counts)) > 1:
             raise ValueError("uneven replica counts are not modelled with an interleaved pipeline (vpp > 1)")
         self.counts = counts if counts and len(set(counts)) > 1 else []
@@ -325,7 +323,9 @@ class SplitCosts:
         """The prediction of one split (``fits == False`` and the reason in its description if it does not fit)."""
         if self.notes:
             description = "; ".join(([description] if description else []) + self.notes)
-        return _evaluate(self, layers_per_stage, description)
+        pred = _evaluate(self, layers_per_stage, description)
+        pred.extrapolated = list(self.notes)          # where its compute lies outside the profile (issue 23)
+        return pred
 
 
 def _class_analysis(analysis: Analysis, cls: ReplicaClass) -> Analysis:
@@ -386,7 +386,7 @@ def memory_problem(pred: Prediction) -> Optional[str]:
 
 
 def predict(cluster: Cluster, model: ModelSpec, placement: Placement, layers_per_stage: Sequence[int],
-            micro_batch_size: int, *, transport_fn: TransportFn = placement_transport,
+            micro_batch_size: int, *, transport_fn: TransportFn = cluster_transport,
             overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
             profile: Optional[Profile] = None, description: str = "", vpp: int = 1,
             overlap_p2p_comm: Optional[bool] = None) -> Prediction:

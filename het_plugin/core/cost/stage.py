@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..inputs.catalog import Accelerator
+from ..inputs.compute_curve import Analytic, measured_compute_s
 from ..inputs.model import ModelSpec
 from ..inputs.profile import Profile
 from ..ranks.dims import ParallelDims
 from .analysis import Analysis, StageInfo
+from .fixed_costs import slot_s
 from .network import _hops_s, CollectivePath, FRAMEWORK_OVERHEAD_GIB, GIB, GRAD_BYTES, HBM_BYTES_PER_S, HOST_COPY_GBPS, LOGITS_BYTES, OPTIMIZER_BYTES_MOVED, OPTIMIZER_STATE_BYTES, Tier, WEIGHT_BYTES
 
 # ---- per-stage times and memory -------------------------------------------------------------------
@@ -46,6 +48,7 @@ class StageModel:
     layer_deltas: tuple[tuple[float, float], ...] = ()
     optimizer_s_per_param: Optional[float] = None
     send_back_s: Optional[float] = None
+    slot_s: float = 0.0             # the schedule's own work per forward or backward (fixed_costs)
 
     @property
     def back_s(self) -> float:
@@ -61,9 +64,11 @@ class StageModel:
 
 
 def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, cp: int, tp_tier: Tier,
-               profile: Optional[Profile]) -> tuple[float, float]:
-    if profile is not None:
-        measured = profile.compute_s(acc.name, kind, mb, tp, model.moe_fraction)
+               profile: Optional[Profile], apart: bool = False) -> tuple[float, float]:
+    """(forward, backward); ``apart``: the analytic (forward compute, TP communication per direction)."""
+    if profile is not None and not apart:
+        measured = measured_compute_s(profile, acc.name, kind, mb, tp, model.moe_fraction, lambda b, t: Analytic(
+            *_compute_s(acc, kind, model, b, t, cp, tp_tier, profile, apart=True)))
         if measured is not None:
             return measured
     if kind == "layer":
@@ -81,9 +86,11 @@ def _compute_s(acc: Accelerator, kind: str, model: ModelSpec, mb: int, tp: int, 
         ar = 2 * (tp - 1) * tp_tier.step_s(act / tp, 1, profile)   # one all-reduce equivalent
         # attention and MLP one each; an MoE layer's MLP moves its tokens by all-to-all instead (_moe_comm_s)
         per_layer = 2 - model.moe_fraction
+        if apart:
+            return fwd, per_layer * ar
         fwd += per_layer * ar
         bwd += per_layer * ar
-    return fwd, bwd
+    return (fwd, 0.0) if apart else (fwd, bwd)
 
 
 def _layer_deltas(model: ModelSpec, info: StageInfo, mb: int, tp: int, cp: int, mean: tuple[float, float],
@@ -96,7 +103,8 @@ def _layer_deltas(model: ModelSpec, info: StageInfo, mb: int, tp: int, cp: int, 
     L = model.num_layers
     worst = None
     for acc in info.accelerators:
-        over = {i: t for i, t in profile.layer_overrides(acc.name, mb, tp).items() if i < L}
+        roof = _compute_s(acc, "layer", model, mb, tp, cp, info.tp_tier, profile, apart=True)[0] / mb
+        over = {i: t for i, t in profile.layer_overrides(acc.name, mb, tp, (roof, 2 * roof)).items() if i < L}
         if not over:
             continue
         own = _compute_s(acc, "layer", model, mb, tp, cp, info.tp_tier, profile)
@@ -235,7 +243,8 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
                               info.capacity_gib, info.dp_paths, expert_params_per_layer,
                               expert.dp_paths if expert is not None else None, dims.expert_dp, cp,
                               f_moe * a2a, ring[0] + ring[1], layer_deltas=deltas,
-                              optimizer_s_per_param=_optimizer_per_param(info, tp, profile), send_back_s=back))
+                              optimizer_s_per_param=_optimizer_per_param(info, tp, profile), send_back_s=back,
+                              slot_s=slot_s(profile, info.accelerators)))
     return out
 
 

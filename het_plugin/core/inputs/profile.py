@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 from ..errors import ConfigError
+from .compute_curve import curve_at, extrapolations, fixed_plus_per_sample  # noqa: F401 (re-exported)
 from .profile_schema import FORMAT_V1, FORMAT_V2, FORMATS, LINK_TIERS, MeasuredRun, ProfileFile, ProfileFileV2
 from .yamlio import dump_data, read_data, read_text, validate
 
@@ -91,6 +92,7 @@ class Profile:
     description: str = ""
     optimizer: list[OptimizerMeasurement] = field(default_factory=list)
     overhead: list[OverheadMeasurement] = field(default_factory=list)
+    slots: list[OverheadMeasurement] = field(default_factory=list)   # format 2: seconds per pipeline slot
     format_version: int = 2                     # 1: read from a format-1 file, answers as format 1 did
     measured: Optional[MeasuredRun] = None      # format 2: what a training run of one plan measured per stage
 
@@ -113,6 +115,10 @@ class Profile:
 
     def add_overhead(self, device: str, seconds: float) -> None:
         self.overhead.append(OverheadMeasurement(device, seconds))
+
+    def add_pipeline_slot(self, device: str, seconds: float) -> None:
+        """The schedule's own seconds per forward or backward of one micro-batch on one stage of ``device``."""
+        self.slots.append(OverheadMeasurement(device, seconds))
 
     @property
     def legacy(self) -> bool:
@@ -141,6 +147,7 @@ class Profile:
             "format": FORMAT_V2, "description": self.description, "compute": list(curves.values()),
             "optimizer": [asdict(o) for o in self.optimizer],
             "iteration_overhead": [asdict(o) for o in self.overhead],
+            **({"pipeline_slot": [asdict(o) for o in self.slots]} if self.slots else {}),
             "links": [{"tier": link.tier, **({"cluster": link.cluster} if link.cluster is not None else {}),
                        "latency_us": link.latency_us, "bandwidth": _points(link.bandwidth),
                        **({"concurrency": [{"senders": k, "bandwidth": _points(pts)} for k, pts in link.concurrency]}
@@ -158,6 +165,7 @@ class Profile:
                  + [f"links[{i}].concurrency" for i, link in enumerate(self.links) if link.concurrency]
                  + [f"links[{i}].allreduce" for i, link in enumerate(self.links) if link.allreduce]
                  + (["optimizer"] if self.optimizer else []) + (["overhead"] if self.overhead else [])
+                 + (["pipeline_slot"] if self.slots else [])
                  + (["measured"] if self.measured is not None else []))
         if extra:
             raise ConfigError(f"a format-1 profile cannot hold {', '.join(extra)}", source="<profile>",
@@ -189,6 +197,7 @@ class Profile:
             description=spec.description,
             optimizer=[OptimizerMeasurement(o.device, o.tp, o.seconds_per_param) for o in spec.optimizer],
             overhead=[OverheadMeasurement(o.device, o.seconds) for o in spec.iteration_overhead],
+            slots=[OverheadMeasurement(o.device, o.seconds) for o in spec.pipeline_slot],
             format_version=2, measured=spec.measured)
 
     # ---- compute --------------------------------------------------------------------------------
@@ -198,7 +207,7 @@ class Profile:
                        and c.layer == layer), key=lambda c: c.micro_batch_size)
 
     def compute_time(self, device: str, kind: str, micro_batch_size: int, tp: int, moe_fraction: float = 0.0,
-                     layer: Optional[int] = None) -> Optional[ComputeTime]:
+                     layer: Optional[int] = None, floor: tuple[float, float] = (0.0, 0.0)) -> Optional[ComputeTime]:
         """One micro-batch of ``kind`` on ``device``, or None when not measured.
 
         Format 2: the curve of (device, kind, tp[, layer]) interpolated linearly between measured micro-batch
@@ -206,6 +215,9 @@ class Profile:
         is the model's average layer: for a model whose layers are ``moe_fraction`` MoE, the mean of the
         ``layer`` and ``moe_layer`` curves weighted by it (with only one of them, the all-MoE model uses
         ``moe_layer``, any other the ``layer`` curve as its average layer).
+        ``floor``: the roofline's (forward, backward) seconds per sample, which an extrapolated time never
+        beats (:mod:`het_plugin.core.inputs.compute_curve`; 0: unbounded, one point proportional). For the MoE mix the
+        mixture is bounded by it.
         Format 1: the exact entry, else the nearest measured size scaled linearly.
         """
         if self.legacy:
@@ -214,18 +226,28 @@ class Profile:
             dense = self.compute_time(device, "layer", micro_batch_size, tp)
             moe = self.compute_time(device, "moe_layer", micro_batch_size, tp)
             if dense is not None and moe is not None:
-                f = moe_fraction
-                return ComputeTime((1 - f) * dense.forward_s + f * moe.forward_s,
-                                   (1 - f) * dense.backward_s + f * moe.backward_s,
-                                   dense.extrapolated or moe.extrapolated)
-            return moe if moe_fraction >= 1 and moe is not None else dense
+                f, out = moe_fraction, dense.extrapolated or moe.extrapolated
+                b = micro_batch_size if out else 0     # the roofline bounds an extrapolated mixture only
+                return ComputeTime(max((1 - f) * dense.forward_s + f * moe.forward_s, floor[0] * b),
+                                   max((1 - f) * dense.backward_s + f * moe.backward_s, floor[1] * b), out)
+            one = "moe_layer" if moe_fraction >= 1 and moe is not None else "layer"
+            return self.compute_time(device, one, micro_batch_size, tp, floor=floor)
         curve = self._curve(device, kind, tp, layer)
         if not curve:
             return None
         sizes = [c.micro_batch_size for c in curve]
-        fwd = curve_at(sizes, [c.forward_s for c in curve], micro_batch_size)
-        bwd = curve_at(sizes, [c.backward_s for c in curve], micro_batch_size)
+        fwd = curve_at(sizes, [c.forward_s for c in curve], micro_batch_size, floor[0])
+        bwd = curve_at(sizes, [c.backward_s for c in curve], micro_batch_size, floor[1])
         return ComputeTime(fwd, bwd, not sizes[0] <= micro_batch_size <= sizes[-1])
+
+    def curve(self, device: str, kind: str, tp: int, layer: Optional[int] = None) -> list[ComputeMeasurement]:
+        """The measured points of one (device, kind, tp[, layer]) curve, by micro-batch size ([]: none)."""
+        return self._curve(device, kind, tp, layer)
+
+    def measured_tps(self, device: str, kinds: Sequence[str], layer: Optional[int] = None) -> list[int]:
+        """The TP degrees some curve of these kinds on ``device`` was measured at."""
+        d = device.lower()
+        return sorted({c.tp for c in self.compute if c.device.lower() == d and c.kind in kinds and c.layer == layer})
 
     def _format1_compute(self, device: str, kind: str, micro_batch_size: int, tp: int) -> Optional[ComputeTime]:
         same = [c for c in self.compute if c.device.lower() == device.lower() and c.kind == kind and c.tp == tp]
@@ -241,8 +263,10 @@ class Profile:
         t = self.compute_time(device, kind, micro_batch_size, tp, moe_fraction)
         return None if t is None else (t.forward_s, t.backward_s)
 
-    def layer_overrides(self, device: str, micro_batch_size: int, tp: int) -> dict[int, ComputeTime]:
-        """Decoder layers (0-based index) measured on their own for this device and TP (format 2)."""
+    def layer_overrides(self, device: str, micro_batch_size: int, tp: int,
+                        floor: tuple[float, float] = (0.0, 0.0)) -> dict[int, ComputeTime]:
+        """Decoder layers (0-based index) measured on their own for this device and TP (format 2); ``floor`` as
+        in :meth:`compute_time`."""
         if self.legacy:
             return {}
         d = device.lower()
@@ -252,32 +276,17 @@ class Profile:
         for i in indexes:
             kinds = {c.kind for c in self.compute if c.layer == i and c.device.lower() == d and c.tp == tp}
             kind = "moe_layer" if kinds == {"moe_layer"} else "layer"
-            t = self.compute_time(device, kind, micro_batch_size, tp, layer=i)
+            t = self.compute_time(device, kind, micro_batch_size, tp, layer=i, floor=floor)
             if t is not None:
                 out[i] = t
         return out
 
     def extrapolation_notes(self, devices: Iterable[str], micro_batch_size: int, tp: int,
                             kinds: Sequence[str] = ("layer", "moe_layer", "embedding", "output")) -> list[str]:
-        """One line per measured curve of these devices and TP that a micro-batch of this size lies outside
-        (format 2; a format-1 profile gives none, so its plans stay as they were)."""
-        if self.legacy:
-            return []
-        wanted = {d.lower() for d in devices}
-        notes, seen = [], set()
-        for c in self.compute:
-            key = (c.device.lower(), c.kind, c.tp, c.layer)
-            if key in seen or key[0] not in wanted or c.tp != tp or c.kind not in kinds:
-                continue
-            seen.add(key)
-            sizes = [m.micro_batch_size for m in self._curve(c.device, c.kind, c.tp, c.layer)]
-            if not sizes[0] <= micro_batch_size <= sizes[-1]:
-                what = f"{c.device} {c.kind}" + (f" (layer {c.layer})" if c.layer is not None else "")
-                measured = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}..{sizes[-1]}"
-                notes.append(f"profile: {what} tp={tp} measured at micro-batch {measured}; micro-batch "
-                             f"{micro_batch_size} is extrapolated (fixed + per-sample fit) -- profile that size "
-                             "for a measured time")
-        return notes
+        """One line per measured curve of these devices that a micro-batch of this size and TP lies outside, or a
+        device type with no compute entry (format 2; a format-1 profile gives none, so its plans stay as they
+        were): :func:`het_plugin.core.inputs.compute_curve.extrapolations`."""
+        return [e.line() for e in extrapolations(self, devices, micro_batch_size, tp, kinds)]
 
     # ---- optimizer and overhead -----------------------------------------------------------------
     def optimizer_s_per_param(self, device: str, tp: int) -> Optional[float]:
@@ -287,6 +296,13 @@ class Profile:
         if not same:
             return None
         return min(same, key=lambda o: (abs(math.log(o.tp / tp)), o.tp)).seconds_per_param
+
+    def pipeline_slot_s(self, device: str) -> Optional[float]:
+        """Measured seconds per pipeline slot of ``device`` (None: not measured)."""
+        for o in self.slots:
+            if o.device.lower() == device.lower():
+                return o.seconds
+        return None
 
     def iteration_overhead_s(self, device: str) -> Optional[float]:
         for o in self.overhead:
@@ -356,39 +372,8 @@ def bandwidth_at(points: list[tuple[int, float]], nbytes: float) -> float:
     return g0 + w * (g1 - g0)
 
 
-def fixed_plus_per_sample(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``time = fixed + per_sample x size`` with both >= 0 (one point: no fixed part)."""
-    n = len(sizes)
-    if n == 1:
-        return 0.0, times[0] / sizes[0]
-    mx, my = sum(sizes) / n, sum(times) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx
-    if slope < 0:
-        return my, 0.0
-    fixed = my - slope * mx
-    if fixed < 0:
-        return 0.0, sum(x * y for x, y in zip(sizes, times)) / sum(x * x for x in sizes)
-    return fixed, slope
-
-
-def curve_at(sizes: Sequence[int], times: Sequence[float], size: int) -> float:
-    """A measured time at ``size``: linear between the measured (increasing) sizes; outside them the fixed +
-    per-sample fit of all points, scaled to meet the nearest measured point (so the curve has no jump)."""
-    if sizes[0] <= size <= sizes[-1]:
-        i = bisect.bisect_left(sizes, size)
-        if sizes[i] == size:
-            return times[i]
-        w = (size - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-        return times[i - 1] + w * (times[i] - times[i - 1])
-    fixed, per = fixed_plus_per_sample(sizes, times)
-    end = 0 if size < sizes[0] else -1
-    at_end = fixed + per * sizes[end]
-    return times[end] * (fixed + per * size) / at_end if at_end > 0 else 0.0
-
-
 def _format2_fields(data: dict) -> list[str]:
-    found = [k for k in ("optimizer", "iteration_overhead", "measured") if k in data]
+    found = [k for k in ("optimizer", "iteration_overhead", "pipeline_slot", "measured") if k in data]
     for section, keys in (("compute", ("points", "layer")), ("links", ("cluster", "concurrency", "allreduce"))):
         items = data.get(section)
         for i, item in enumerate(items if isinstance(items, list) else []):

@@ -218,6 +218,9 @@ class ProfileFileV2(_Strict):
     compute: list[ComputeCurve] = []
     optimizer: list[OptimizerEntry] = []
     iteration_overhead: list[OverheadEntry] = []
+    # added to format 2 (issue 23; a file without it reads as before): seconds of the schedule's own work per
+    # forward or backward of one micro-batch on one stage (the hand-off: p2p set-up, loss, hooks)
+    pipeline_slot: list[OverheadEntry] = []
     links: list[LinkEntryV2] = []
     measured: Optional[MeasuredRun] = None      # added to format 2: the stage times of one measured run
 
@@ -233,6 +236,9 @@ class ProfileFileV2(_Strict):
         dup = _repeats([o.device.lower() for o in self.iteration_overhead])
         if dup:
             raise ValueError(f"iteration_overhead repeats devices {dup} | fix: one entry per device")
+        dup = _repeats([o.device.lower() for o in self.pipeline_slot])
+        if dup:
+            raise ValueError(f"pipeline_slot repeats devices {dup} | fix: one entry per device")
         dup = _repeats([link.key for link in self.links])
         if dup:
             raise ValueError(f"links repeat (tier, cluster) {dup} ('a/b' and 'b/a' are the same link) | fix: one "

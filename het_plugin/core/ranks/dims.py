@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from math import prod
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..errors import ConfigError
 
@@ -40,6 +40,23 @@ def order_keeps_expert_dp(order: str, pp: int, dp: int, expert_dp: int) -> bool:
     return order.split("-")[-1] == "pp" or pp == 1 or expert_dp == dp
 
 
+def check_expert_split(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, order: str, *,
+                       name: Callable[[str], str] = lambda degree: degree, source: Optional[str] = None) -> None:
+    """Megatron's two rules for the expert layers, written once (ParallelDims and a launch's Degrees both raise
+    this ConfigError, in the launch's names where it has them): etp*ep divides the ranks of one pipeline stage,
+    and with an order not ending in pp the expert data-parallel size equals dp."""
+    stage = tp * cp * dp
+    if stage % (etp * ep):
+        raise ConfigError(f"{name('etp')}*{name('ep')} = {etp}*{ep} does not divide "
+                          f"{name('tp')}*{name('cp')}*{name('dp')} = {stage} (the ranks of one pipeline stage, which "
+                          "the expert layers split into etp x ep x expert-dp)", source=source, field=name("ep"),
+                          fix="choose expert parallel sizes whose product divides tp*cp*dp")
+    if not order_keeps_expert_dp(order, pp, dp, stage // (etp * ep)):
+        raise ConfigError(f"{name('order')} {order} does not end in pp, so Megatron needs the expert data-parallel "
+                          f"size tp*cp*dp/(etp*ep) = {stage // (etp * ep)} to equal dp = {dp}", source=source,
+                          field=name("order"), fix="use the default order, or etp*ep = tp*cp")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """The degrees of one plan (every degree known); coordinate <-> logical rank, and the groups.
@@ -65,12 +82,7 @@ class ParallelDims:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         object.__setattr__(self, "order", "-".join(parse_order(self.order, self.ep)))
-        if self.stage_size % (self.etp * self.ep):
-            raise ValueError(f"expert layers need etp*ep = {self.etp}*{self.ep} to divide tp*cp*dp = {self.stage_size} "
-                             "(the ranks of one pipeline stage)")
-        if not order_keeps_expert_dp(self.order, self.pp, self.dp, self.expert_dp):
-            raise ValueError(f"order {self.order} does not end in pp, so Megatron needs the expert layers' data-parallel "
-                             f"size tp*cp*dp/(etp*ep) = {self.expert_dp} to equal dp = {self.dp}")
+        check_expert_split(self.tp, self.cp, self.dp, self.pp, self.ep, self.etp, self.order)
 
     @property
     def world_size(self) -> int:
@@ -267,29 +279,17 @@ class Degrees:
 
     def _expert_fit(self, tp: int, cp: int, dp: int, pp: int, ep: Optional[int] = None,
                     etp: Optional[int] = None) -> bool:
+        """Whether these degrees keep Megatron's expert rules (:func:`check_expert_split`)."""
         ep = self.ep if ep is None else ep
-        split = (etp or self.etp or tp) * ep
         try:
-            names = "-".join(parse_order(self.order, ep))
-        except ValueError:      # an order leaving ep out takes ep = 1 only
+            check_expert_split(tp, cp, dp, pp, ep, etp or self.etp or tp, "-".join(parse_order(self.order, ep)))
+        except ValueError:      # a rule broken, or an order leaving ep out (it takes ep = 1 only)
             return False
-        return (tp * cp * dp) % split == 0 and order_keeps_expert_dp(names, pp, dp, tp * cp * dp // split)
+        return True
 
     def _check_experts(self, tp: int, cp: int, dp: int, pp: int) -> None:
-        """Megatron's rules for the expert layers: etp*ep divides the ranks of one pipeline stage, and with
-        an order not ending in pp the expert data-parallel size is dp."""
-        etp = self.etp or tp
-        if (tp * cp * dp) % (etp * self.ep):
-            raise ConfigError(f"{self._name('etp')}*{self._name('ep')} = {etp}*{self.ep} does not divide "
-                              f"{self._list(['tp', 'cp', 'dp'])} product {tp * cp * dp} (the ranks of one pipeline "
-                              "stage, which the expert layers split into etp x ep x expert-dp)",
-                              source=self.source, field=self._name("ep"),
-                              fix="choose expert parallel sizes whose product divides tp*cp*dp")
-        if not self._expert_fit(tp, cp, dp, pp):
-            raise ConfigError(f"{self._name('order')} {self.order} does not end in pp, so Megatron needs the expert "
-                              f"data-parallel size tp*cp*dp/(etp*ep) = {tp * cp * dp // (etp * self.ep)} to equal "
-                              f"dp = {dp}", source=self.source, field=self._name("order"),
-                              fix="use the default order, or etp*ep = tp*cp")
+        check_expert_split(tp, cp, dp, pp, self.ep, self.etp or tp, "-".join(parse_order(self.order, self.ep)),
+                           name=self._name, source=self.source)
 
     def _name(self, degree: str) -> str:
         return self.names.get(degree, degree)

@@ -28,11 +28,12 @@ Domain = tuple[str, str]   # (cluster name, accelerator name)
 
 @dataclass(frozen=True)
 class Placement:
-    """``rank_of_logical`` is in the default order's numbering (a stage is a contiguous block: what the
-    dealing and the cost model read); ``dims.order`` is the framework's order, and
-    :attr:`framework_rank_of_logical` the same placement in the framework's numbering (what a Plan stores)."""
+    """Two numberings of the same placement, named for what they are: ``rank_of_canonical`` numbers coordinates
+    in the default order (tp fastest ... pp slowest: a stage is a contiguous block -- what the dealing and the cost
+    model read); :attr:`rank_of_logical` numbers them in the framework's order ``dims.order`` (what a Plan
+    stores under the same name, and what the frameworks' rank generators produce)."""
     dims: ParallelDims
-    rank_of_logical: tuple[int, ...]     # default-order logical rank -> physical launch rank
+    rank_of_canonical: tuple[int, ...]   # default-order logical rank -> physical launch rank
     domain_order: tuple[Domain, ...]
     # How the logical ranks were dealt: "stage" (a stage's block of tp*cp*dp ranks after another: the pipeline
     # crosses domains, DP stays inside) or "replica" (a replica's whole pipeline after another: each pipeline
@@ -41,21 +42,33 @@ class Placement:
     together: int = 1                    # "replica" dealing: replicas dealt together (a node: one stage of each)
 
     @property
-    def framework_rank_of_logical(self) -> tuple[int, ...]:
+    def rank_of_logical(self) -> tuple[int, ...]:
+        """Framework-order logical rank -> physical launch rank (a Plan's ``rank_of_logical``)."""
         if self.dims.is_default_order:
-            return self.rank_of_logical
-        return tuple(self.rank_of_logical[c] for c in self.dims.to_canonical())
+            return self.rank_of_canonical
+        return tuple(self.rank_of_canonical[c] for c in self.dims.to_canonical())
+
+    @classmethod
+    def from_rank_of_logical(cls, dims: ParallelDims, rank_of_logical: Sequence[int],
+                             domain_order: tuple = ()) -> "Placement":
+        """The placement a Plan stores (framework-order numbering) as the cost model reads it."""
+        if dims.is_default_order:
+            return cls(dims, tuple(rank_of_logical), domain_order)
+        canonical = [0] * len(rank_of_logical)
+        for framework_rank, canonical_rank in enumerate(dims.to_canonical()):
+            canonical[canonical_rank] = rank_of_logical[framework_rank]
+        return cls(dims, tuple(canonical), domain_order)
 
     @property
     def is_identity(self) -> bool:
         """The framework's own numbering (logical rank == launch rank in its order)."""
-        return all(i == r for i, r in enumerate(self.framework_rank_of_logical))
+        return all(i == r for i, r in enumerate(self.rank_of_logical))
 
     def physical_groups(self, kind: str, embedding_stages: Optional[Sequence[int]] = None) -> list[list[int]]:
-        return self.dims.placed_groups(kind, self.framework_rank_of_logical, embedding_stages)
+        return self.dims.placed_groups(kind, self.rank_of_logical, embedding_stages)
 
     def stage_ranks(self, stage: int) -> list[int]:
-        return self.dims.canonical().placed_stage(stage, self.rank_of_logical)
+        return self.dims.canonical().placed_stage(stage, self.rank_of_canonical)
 
 
 def check_dims(cluster: Cluster, dims: ParallelDims, num_layers: int | None = None) -> None:
@@ -183,7 +196,7 @@ def place_replicas(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[
     if together < 1 or dims.dp % together:
         raise ValueError(f"together={together} must divide dp={dims.dp}")
     stage_dealt = place(cluster, dims, domain_order)
-    seq = stage_dealt.rank_of_logical            # launch ranks in domain order
+    seq = stage_dealt.rank_of_canonical          # launch ranks in domain order
     S, tc = dims.stage_size, dims.tp * dims.cp
     out = [0] * dims.world_size
     i = 0
@@ -218,8 +231,10 @@ def stage_domains(cluster: Cluster, placement: Placement) -> list[list[Domain]]:
     return out
 
 
-def transport(cluster: Cluster, ranks: Sequence[int]) -> str:
-    """The transport a communicator over ``ranks`` should use (het_plugin.core.ranks.transport's rule)."""
+def cluster_transport(cluster: Cluster, ranks: Sequence[int]) -> str:
+    """The transport rule (:func:`het_plugin.core.ranks.transport.transport_rule`) over a Cluster's nodes: what
+    a communicator over launch ranks ``ranks`` uses. (A Plan asks the same rule over its node table:
+    ``Plan.rule_transport``.)"""
     members = (cluster.nodes[i] for i in {cluster.rank_node[r] for r in ranks})
     return transport_rule((Member(n.name, n.cluster, n.vendor) for n in members),
                           lambda a, b: cluster.cluster_link(a, b).kind)
@@ -228,7 +243,7 @@ def transport(cluster: Cluster, ranks: Sequence[int]) -> str:
 def baseline_transport(cluster: Cluster, ranks: Sequence[int]) -> str:
     """What a plain framework run gets: with IB and RoCE mixed, or clusters joined by Ethernet, users
     force NCCL onto sockets for every communicator (NCCL cannot join IB and RoCE HCAs in one)."""
-    t = transport(cluster, ranks)
+    t = cluster_transport(cluster, ranks)
     if t in RDMA and needs_global_socket(cluster):
         return "socket"
     return t

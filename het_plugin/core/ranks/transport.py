@@ -14,10 +14,25 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Literal, Optional
 
-TRANSPORTS = ("local", "ib", "roce", "socket", "host-staged")
-RDMA = ("ib", "roce")
+TransportName = Literal["local", "ib", "roce", "socket", "host-staged"]
+
+
+class Transport:
+    """The transports by name. Plans, profiles and messages hold the plain strings; code names them here."""
+    LOCAL: TransportName = "local"
+    IB: TransportName = "ib"
+    ROCE: TransportName = "roce"
+    SOCKET: TransportName = "socket"
+    HOST_STAGED: TransportName = "host-staged"
+
+
+TRANSPORTS: tuple[TransportName, ...] = (Transport.LOCAL, Transport.IB, Transport.ROCE, Transport.SOCKET,
+                                         Transport.HOST_STAGED)
+RDMA: tuple[TransportName, ...] = (Transport.IB, Transport.ROCE)
+# Transports whose traffic rides the Ethernet NICs: NCCL's Socket network, or the shim's host hop.
+OVER_SOCKETS: frozenset[TransportName] = frozenset({Transport.SOCKET, Transport.HOST_STAGED})
 
 
 @dataclass(frozen=True)
@@ -32,19 +47,19 @@ class Member:
 LinkKind = Callable[[str, str], str]
 
 
-def transport_rule(members: Iterable[Member], link_kind: LinkKind) -> str:
+def transport_rule(members: Iterable[Member], link_kind: LinkKind) -> TransportName:
     """The transport of a communicator whose members sit on ``members`` (see the module docstring)."""
     by_node = {m.node: m for m in members}
     if len(by_node) <= 1:
-        return "local"
+        return Transport.LOCAL
     if len({m.vendor for m in by_node.values()}) > 1:
-        return "host-staged"
+        return Transport.HOST_STAGED
     clusters = sorted({m.cluster for m in by_node.values()})
     kinds = {link_kind(c, c) for c in clusters}
     kinds.update(link_kind(a, b) for a, b in itertools.combinations(clusters, 2))
     if len(kinds) == 1 and next(iter(kinds)) in RDMA:
         return next(iter(kinds))
-    return "socket"
+    return Transport.SOCKET
 
 
 def pair_key(a: str, b: str) -> str:
@@ -61,7 +76,7 @@ ENV_GLOO_IFNAMES = "HET_PLUGIN_GLOO_IFNAMES"   # transport=ifname,... : gloo's i
 # ``import het_plugin.comm`` registers (imported only when such a group exists).
 SHIM_BACKEND = "het_shim"
 
-NCCL_NET_NAME = {"ib": "IB", "roce": "IB", "socket": "Socket", "host-staged": "Socket"}
+NCCL_NET_NAME = {Transport.IB: "IB", Transport.ROCE: "IB", Transport.SOCKET: "Socket", Transport.HOST_STAGED: "Socket"}
 
 
 def nccl_net_name(transport: str) -> Optional[str]:

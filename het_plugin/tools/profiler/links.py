@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ...runtime.netselect import gloo_network, nccl_net_name
+from ...core.ranks.transport import Transport
 from .records import AllReduceRecord, LatencyRecord, Record, TransferRecord
 from .settings import LATENCY_BYTES, LinkJob, sender_counts
 
@@ -30,7 +31,7 @@ class LinkGroups:
     def __init__(self, jobs: list[LinkJob], backend: str, timeout=None):
         self.groups, self.devices = [], []
         for job in jobs:
-            host = backend != "nccl" or job.transport == "host-staged"
+            host = backend != "nccl" or job.transport == Transport.HOST_STAGED
             if host:
                 with gloo_network(job.transport):
                     g = dist.new_group(list(job.members), backend="gloo", timeout=timeout)

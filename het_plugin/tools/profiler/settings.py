@@ -15,7 +15,7 @@ from ...core.cost.network import FRAMEWORK_OVERHEAD_GIB, GIB, GRAD_BYTES, LOGITS
 from ...core.cost.stage import _activation_bytes_per_layer
 from ...core.errors import ConfigError
 from ...core.inputs.model import ModelSpec
-from ...core.ranks.placement import transport
+from ...core.ranks.placement import cluster_transport
 
 KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
@@ -257,7 +257,7 @@ def link_jobs(cluster: Cluster) -> list[LinkJob]:
         if len(nodes) >= 2:
             a, b = ranks(nodes[0]), ranks(nodes[1])
             k = min(len(a), len(b))
-            kind = transport(cluster, [a[0], b[0]])
+            kind = cluster_transport(cluster, [a[0], b[0]])
             jobs.append(LinkJob(kind, kind, name, kind, a[:k], b[:k]))
             if kind in ("ib", "roce"):
                 jobs.append(LinkJob("socket", "socket", name, "socket", a[:k], b[:k]))
@@ -267,7 +267,7 @@ def link_jobs(cluster: Cluster) -> list[LinkJob]:
             a, b = by_cluster[ca][0], by_cluster[cb][0]
             ra, rb = ranks(a), ranks(b)
             k = min(len(ra), len(rb))
-            jobs.append(LinkJob(f"{ca}->{cb}", f"{cb}->{ca}", None, transport(cluster, [ra[0], rb[0]]), ra[:k], rb[:k]))
+            jobs.append(LinkJob(f"{ca}->{cb}", f"{cb}->{ca}", None, cluster_transport(cluster, [ra[0], rb[0]]), ra[:k], rb[:k]))
     return jobs
 
 
