@@ -32,14 +32,15 @@ sys.path.insert(0, str(REPO))
 import e2e_compute  # noqa: E402
 from e2e_plans import (ALL_CONFIGS, CONFIGS, DS_CONFIGS, FAST_LINKS, LINKS, VPP_CONFIGS, calibrate_pipeline_overhead,  # noqa: E402
                        predict_configs, setup_ratio, with_pipeline_overhead)
+from e2e_drift import DRIFT_MARGIN, drift_verdict, round_to_repeat, run_verdict  # noqa: E402
 from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
 from het_plugin.tools.emulate import Emulation, EmulatorUnavailable, ExtraNetwork  # noqa: E402
 
 CALIBRATION_MBIT = 20_000      # the reference network "unshaped" for the calibration run
-# The emulated Ethernet rate, fixed so that runs compare (derived from each run's measured compute it moved
-# between 68 and 122 Mbit/s over four runs, and the ratios with it); --derive-eth-rate derives it instead.
-# The rate that would give the real job's proportions is printed beside it either way.
-FIXED_ETH_MBIT = 100.0
+# The emulated Ethernet rate. Default: set once, after the start-of-run calibration, so that dp_eth and pp_eth
+# are within 10% of the real job's with the compute measured then (e2e_proportions), and held for the run: the
+# ratios then mean the same thing on a fast and on a slow machine. --eth-mbit fixes it instead (one operating
+# point for comparing code changes on one machine; the proportions follow from the compute and are printed).
 CALIBRATE = "calibrate"        # a round's visit to the calibration run (the others are ratios)
 GOALS = {"4/3": 0.60, "4/1": 1.15, "4/2": 0.55, "5v/1": 1.05}
 PAIRS = {"4/3": ("4-het_plugin", "3-mixed-today"), "4/1": ("4-het_plugin", "1-all-fast"),
@@ -75,6 +76,9 @@ class Parent:
         self.ref_link = None
         self.round_calibrations: list[float] = []     # per round: median step after warm-up
         self.round = 0
+        self.rounds_run = args.rounds                 # round numbers handed out so far (repeats add to it)
+        self.repeats_left = args.repeat_drifted
+        self.repeated: list[dict] = []                # the rounds dropped and run again, and why
         self.compute = compute
         self.scale = scale
         self.eth_links = None
@@ -107,14 +111,14 @@ class Parent:
             self.compute["calibration_step_s"] = measured
             log(f"calibration step {measured * 1e3:.0f} ms -> pipelined code path costs {x * 1e3:+.1f} ms per "
                 "micro-batch and stage beyond the single-rank profile")
-            # the proportions as the pipeline's compute really is (a fixed rate stays, its proportions follow)
+            # the proportions as the pipeline's compute really is: the rate is set here, once, and held for the run
+            # (a fixed rate stays, its proportions follow)
             self.scale = scale_for(self.shape, self.compute, self.args.eth_mbit)
             self.emu.set_rate("eth0", self.scale["eth_mbit"])
-            log(f"Ethernet -> {self.scale['eth_mbit']:.1f} Mbit/s (scale 1/{self.scale['scale']:.0f}; the real job's "
-                f"proportions would need {self.scale['derived_eth_mbit']:.1f})")
+            log(f"Ethernet -> {self.scale['eth_mbit']:.1f} Mbit/s, held for the run ({describe_scale(self.scale)})")
             return {}
         if name == "next":
-            if not self.visits:
+            if not self.visits and not self.repeat_drifted_round():
                 return {"done": True}
             self.round, visit = self.visits.pop(0)
             if visit == CALIBRATE:
@@ -155,6 +159,42 @@ class Parent:
             return {}
         raise RuntimeError(f"unknown request {name}")
 
+    def repeat_drifted_round(self) -> bool:
+        """``--repeat-drifted``: when the rounds so far are not reliable, drop the round that strays furthest
+        (e2e_drift.round_to_repeat) and queue a new one (calibration first, every ratio); recorded in
+        ``self.repeated`` and the JSON. False when there is nothing (more) to repeat."""
+        if self.repeats_left <= 0 or self.args.rounds < 2 or not self.measured:
+            return False
+        rounds = self._config_rounds()
+        cal = ([self.compute["calibration_step_s"]] if "calibration_step_s" in self.compute else []) \
+            + self.round_calibrations
+        verdict = drift_verdict(cal, rounds, self.args.drift_margin)
+        if verdict.reliable:
+            return False
+        k = round_to_repeat(self.round_calibrations, rounds)
+        self.repeated.append({"dropped_round_index": k, "reasons": verdict.reasons,
+                              "calibration_s": self.round_calibrations[k] if k < len(self.round_calibrations)
+                              else None,
+                              "configs_s": {name: v[k] for name, v in rounds.items() if k < len(v)}})
+        if k < len(self.round_calibrations):
+            del self.round_calibrations[k]
+        for per_config in self.measured.values():
+            for runs in per_config.values():
+                if k < len(runs):
+                    del runs[k]
+        self.repeats_left -= 1
+        rnd, self.rounds_run = self.rounds_run, self.rounds_run + 1
+        ratios = self.args.ratios
+        self.visits = [(rnd, v) for v in ([CALIBRATE] if not self.args.no_calibration else [])
+                       + ratios[rnd % len(ratios):] + ratios[:rnd % len(ratios)]]
+        log(f"rounds drifted ({'; '.join(verdict.reasons)}): dropping round #{k + 1} of those kept and running "
+            f"round {rnd} instead ({self.repeats_left} repeat(s) left)")
+        return True
+
+    def _config_rounds(self) -> dict[str, list[float]]:
+        return {f"{ratio:g}:1 {cfg}": [statistics.median(r[self.args.warmup:]) for r in runs]
+                for ratio, per_config in self.measured.items() for cfg, runs in per_config.items()}
+
     def repredict(self) -> None:
         """Every prediction again, with the pipelined code path's cost fitted to the median of the rounds'
         calibration runs instead of the one at the start (kept as ``predictions_start``): the same plans, the
@@ -170,6 +210,8 @@ class Parent:
                                                                st.plan_vpp)
         self.compute["rounds_calibration_step_s"] = self.round_calibrations
         self.compute["rounds_pipeline_overhead_per_micro_batch"] = x
+        # the proportions the rounds really ran at: the rate held, the compute as the rounds' calibration found it
+        self.scale_rounds = dict(scale_for(self.shape, compute, self.scale["eth_mbit"]), mode="as run")
         log(f"calibration over the rounds: median step {measured * 1e3:.0f} ms (rounds: "
             + ", ".join(f"{t * 1e3:.0f}" for t in self.round_calibrations)
             + f") -> {x * 1e3:+.1f} ms per micro-batch and stage; predictions made again")
@@ -179,7 +221,18 @@ class Parent:
         for r in rows["configs"]:
             log(f"  {r['name']:<20} {r['median_s'] * 1e3:8.1f} ms  predicted {r['predicted_s'] * 1e3:8.1f} ms "
                 f"({r['error'] * 100:+.0f}%)")
-        log("  " + "  ".join(f"{k} {v:.2f}" for k, v in rows["ratios"].items()))
+        log("  " + "  ".join(f"{k} {v:.2f}" for k, v in rows["ratios"].items())
+            + f"   [fabric {ratio * self.scale['eth_mbit']:.0f} Mbit/s, Ethernet {self.scale['eth_mbit']:.1f} Mbit/s; "
+            + describe_scale(self.scale) + "]")
+
+
+def describe_scale(scale: dict) -> str:
+    """The operating point in one line: mode, scale, the tiny job's proportions beside the real job's."""
+    s, r = scale["tiny"], scale["real"]
+    return (f"{scale.get('mode', 'fixed')}, scale 1/{scale['scale']:.0f}; dp_eth {s['dp_eth']:.2f} (real "
+            f"{r['dp_eth']:.2f}, {scale['dp_error']:+.0%}), pp_eth {s['pp_eth']:.3f} (real {r['pp_eth']:.3f}, "
+            f"{scale['pp_error']:+.0%}); " + ("within" if scale["matched"] else "NOT within")
+            + f" {scale['tolerance']:.0%}; the proportion-matched rate {scale['matched_eth_mbit']:.1f} Mbit/s")
 
 
 def summarize(ratio: float, measured: dict, setup, warmup: int) -> dict:
@@ -233,7 +286,7 @@ def run(args) -> dict:
     log(f"compute: {sum(compute['layer']) * 1e3:.1f} ms per layer fwd+bwd, framework overhead "
         f"{compute['overhead_per_micro_batch'] * 1e3:.1f} ms per micro-batch and "
         f"{compute['overhead_per_step'] * 1e3:.0f} ms per step; Ethernet -> {scale['eth_mbit']:.1f} Mbit/s "
-        f"(scale 1/{scale['scale']:.0f})")
+        f"until the calibration run ({describe_scale(scale)})")
     cluster = mixed_cluster(args.ratios[0])
     with Emulation(cluster, scale=scale["scale"], extra_networks=[ExtraNetwork("ref0", ETH_GBPS)], log=log) as emu:
         log(emu.layout.describe())
@@ -282,6 +335,9 @@ def run(args) -> dict:
            "latency": "not emulated (no netem in this kernel); bandwidth only",
            "ratios": []}
     parent.repredict()
+    if getattr(parent, "scale_rounds", None):
+        out["scale_rounds"] = parent.scale_rounds
+    out["repeated_rounds"] = parent.repeated
     for ratio in args.ratios:
         st = parent.setups[ratio]
         row = summarize(ratio, parent.measured[ratio], st, args.warmup)
@@ -289,9 +345,58 @@ def run(args) -> dict:
         row["links"] = st.links
         row["losses"] = parent.losses[ratio]
         out["ratios"].append(row)
+    verdict = run_verdict(out, args.drift_margin)
+    out["reliability"] = verdict.to_dict()
+    log(("RELIABLE" if verdict.reliable else "UNRELIABLE (not a headline)") + f": calibration spread "
+        + (f"{verdict.calibration_spread:.0%}" if verdict.calibration_spread is not None else "n/a")
+        + (f", widest configuration {verdict.worst_config} {verdict.worst_config_spread:.0%}" if verdict.worst_config
+           else ", one round per configuration") + f" (margin {verdict.margin:.0%})" + "".join(f"\n    {r}" for r in verdict.reasons))
+    if out.get("scale_rounds"):
+        log("proportions over the rounds (the rate held, the rounds' calibration): "
+            + describe_scale(out["scale_rounds"]))
     name = "e2e.json" if args.framework == "megatron" else f"e2e-{args.framework}.json"
     (results_dir / name).write_text(json.dumps(out, indent=1))
     return out
+
+
+def record(out: dict, args) -> str:
+    """Where a run's numbers go. Only a full, reliable, proportion-matched Megatron run becomes the recorded run
+    (benchmarks/results/, the docs' RESULTS section, the chart, README's headline); a drifted one goes to
+    benchmarks/results/unreliable/ and the docs' unreliable-run section, marked; a fixed-rate one to
+    benchmarks/results/fixed/<time>/ (for comparing code changes, not a headline). Returns the printed text."""
+    from e2e_report import side_by_side, write_chart, write_markdown, write_unreliable
+    staging = Path(args.results)
+    if any(c in DS_CONFIGS or c in VPP_CONFIGS for c in args.configs):
+        return side_by_side(out)
+    reliable = out["reliability"]["reliable"]
+    recorded = reliable and out["scale"].get("mode") == "proportions" and out["scale"]["matched"] and not args.quick
+    if args.default_results:       # the staging folder moves to where this kind of run is kept
+        final = HERE / "results" if recorded else HERE / "results" / (
+            "fixed" if reliable and not args.quick else "unreliable")
+        if not recorded and reliable:
+            final = final / time.strftime("%Y-%m-%d-%H%M", time.gmtime())
+        if final == HERE / "results":
+            for f in staging.iterdir():
+                os.replace(f, final / f.name)
+            staging.rmdir()
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging, final)
+        log(f"raw results: {final}")
+    docs = Path(args.docs)
+    if not reliable:
+        return write_unreliable(out, docs / "benchmark-e2e.md")
+    if args.quick or recorded or args.docs_given:
+        chart = write_chart(out, docs / "img" / "e2e.png")
+        md = write_markdown(out, docs / "benchmark-e2e.md", chart)
+        if recorded and docs.resolve() == (REPO / "docs").resolve():
+            import e2e_headline
+            e2e_headline.write_readme(REPO)
+            log("README.md: headline regenerated from benchmarks/results/e2e.json")
+        return md
+    from e2e_report import results_markdown
+    return results_markdown(out, None)
 
 
 def main(argv=None) -> int:
@@ -312,39 +417,45 @@ def main(argv=None) -> int:
     p.add_argument("--calibration-rounds", type=int, default=2)
     p.add_argument("--no-calibration", action="store_true",
                    help="predict from the single-rank compute profile alone (no calibration run)")
-    p.add_argument("--eth-mbit", type=float, default=FIXED_ETH_MBIT,
-                   help=f"emulated Ethernet rate in Mbit/s (default {FIXED_ETH_MBIT:g}, fixed so that runs compare)")
-    p.add_argument("--derive-eth-rate", action="store_true",
-                   help="derive the Ethernet rate from the compute measured at the start (the real job's proportions; "
-                        "it moves with the machine's speed between runs)")
-    p.add_argument("--results", help="raw results folder (default benchmarks/results, quick: a temp folder)")
+    p.add_argument("--eth-mbit", type=float, default=None,
+                   help="fix the emulated Ethernet rate (Mbit/s, e.g. 100) to compare code changes on one machine; "
+                        "default: set after the start-of-run calibration so that dp_eth and pp_eth are within 10%% "
+                        "of the real job's, and held for the run")
+    p.add_argument("--drift-margin", type=float, default=DRIFT_MARGIN,
+                   help=f"largest spread (max-min over median) of the calibration run's times and of a "
+                        f"configuration's rounds for a reliable run (default {DRIFT_MARGIN:g}; e2e_drift.py says why)")
+    p.add_argument("--repeat-drifted", type=int, default=0, metavar="N",
+                   help="when the rounds drifted past the margin, drop the round that strays furthest and run a new "
+                        "one, at most N times (recorded in the JSON; default 0: report the drift, repeat nothing)")
+    p.add_argument("--results", help="raw results folder (default: under benchmarks/results/ as the run's verdict "
+                                     "says, see record(); quick: a temp folder)")
     p.add_argument("--docs", help="docs folder for the table and chart (default docs/, quick: the results folder)")
     p.add_argument("--timeout", type=float, default=1500)
     args = p.parse_args(argv)
     args.configs = args.configs or FRAMEWORK_CONFIGS[args.framework]
-    if args.derive_eth_rate:
-        args.eth_mbit = None
     if args.quick:
         args.ratios, args.rounds, args.warmup, args.steps, args.compute_rounds = [10], 1, 1, 2, 1
         args.calibration_rounds = 1
     quick_dir = Path(tempfile.gettempdir()) / "het_e2e_quick"
-    # a DeepSpeed run keeps its plans and profiles apart from the recorded Megatron sweep's
-    full_dir = HERE / "results" if args.framework == "megatron" else HERE / "results" / args.framework
-    args.results = args.results or str(quick_dir if args.quick else full_dir)
+    side = any(c in DS_CONFIGS or c in VPP_CONFIGS for c in args.configs)
+    args.default_results = not args.results and not args.quick
+    if args.quick and not args.results:
+        args.results = str(quick_dir)
+    elif side and not args.results:
+        # a DeepSpeed or interleaved run keeps its plans and profiles apart from the recorded Megatron sweep's,
+        # one folder per run (e2e_headline picks the latest reliable one)
+        args.results = str(HERE / "results" / args.framework / time.strftime("%Y-%m-%d-%H%M", time.gmtime()))
+        args.default_results = False
+    elif not args.results:       # a full Megatron run: staged, then moved to where its verdict says (record)
+        args.results = str(HERE / "results" / f".staging-{os.getpid()}")
+    args.docs_given = args.docs is not None
     args.docs = args.docs or (str(quick_dir) if args.quick else str(REPO / "docs"))
     try:
         out = run(args)
     except EmulatorUnavailable as exc:
         print(f"bench_e2e: {exc}", file=sys.stderr)
         return 3
-    if any(c in DS_CONFIGS or c in VPP_CONFIGS for c in args.configs):
-        from e2e_report import side_by_side
-        print(side_by_side(out))
-        return 0
-    from e2e_report import write_chart, write_markdown
-    chart = write_chart(out, Path(args.docs) / "img" / "e2e.png")
-    md = write_markdown(out, Path(args.docs) / "benchmark-e2e.md", chart)
-    print(md)
+    print(record(out, args))
     return 0
 
 

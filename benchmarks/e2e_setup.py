@@ -10,7 +10,8 @@ batch 512, micro-batch 1) on 8 nodes x 8 A100-80 (4 IB + 4 RoCE nodes), TP=8 ins
 * ``act_grad``: pipeline bytes / gradient bytes per node and iteration (fixed by the model shapes).
 
 The tiny model is chosen so that ``act_grad`` is close to the real one; the emulated Ethernet rate is
-then set so that ``dp_eth`` equals the real job's, given the per-layer compute time *measured here*.
+then set so that ``dp_eth`` and ``pp_eth`` are both within 10% of the real job's (e2e_proportions), given the
+compute time *measured here*.
 The scale factor is real 25 Gbit/s over that emulated rate. The fabric is ``ratio`` x Ethernet.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ from het_plugin.core.inputs import catalog  # noqa: E402
 from het_plugin.core.inputs.cluster import Cluster, cluster_from_dict  # noqa: E402
 from het_plugin.core.inputs.model import preset_model  # noqa: E402
 from integration_tests.support.megatron_tiny import TinyGPT  # noqa: E402
+
+from e2e_proportions import proportions_at, rate_for_proportions  # noqa: E402
 
 ETH_GBPS = 25.0                 # the real job's Ethernet, per node
 NODE_ORDER = ["ib-0", "roce-0", "ib-1", "roce-1"]   # a launch order that mixes the clusters (hostfile order)
@@ -141,19 +144,22 @@ def tiny_job(shape: TinyShape, stage_s_per_micro_batch: float) -> tuple[float, f
 
 
 def derive_scale(shape: TinyShape, stage_s_per_micro_batch: float, eth_mbit: float | None = None) -> dict:
-    """Emulated Ethernet rate (Mbit/s) that gives the tiny job the real job's dp_eth, and the scale factor; with
-    ``eth_mbit`` the rate is that one (a fixed operating point) and the tiny job's proportions follow from it.
-    ``derived_eth_mbit`` is always the rate that would give the real job's dp_eth."""
+    """The emulated Ethernet rate and the tiny job's proportions at it. Default (``eth_mbit`` None, mode
+    "proportions"): the rate that puts dp_eth and pp_eth within 10% of the real job's (e2e_proportions); with
+    ``eth_mbit`` (mode "fixed": one operating point for comparing code changes on one machine) that rate, and the
+    proportions follow from it. ``matched_eth_mbit`` is always the proportion-matched rate for this compute."""
     real = real_job()
     micro_batches = shape.global_batch_size // (DP * shape.micro_batch_size)
     compute = micro_batches * stage_s_per_micro_batch
     dp_bytes, pp_bytes = tiny_job(shape, stage_s_per_micro_batch)
-    derived_bytes_per_s = dp_bytes / (real.dp_eth * compute)
-    eth_bytes_per_s = derived_bytes_per_s if eth_mbit is None else eth_mbit * 1e6 / 8
-    tiny = Proportions(compute, dp_bytes, pp_bytes, eth_bytes_per_s)
-    eth_mbit = eth_bytes_per_s * 8 / 1e6
-    return {"eth_mbit": eth_mbit, "scale": ETH_GBPS * 1e3 / eth_mbit, "derived_eth_mbit": derived_bytes_per_s * 8 / 1e6,
-            "fixed": eth_bytes_per_s != derived_bytes_per_s,
+    matched = rate_for_proportions(dp_bytes, pp_bytes, compute, real.dp_eth, real.pp_eth)
+    point = matched if eth_mbit is None else proportions_at(eth_mbit * 1e6 / 8, dp_bytes, pp_bytes, compute,
+                                                            real.dp_eth, real.pp_eth)
+    tiny = Proportions(compute, dp_bytes, pp_bytes, point.eth_bytes_per_s)
+    return {"eth_mbit": point.eth_mbit, "scale": ETH_GBPS * 1e3 / point.eth_mbit,
+            "mode": "proportions" if eth_mbit is None else "fixed", "fixed": eth_mbit is not None,
+            "matched_eth_mbit": matched.eth_mbit, "matched": point.matched, "tolerance": point.tolerance,
+            "dp_error": point.dp_error, "pp_error": point.pp_error,
             "real": {"compute_s": real.compute_s, "dp_eth": real.dp_eth, "pp_eth": real.pp_eth,
                      "act_grad": real.act_grad, "dp_bytes": real.dp_bytes, "pp_bytes": real.pp_bytes},
             "tiny": {"compute_s": tiny.compute_s, "dp_eth": tiny.dp_eth, "pp_eth": tiny.pp_eth,

@@ -79,7 +79,10 @@ def test_megatron_core_training_writes_a_profile_that_replans(tmp_path, capsys):
     assert f"het_plugin: measured profile written to {out}" in outs[0].stdout
     assert not any("measured profile written" in o.stdout for o in outs[1:])
     check_run(out, plan, "Megatron", delay)
-    assert f"re-plan with the measured times: het-plugin plan {IB_ROCE_4} --profile {out}" in outs[0].stderr
+    beside = tmp_path / "measured.model.yaml"         # the script's model is an object: written beside the profile
+    assert (f"re-plan with the measured times: het-plugin plan {IB_ROCE_4} --model {beside} --tp 1 --pp 2 --dp 2 "
+            f"--micro-batch-size 2 --profile {out}") in outs[0].stderr
+    assert yaml.safe_load(beside.read_text()) == plan.model
     capsys.readouterr()
     check_replan(replan(capsys, IB_ROCE_4, model_file(tmp_path, spec), out), plan)
 

@@ -100,9 +100,10 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
                    degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
                    names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
                    overlap_p2p_comm: Optional[bool] = None,
-                   discover: Callable[[], Cluster] = no_discovery) -> Resolved:
+                   discover: Callable[[], Cluster] = no_discovery, profile: Any = None) -> Resolved:
     """:func:`resolve_plan`, with the cluster the plan was made from. ``discover``: what finds the cluster when
-    the source names none (on ranks: ``het_plugin.discovery.discover_cluster``)."""
+    the source names none (on ranks: ``het_plugin.discovery.discover_cluster``). ``profile``: a measured profile
+    the planner uses (re-planning on restart, :mod:`het_plugin.runtime.restart_replan`; not for a plan file)."""
     degrees = degrees or Degrees(launch.world_size)
     names = names or {}
     loaded = load_source(source)
@@ -123,7 +124,7 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
     try:
         plan = make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
                          ep=degrees.ep, etp=degrees.etp, order=degrees.order, micro_batch_size=micro_batch_size,
-                         vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm)
+                         vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm, profile=profile)
         return Resolved(plan, cluster)
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):

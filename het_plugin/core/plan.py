@@ -36,6 +36,9 @@ FORMAT_VERSION = 3
 _HASHED_UNLESS_DEFAULT = {"vpp": 1, "layers_per_virtual_stage": [], "overlap_p2p_comm": False,
                           "replica_micro_batches": []}
 
+# What the predictor's numbers and the planner's notes are about, not part of what they were computed from.
+_NOT_PREDICTED_FROM = ("prediction", "baseline", "alternatives", "warnings", "predicted_for", "format_version")
+
 
 @dataclass
 class GroupPlan:
@@ -131,6 +134,10 @@ class Plan:
     baseline: Optional[Prediction] = None
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # The content digest (:attr:`content_digest`) of the plan ``prediction`` was computed for ("" in plans written
+    # before it): a plan edited afterwards (layers moved, the optimizer switched) no longer matches, and its
+    # prediction is reported stale instead of shown as this plan's (issue 21).
+    predicted_for: str = ""
     format_version: int = FORMAT_VERSION
 
     # ---- derived --------------------------------------------------------------------------
@@ -302,8 +309,32 @@ class Plan:
                                       fix="re-create the plan with `het-plugin plan -o`")
 
     @property
+    def content_digest(self) -> str:
+        """A hash of everything the prediction is computed from (the plan less its predictions and notes)."""
+        data = asdict(self)
+        for key in _NOT_PREDICTED_FROM:
+            data.pop(key, None)
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=_json_default)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def stamp_prediction(self) -> "Plan":
+        """Record that ``prediction`` is this plan's (the planner, once the plan is complete)."""
+        self.predicted_for = self.content_digest if self.prediction is not None else ""
+        return self
+
+    @property
+    def prediction_stale(self) -> bool:
+        """The plan changed after its prediction was computed (edited by hand): the numbers are another plan's."""
+        return bool(self.prediction is not None and self.predicted_for and self.predicted_for != self.content_digest)
+
+    @property
+    def current_prediction(self) -> Optional[Prediction]:
+        """The prediction, or None when it is stale (what readers that compare against it should use)."""
+        return None if self.prediction_stale else self.prediction
+
+    @property
     def speedup(self) -> Optional[float]:
-        if self.prediction and self.baseline and self.prediction.iteration_s > 0:
+        if self.current_prediction and self.baseline and self.prediction.iteration_s > 0:
             return self.baseline.iteration_s / self.prediction.iteration_s
         return None
 
@@ -354,6 +385,7 @@ class Plan:
         for key, default in _HASHED_UNLESS_DEFAULT.items():
             if data[key] == default:
                 del data[key]
+        del data["predicted_for"]         # a digest of the content hashed here: adds nothing, keeps hashes as before
         _drop_zero_alltoall(data)
         return json.dumps(data, sort_keys=True, separators=(",", ":"), default=_json_default)
 

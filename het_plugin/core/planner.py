@@ -102,7 +102,8 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         overlap_grad_reduce=overlap_grad_reduce, vpp=vpp, overlap_p2p_comm=overlap_p2p_comm and vpp > 1,
         layers_per_virtual_stage=virtual_split(layers_per_stage, vpp) if vpp > 1 else [],
         distributed_optimizer=distributed_optimizer, homogeneous=cluster.is_homogeneous,
-        replica_micro_batches=counts, prediction=prediction, baseline=baseline, alternatives=list(alternatives), warnings=warnings)
+        replica_micro_batches=counts, prediction=prediction, baseline=baseline, alternatives=list(alternatives),
+        warnings=warnings).stamp_prediction()
 
 
 MICRO_BATCH_CHOICES = (1, 2, 4, 8)

@@ -88,10 +88,10 @@ class HetSection:
             raise ConfigError(f"profile_every must be a whole number of iterations, got {every!r}", source=source,
                               field=f"{SECTION}.profile_every", fix="e.g. 100")
         from ..runtime.recorder import DEFAULT_EVERY, ProfileSettings
-        cluster = self.cluster if self.cluster not in (None, AUTO) else "CLUSTER"
+        from ..core.replan_command import cluster_file
         try:
             return ProfileSettings(str(path), every=DEFAULT_EVERY if every is None else every,
-                                   replan=f"het-plugin plan {cluster} --profile {path}")
+                                   cluster=cluster_file(self.cluster))
         except ConfigError as exc:
             key = "profile_every" if exc.field == "profile_every" else "profile_out"
             raise ConfigError(exc.problem, source=source, field=f"{SECTION}.{key}", fix=exc.fix) from None

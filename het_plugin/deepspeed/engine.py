@@ -74,6 +74,8 @@ def initialize(*args, profile_out=None, **kwargs):
     engine = result[0]
     engine.het_plan = applied.plan
     engine.het_applied = applied
+    from .checkpoints import install as check_checkpoints
+    check_checkpoints(engine)             # the plan recorded in its checkpoints; loads checked first
     if share is not None:
         apply_replica_split(engine, share, arguments.get("training_data"))
         result = (engine, result[1], engine.training_dataloader, *result[3:])

@@ -10,6 +10,8 @@
   iteration ends with the ``step`` at a gradient-accumulation boundary. ``backward`` reduces the gradients at
   the boundary (``allreduce_gradients``): that wait is not compute (the predictor charges the reduction
   itself), so it is timed apart and taken out of the backward time.
+* Checkpoint saves (``save_checkpoint``) and evaluation (``eval_batch``, a forward outside training mode) are
+  taken out of the measured iteration interval (:meth:`StageTimer.excluded`).
 """
 from __future__ import annotations
 
@@ -20,14 +22,31 @@ from ..runtime.recorder import ProfileRecorder, ProfileSettings, default_store
 
 def install(engine, plan, rank: int, settings: ProfileSettings) -> ProfileRecorder:
     """Time ``engine``'s micro-batches and iterations; returns the recorder (also ``engine.het_profile``)."""
-    recorder = ProfileRecorder(plan, rank, settings, "DeepSpeed", store=default_store())
+    applied = getattr(engine, "het_applied", None)
+    recorder = ProfileRecorder(plan, rank, settings, "DeepSpeed", store=default_store(),
+                               cluster=getattr(applied, "cluster", None))
     from deepspeed.runtime.pipe.engine import PipelineEngine
     if isinstance(engine, PipelineEngine):
         _pipeline_hooks(engine, recorder)
     else:
         _engine_hooks(engine, recorder)
+    _left_out(engine, recorder, ("save_checkpoint", "eval_batch"))
     engine.het_profile = recorder
     return recorder
+
+
+def _left_out(engine, recorder: ProfileRecorder, names) -> None:
+    """The engine's ``names`` (where it has them) run outside the measured training time."""
+    for name in names:
+        fn = getattr(engine, name, None)
+        if fn is None:
+            continue
+
+        def call(*args, _fn=fn, **kwargs):
+            with recorder.timer.excluded():
+                return _fn(*args, **kwargs)
+
+        setattr(engine, name, functools.wraps(fn)(call))
 
 
 def _pipeline_hooks(engine, recorder: ProfileRecorder) -> None:
@@ -63,8 +82,9 @@ def _engine_hooks(engine, recorder: ProfileRecorder) -> None:
 
     @functools.wraps(forward)
     def timed_forward(*args, **kwargs):
-        if not engine.training:
-            return forward(*args, **kwargs)
+        if not engine.training:                  # evaluation: not training time
+            with timer.excluded():
+                return forward(*args, **kwargs)
         if not timer.active:
             timer.begin_iteration()
         with timer.timing("forward"):

@@ -83,13 +83,15 @@ def resolve_megatron_launch(source: Union[Plan, Cluster, PathLike, None] = None,
                             local_world_size: Optional[int] = None, tp: Optional[int] = None,
                             pp: Optional[int] = None, cp: Optional[int] = None, micro_batch_size: Optional[int] = None,
                             ep: int = 1, etp: Optional[int] = None, order: str = DEFAULT_ORDER,
-                            vpp: Optional[int] = None, overlap_p2p_comm: Optional[bool] = None) -> Resolved:
-    """:func:`resolve_megatron_plan` with the cluster the plan was made from (the pre-flight reads its NICs)."""
+                            vpp: Optional[int] = None, overlap_p2p_comm: Optional[bool] = None,
+                            profile: Any = None) -> Resolved:
+    """:func:`resolve_megatron_plan` with the cluster the plan was made from (the pre-flight reads its NICs);
+    ``profile``: a measured profile to plan with (re-planning on restart)."""
     degrees = Degrees(world_size, tp=tp, pp=pp, cp=cp or 1, ep=ep or 1, etp=etp, order=order or DEFAULT_ORDER,
                       names=MEGATRON_NAMES, source="Megatron arguments")
     return resolve_launch(source, launch=Launch(world_size, rank, local_world_size), model=model, degrees=degrees,
                           micro_batch_size=micro_batch_size, names=MEGATRON_NAMES, vpp=vpp,
-                          overlap_p2p_comm=overlap_p2p_comm, discover=discover_cluster)
+                          overlap_p2p_comm=overlap_p2p_comm, discover=discover_cluster, profile=profile)
 
 
 # ---- applying a plan to Megatron-Core ---------------------------------------------------------------
@@ -163,7 +165,7 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
     timing.uninstall()            # a plan applied before in this process: its timing ends here
     install_replicas(plan)        # uneven replicas: per-rank counts, weights and samples; even: Megatron's own
     if profile is not None:
-        timing.install(plan, applied.rank, profile)
+        timing.install(plan, applied.rank, profile, cluster=cluster)
     note = embedding_note(plan, applied.records)
     if note and applied.rank == 0:
         log.warning("het_plugin: %s", note)
@@ -219,6 +221,8 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
                               timeout_s: Optional[float] = None,
                               profile_out: Optional[PathLike] = None,
                               profile_every: Optional[int] = None,
+                              replan_on_restart: bool = False,
+                              checkpoint: Any = None,
                               **megatron_kwargs: Any) -> Plan:
     """Drop-in for ``megatron.core.parallel_state.initialize_model_parallel`` on a heterogeneous cluster.
 
@@ -234,6 +238,9 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     ``profile_out``: rank 0 writes the measured profile there (each stage's forward and backward per micro-batch
     and the iteration time) every ``profile_every`` iterations (default 100) and at exit, for
     ``het-plugin plan --profile`` (docs/planner.md, "Plans that learn from the run").
+    ``replan_on_restart`` (with ``profile_out``): the next start re-plans from the profile this run writes
+    (:mod:`het_plugin.runtime.restart_replan`); ``checkpoint``: the
+    :class:`~het_plugin.core.checkpoint_fit.CheckpointShape` of the checkpoint it resumes (or a callable returning it): a re-plan it would not load under is not taken.
     """
     import torch.distributed as dist
     from .version import check_megatron_version
@@ -246,15 +253,31 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     rank, world = dist.get_rank(), dist.get_world_size()
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     cp = megatron_kwargs.pop("context_parallel_size", None)
-    settings = profile_settings(profile_out, profile_every, cluster)
+    settings = profile_settings(profile_out, profile_every, cluster if cluster is not None else plan, model=model)
+    if replan_on_restart:
+        if settings is None:
+            raise ConfigError("replan_on_restart needs profile_out: the next start re-plans from the measured "
+                              "profile this run writes there", field="replan_on_restart", fix="add profile_out=FILE")
+        settings.replan_on_restart = True
     resolved: list[Resolved] = []
 
-    def make() -> Plan:
-        resolved.append(resolve_megatron_launch(
+    def resolve(profile=None) -> Resolved:
+        return resolve_megatron_launch(
             plan if plan is not None else cluster, model=model, world_size=world, rank=rank,
             local_world_size=int(lws) if lws else None, tp=tensor_model_parallel_size,
-            pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size, **plan_degrees(megatron_kwargs)))
-        return resolved[-1].plan
+            pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size, profile=profile,
+            **plan_degrees(megatron_kwargs))
+
+    def make() -> Plan:
+        if not replan_on_restart:
+            resolved.append(resolve())
+            return resolved[-1].plan
+        from ..runtime.restart_replan import resolve_on_restart
+        chosen, decision = resolve_on_restart(resolve, settings.path, checkpoint=checkpoint)
+        if rank == 0:
+            print("\n".join(f"het_plugin: {line}" for line in decision.lines), flush=True)
+        resolved.append(chosen)
+        return chosen.plan
 
     with configured_timeout(timeout_s):
         agreed = agree_on_plan(make, rank=rank, world_size=world, timeout_s=timeout_s)
@@ -264,10 +287,12 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
 
 
 def profile_settings(profile_out: Optional[PathLike], every: Optional[int], cluster: Any = None,
-                     field: str = "profile_out", every_field: str = "profile_every") -> Optional["ProfileSettings"]:
-    """The measured-profile settings (None without a path); checked before any group exists. ``cluster``: the
-    cluster file, named in the re-plan command of the imbalance warning; ``field``/``every_field``: the names
-    errors give the two settings."""
+                     field: str = "profile_out", every_field: str = "profile_every",
+                     model: Any = None) -> Optional["ProfileSettings"]:
+    """The measured-profile settings (None without a path); checked before any group exists. ``cluster`` and
+    ``model``: the run's cluster file and model file or preset, named in the re-plan command of the imbalance
+    warning (others are written beside the profile); ``field``/``every_field``: the names errors give the two
+    settings."""
     if profile_out is None:
         if every is not None:
             raise ConfigError(f"a profile interval ({every}) was given without a file to write the profile to",
@@ -275,10 +300,10 @@ def profile_settings(profile_out: Optional[PathLike], every: Optional[int], clus
                               fix=f"add {field} FILE, or drop the interval")
         return None
     from ..runtime.recorder import DEFAULT_EVERY, ProfileSettings
-    source = cluster if isinstance(cluster, (str, Path)) and str(cluster) != "discover" else "CLUSTER"
+    from ..core.replan_command import cluster_file, model_name
     try:
         return ProfileSettings(str(profile_out), every=DEFAULT_EVERY if every is None else every,
-                               replan=f"het-plugin plan {source} --profile {profile_out}")
+                               cluster=cluster_file(cluster), model=model_name(model))
     except ConfigError as exc:
         name = every_field if exc.field == "profile_every" else field
         raise ConfigError(exc.problem, source=exc.source, field=name, fix=exc.fix) from None

@@ -32,6 +32,7 @@ class AppliedPlan:
     policy: Policy
     records: list[GroupRecord] = field(default_factory=list)
     guard: Optional[GroupGuard] = None       # set while guarding() is active
+    cluster: Any = None                      # the Cluster the plan came from (None for a plan file)
 
     @classmethod
     def start(cls, plan: Plan, rank: int, default_backend: Optional[str] = None) -> "AppliedPlan":
@@ -48,6 +49,7 @@ class AppliedPlan:
         """What every adapter does between plan agreement and its first group: :meth:`start` the record, then
         the network pre-flight (:meth:`check_network`; ``cluster``: the Cluster the plan came from)."""
         applied = cls.start(plan, rank, default_backend)
+        applied.cluster = cluster
         applied.check_network(cluster, timeout_s=timeout_s)
         return applied
 

@@ -51,7 +51,10 @@ class ProfileSettings:
     every: int = DEFAULT_EVERY           # iterations between writes (and at exit)
     warmup: int = 1                      # first iterations not counted
     warn_above: Optional[float] = DEFAULT_IMBALANCE_THRESHOLD   # None: no imbalance warning
-    replan: str = ""                     # the command that re-plans (named in the warning)
+    replan: str = ""                     # the command that re-plans (named in the warning; "": made from the plan)
+    cluster: Optional[str] = None        # the run's cluster file (None: discovered, or a plan file)
+    model: Optional[str] = None          # the run's model file or preset name (None: written beside the profile)
+    replan_on_restart: bool = False      # also write the plan run beside the profile (runtime.restart_replan)
     exit_wait_s: float = 10.0            # rank 0 at exit: the longest wait for the other ranks' final sums
 
     def __post_init__(self):
@@ -64,8 +67,6 @@ class ProfileSettings:
         if int(self.every) < 1:
             raise ConfigError(f"profile interval {self.every} is not a positive number of iterations",
                               field="profile_every", fix="give 1 or more")
-        if not self.replan:
-            self.replan = f"het-plugin plan CLUSTER --profile {self.path}"
 
 
 # ---- clocks -------------------------------------------------------------------------------------------
@@ -136,8 +137,12 @@ def default_clock():
 class StageTimer:
     """Sums of one rank's forward and backward compute per micro-batch, and its iteration times."""
 
-    def __init__(self, rank: int, clock=None, warmup: int = 1):
+    def __init__(self, rank: int, clock=None, warmup: int = 1, wall=time.perf_counter):
         self.clock = clock if clock is not None else WallClock()
+        self.wall = wall                       # iteration boundaries and left-out spans (the host's clock)
+        self._excluded_s = 0.0                 # left-out time since the last iteration ended
+        self._excluded_in = 0.0                # ... of it inside the current iteration
+        self._excluding = 0                    # nesting depth of excluded() (the outermost counts)
         self.warmup = warmup
         self.times = RankTimes(rank)
         self.active = False
@@ -152,24 +157,27 @@ class StageTimer:
         """From here forward and backward are timed (``chunks``: model chunks per micro-batch, each running its
         own forward: Megatron's interleaved schedule)."""
         self.active, self._spans, self._chunks = True, [], max(1, chunks)
-        self._start = time.perf_counter()
+        self._start = self.wall()
+        self._excluded_in = 0.0
 
     def end_iteration(self) -> None:
         """The iteration is over: its spans are read one iteration later (a GPU has finished them by then)."""
         if not self.active:
             return
-        now = time.perf_counter()
+        now = self.wall()
         self.active = False
         counted = self.seen >= self.warmup
         self.seen += 1
         if counted:
             if self._start is not None:
-                self.times.schedule_s += now - self._start
+                self.times.schedule_s += now - self._start - self._excluded_in
             if self._last_end is not None:
-                self.times.iteration_s += now - self._last_end
+                self.times.iteration_s += now - self._last_end - self._excluded_s
                 self.times.intervals += 1
+                self.times.excluded_s += self._excluded_s
             self._pending.append((self._spans, self._chunks))
         self._last_end = now
+        self._excluded_s = self._excluded_in = 0.0
         self._spans = []
         self._resolve(keep_last=True)
 
@@ -181,6 +189,23 @@ class StageTimer:
             yield
         finally:
             self.end_iteration()
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Work that is not a training iteration (a checkpoint save, an evaluation): its wall time is taken out of
+        the iteration interval it falls in, so the measured iteration time is the training step's. Nested spans
+        count once."""
+        self._excluding += 1
+        start = self.wall() if self._excluding == 1 else None
+        try:
+            yield
+        finally:
+            self._excluding -= 1
+            if start is not None:
+                spent = self.wall() - start
+                self._excluded_s += spent
+                if self.active:
+                    self._excluded_in += spent
 
     @contextlib.contextmanager
     def timing(self, kind: str) -> Iterator[None]:
@@ -238,11 +263,13 @@ class ProfileRecorder:
     profile file and the imbalance warning."""
 
     def __init__(self, plan: Plan, rank: int, settings: ProfileSettings, framework: str, *, clock=None,
-                 store: Any = None, exit_handler: bool = True):
+                 store: Any = None, exit_handler: bool = True, cluster: Any = None):
         self.plan, self.rank, self.settings, self.framework = plan, rank, settings, framework
         self.timer = StageTimer(rank, clock if clock is not None else default_clock(), settings.warmup)
         self.store = store
         self.written: Optional[str] = None       # the path, once rank 0 wrote a profile
+        self.cluster = cluster                   # the Cluster the plan came from (discovery: written beside)
+        self._inputs = None                      # the re-plan command's cluster and model, once known
         self.warned = False
         self.warned_empty = False
         self.closed = False
@@ -313,13 +340,48 @@ class ProfileRecorder:
         except OSError as exc:
             log.warning("het_plugin: cannot write the measured profile %s: %s", self.settings.path, exc)
             return None
+        if self.written is None and self.settings.replan_on_restart:
+            from .restart_replan import ran_plan_path
+            try:
+                self.plan.save(ran_plan_path(self.settings.path))
+            except Exception as exc:      # noqa: BLE001 -- the next start then plans as usual
+                log.warning("het_plugin: cannot write the plan beside the measured profile: %s", exc)
         self.written = self.settings.path
         if not self.warned and self.settings.warn_above is not None:
-            message = imbalance_warning(prof.measured, self.settings.warn_above, self.settings.replan)
+            message = imbalance_warning(prof.measured, self.settings.warn_above, self.replan_command())
             if message:
                 self.warned = True
                 log.warning("het_plugin: %s", message)
         return self.settings.path
+
+    def replan_command(self) -> str:
+        """The complete re-plan command (het_plugin.core.replan_command): the run's cluster, model, degrees and
+        micro-batch size; a model (or discovered cluster) that is no file is written beside the profile first."""
+        if self.settings.replan:
+            return self.settings.replan
+        from ..core.replan_command import ReplanInputs, inputs_beside, new_plan_path, replan_command
+        beside = inputs_beside(self.settings.path)
+        cluster, model = self.settings.cluster, self.settings.model
+        if self._inputs is None:
+            if model is None:
+                model = self._write_beside(beside.model, self.plan.model, "model")
+            spec = getattr(self.cluster, "spec", None)
+            if cluster is None and spec is not None:
+                cluster = self._write_beside(beside.cluster, spec.model_dump(mode="json", exclude_none=True),
+                                             "cluster")
+            self._inputs = ReplanInputs(cluster, model)
+        return replan_command(self.plan, self.settings.path, self._inputs, new_plan_path(self.settings.path))
+
+    @staticmethod
+    def _write_beside(path: str, data: dict, what: str) -> Optional[str]:
+        from ..core.errors import ConfigError
+        from ..core.inputs.yamlio import dump_data
+        try:
+            dump_data(data, path)
+            return path
+        except (OSError, ConfigError) as exc:
+            log.warning("het_plugin: cannot write the run's %s for the re-plan command to %s: %s", what, path, exc)
+            return None
 
     def close(self) -> Optional[str]:
         """At exit (or when the script says so): the final sums, and rank 0's last write."""

@@ -209,7 +209,8 @@ def replica_rows(plan: Plan) -> list[ReplicaRow]:
         n = node_of[r]
         devices[dims.coord(inverse[r])["dp"]].add(f"{n.cluster}/{n.accelerator}")
     counts = plan.replica_counts
-    times = plan.prediction.replica_pipeline_s if plan.prediction and plan.prediction.replica_pipeline_s else None
+    pred = plan.current_prediction
+    times = pred.replica_pipeline_s if pred and pred.replica_pipeline_s else None
     rows: dict[tuple, ReplicaRow] = {}
     for d in range(plan.dp):
         key = (counts[d], " + ".join(sorted(devices[d])))
@@ -225,7 +226,7 @@ def replica_rows(plan: Plan) -> list[ReplicaRow]:
 def replica_lines(plan: Plan) -> list[str]:
     """Each replica's share of the global batch and predicted pipeline time, where replicas differ (uneven
     counts, or devices of different speeds); [] on the even split over alike replicas."""
-    pred = plan.prediction
+    pred = plan.current_prediction
     if not plan.uneven_replicas and not (pred and pred.replica_pipeline_s):
         return []
     total = sum(plan.replica_counts)
@@ -242,7 +243,7 @@ def replica_lines(plan: Plan) -> list[str]:
 
 def shape_lines(plan: Plan) -> list[str]:
     """Why the plan's shape won: the best alternative of each other shape and its predicted time."""
-    pred = plan.prediction
+    pred = plan.current_prediction
     if pred is None or not pred.shape:
         return []
     lines = [f"shape: {pred.shape}, replica split {alt_split(plan)}"]
@@ -412,6 +413,8 @@ def render_text(plan: Plan, cluster=None) -> str:
     lines.append("prediction (this plan):")
     if plan.prediction is None:
         lines.append("  not available (the plan carries no cost-model prediction)")
+    elif plan.prediction_stale:
+        lines.append(f"  {STALE_NOTE}")
     else:
         lines.extend(_prediction_lines(plan.prediction))
     lines.append("baseline (framework-default placement, uniform layers):")
@@ -441,6 +444,12 @@ def render_text(plan: Plan, cluster=None) -> str:
     return "\n".join(lines)
 
 
+#: what a report shows instead of the numbers of a plan changed after it was predicted (Plan.prediction_stale)
+STALE_NOTE = ("stale: the plan was changed after its prediction was computed (edited by hand?), so the saved "
+              "numbers are another plan's; re-predict with `het-plugin plan CLUSTER --model MODEL` and the plan's "
+              "degrees, or re-plan")
+
+
 def startup_summary(plan: Plan, framework: str, extra: Iterable[str] = ()) -> str:
     """What an adapter's rank 0 prints before building groups: placement per stage, transports, prediction."""
     same = " (homogeneous: the framework's own groups)" if plan.homogeneous and plan.is_identity else ""
@@ -460,7 +469,9 @@ def startup_summary(plan: Plan, framework: str, extra: Iterable[str] = ()) -> st
     if plan.uneven_replicas:
         lines.append(f"  micro-batches per data-parallel replica (by speed): {alt_split(plan)}")
     lines.extend(f"  {line}" for line in extra)
-    if plan.prediction:
+    if plan.prediction_stale:
+        lines.append(f"  predicted: {STALE_NOTE}")
+    elif plan.prediction:
         pred = f"  predicted: {plan.prediction.iteration_s:.4g} s/iteration"
         if plan.baseline and plan.speedup:
             pred += f" (framework default {plan.baseline.iteration_s:.4g} s, x{plan.speedup:.2f})"

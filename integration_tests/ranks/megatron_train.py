@@ -32,6 +32,8 @@ def main() -> int:
     p.add_argument("--profile-out", help="het_plugin's measured profile (initialize_model_parallel(profile_out=))")
     p.add_argument("--slow-device", help="ranks on this accelerator sleep --layer-delay-ms in each layer's forward")
     p.add_argument("--layer-delay-ms", type=float, default=0.0)
+    p.add_argument("--replan-on-restart", action="store_true",
+                   help="initialize_model_parallel(replan_on_restart=True): re-plan from --profile-out's last run")
     a = p.parse_args()
 
     from integration_tests.support.megatron_tiny import (TinyGPT, init_distributed, my_groups, process_group_ranks,
@@ -54,7 +56,8 @@ def main() -> int:
     else:
         result = train(cfg, tp=a.tp or 1, pp=a.pp or 1, steps=a.steps, cluster=a.cluster, plan=a.plan,
                        use_plugin=not a.baseline, replica_data=not a.even_data, profile_out=a.profile_out,
-                       slow_device=a.slow_device, layer_delay_s=a.layer_delay_ms / 1e3)
+                       slow_device=a.slow_device, layer_delay_s=a.layer_delay_ms / 1e3,
+                       replan_on_restart=a.replan_on_restart)
         report(result.to_dict())
     shutdown()
     return 0

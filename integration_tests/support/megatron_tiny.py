@@ -215,7 +215,8 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
           use_plugin: bool = True, layers_per_stage: Optional[Sequence[int]] = None,
           overlap_grad_reduce: Optional[bool] = None, ep: int = 1, vpp: Optional[int] = None,
           config_overrides: Optional[dict] = None, replica_data: bool = True, profile_out: Optional[str] = None,
-          slow_device: Optional[str] = None, layer_delay_s: float = 0.0) -> TrainResult:
+          slow_device: Optional[str] = None, layer_delay_s: float = 0.0,
+          replan_on_restart: bool = False) -> TrainResult:
     """Initialise groups (through het_plugin or plain Megatron-Core), build the model, train ``steps`` steps.
 
     ``use_plugin=False`` is the reference run: Megatron-Core's own groups; ``layers_per_stage`` then
@@ -265,6 +266,8 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
     if use_plugin:
         from het_plugin.megatron import apply_plan_to_config, initialize_model_parallel
         extra = {"profile_out": profile_out} if profile_out else {}
+        if replan_on_restart:
+            extra["replan_on_restart"] = True
         the_plan = initialize_model_parallel(tp, pp, cluster=cluster, plan=plan, model=cfg.model_spec(),
                                              micro_batch_size=cfg.micro_batch_size, **megatron_kwargs, **extra)
         plan_hash = the_plan.hash

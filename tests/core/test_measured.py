@@ -376,7 +376,7 @@ def test_profile_settings_refuse_bad_names_and_intervals(tmp_path):
     with pytest.raises(ConfigError) as exc:
         ProfileSettings(str(tmp_path / "run.yaml"), every=0)
     assert exc.value.field == "profile_every"
-    assert ProfileSettings("m.yaml").replan == "het-plugin plan CLUSTER --profile m.yaml"
+    assert ProfileSettings("m.yaml").replan == ""          # made from the plan (tests/runtime/test_replan_inputs.py)
 
 
 def test_reporting_ranks_are_bounded_per_stage_and_device():

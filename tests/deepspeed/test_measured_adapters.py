@@ -55,7 +55,7 @@ def test_wrap_records_the_profile_settings(cluster_file):  # noqa: F811
     section = HetSection.from_dict(out[SECTION])
     settings = section.profile_settings()
     assert (settings.path, settings.every) == ("run.yaml", 5)
-    assert settings.replan == f"het-plugin plan {cluster_file} --profile run.yaml"
+    assert (settings.cluster, settings.model) == (str(cluster_file), None)   # the model: written beside the profile
     plain = wrap(DS, cluster_file, TINY, pp=2)[SECTION]
     assert "profile_out" not in plain and "profile_every" not in plain       # a section as before
     assert HetSection.from_dict(plain).profile_settings() is None

@@ -46,6 +46,7 @@ class RankTimes:
     iteration_s: float = 0.0       # wall time of the iteration intervals counted
     intervals: int = 0
     schedule_s: float = 0.0        # the forward-backward schedule calls (compute, transfers and waits)
+    excluded_s: float = 0.0        # checkpoint saves and evaluation, taken out of iteration_s
     final: bool = False            # the rank's last report (at exit)
 
     def to_dict(self) -> dict:
@@ -105,7 +106,8 @@ def measured_run(plan: Plan, ranks: Sequence[RankTimes], framework: str = "") ->
     slowest = _slowest_by_stage_and_device(plan, ranks)
     counted = [r for r in ranks if r.iterations > 0]
     stages = []
-    predicted = plan.prediction.stage_compute_s if plan.prediction and plan.prediction.stage_compute_s else None
+    prediction = plan.current_prediction          # a stale one (the plan edited after it) is another plan's
+    predicted = prediction.stage_compute_s if prediction and prediction.stage_compute_s else None
     for s in range(plan.pp):
         mine = [(dev, r) for (st, dev), r in slowest.items() if st == s]
         if not mine:
@@ -121,7 +123,7 @@ def measured_run(plan: Plan, ranks: Sequence[RankTimes], framework: str = "") ->
     return MeasuredRun(plan_hash=plan.hash, framework=framework, micro_batch_size=plan.micro_batch_size, tp=plan.tp,
                        num_micro_batches=plan.num_micro_batches, layers_per_stage=list(plan.layers_per_stage),
                        iterations=min(r.iterations for r in counted), iteration_s=iteration, schedule_s=schedule,
-                       predicted_iteration_s=plan.prediction.iteration_s if plan.prediction else None, stages=stages)
+                       predicted_iteration_s=prediction.iteration_s if prediction else None, stages=stages)
 
 
 def flop_shares(model: ModelSpec, micro_batch_size: int) -> tuple[float, float, float]:
