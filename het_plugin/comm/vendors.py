@@ -10,10 +10,10 @@ Sources, strongest first:
 5. what torch reports (ROCm build -> amd, CUDA -> nvidia, XPU -> intel, else cpu).
 
 ``HET_PLUGIN_VENDOR`` also overrides a rank's own entry, so a map that contradicts it is an error.
-Every member publishes what it believes in the group's store (or the error it hit) and then compares
-with every other member (:class:`het_plugin.runtime.exchange.Exchange`); any disagreement raises
-:class:`VendorMapError` on every member instead of leaving some of them waiting in a collective that
-will never match.
+Every member publishes what it believes in the group's store (or the error it hit); group rank 0 compares
+them all and publishes one answer every member reads (:meth:`het_plugin.runtime.exchange.Exchange.decide`:
+linear in the group's size); any disagreement raises :class:`VendorMapError` on every member instead of
+leaving some of them waiting in a collective that will never match.
 """
 from __future__ import annotations
 
@@ -237,16 +237,23 @@ def agree_on_vendors(store, *, group_rank: int, global_ranks: Sequence[int], wor
         error = exc
     ex = Exchange(store, "vendors", index=group_rank, members=global_ranks, key="0", timeout=timeout_s, env=env,
                   what="the creation of this het_shim group")
-    try:
-        entries = ex.all_gather(mine, error=error)
+    try:          # group rank 0 reconciles every belief and publishes the one answer (linear in the group)
+        answer = ex.decide(mine, error=error, judge=lambda entries: _judge(entries, global_ranks))
     except ExchangeTimeout as exc:
         raise VendorMapError(f"{exc}; group {list(global_ranks)}",
                              fix="every member must call new_group(..., backend='het_shim') for the same ranks, "
                                  "in the same order as the other members") from None
     if error is not None:
         raise error
+    if answer.error is not None:
+        raise VendorMapError(answer.error.get("problem", "?"), fix=answer.error.get("fix"))
+    return tuple(answer.value)
+
+
+def _judge(entries, global_ranks: Sequence[int]) -> list[str]:
+    """Group rank 0: every member's belief (or error) -> the group's vendors; VendorMapError otherwise."""
     failed = [e for e in entries if e.error is not None]
     if failed:
         raise VendorMapError(f"rank(s) {[e.rank for e in failed]} of group {list(global_ranks)} could not build "
                              f"their vendor map; rank {failed[0].rank}: {failed[0].error.get('problem')}")
-    return reconcile([Belief.from_dict(e.value) for e in entries], global_ranks)
+    return list(reconcile([Belief.from_dict(e.value) for e in entries], global_ranks))

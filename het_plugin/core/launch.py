@@ -57,6 +57,10 @@ def load_source(source: Source, what: str = "cluster") -> Union[Plan, Cluster, N
     if text in DISCOVER:
         return None
     path = Path(text)
+    if path.is_dir():
+        raise ConfigError(f"{what} path is a directory, not a file", source=text, field=what,
+                          fix="pass an existing cluster file inside it (see examples/clusters), not the folder, or "
+                              "a plan file (`het-plugin plan -o`)")
     if not path.is_file():
         raise ConfigError(f"{what} file not found" if not path.exists() else f"{what} path is not a file",
                           source=text, field=what,

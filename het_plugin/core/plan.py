@@ -520,6 +520,8 @@ def _json_default(o):
 
 def looks_like_plan(path: str | Path) -> bool:
     """Plan files and cluster files share suffixes; a plan has 'rank_of_logical'."""
-    from .inputs.yamlio import read_data
+    from .inputs.yamlio import read_data, read_text
+    if "rank_of_logical" not in read_text(path):
+        return False            # a cluster file: not parsed twice (a large one takes seconds to parse)
     data = read_data(path)
     return isinstance(data, dict) and "rank_of_logical" in data

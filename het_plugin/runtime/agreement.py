@@ -3,6 +3,9 @@
 Runs over :class:`het_plugin.runtime.exchange.Exchange` (the default store, not a collective): a rank
 whose plan computation failed publishes its error instead of a hash, so every rank stops with the same
 clear message, and a rank that never arrives is named after one bounded wait (``HET_PLUGIN_TIMEOUT``).
+Linear in the world size (:meth:`Exchange.decide`): every rank publishes its hash, rank 0 compares them all
+and publishes one verdict that every rank reads (a few store requests per rank, whatever the world size;
+the all-gather it replaces was N requests per rank, N^2 on the one store).
 """
 from __future__ import annotations
 
@@ -27,10 +30,23 @@ def check_plan_agreement(value: str, *, rank: int, world_size: int, store=None, 
     ex = Exchange(store or _default_store(), f"agree/{label}", index=rank, members=range(world_size),
                   what=f"the {label} check", timeout=timeout_s)
     try:
-        entries = ex.all_gather(value, error=error)
+        verdict = ex.decide(value, error=error, judge=lambda entries: _verdict(entries, label))
     except ExchangeTimeout as exc:
         raise PlanMismatchError(f"{exc} (crashed before planning?)") from None
-    describe_disagreement(entries, label)
+    if verdict.error is not None:       # rank 0's judging itself failed: say so, on every rank
+        raise PlanMismatchError(f"rank {verdict.rank} could not compare the {label}s: "
+                                f"{verdict.error.get('problem', '?')}")
+    if verdict.value is not None:
+        raise PlanMismatchError(verdict.value)
+
+
+def _verdict(entries: list[Entry], label: str) -> Optional[str]:
+    """Rank 0: None when every entry is the same value, else the message every rank raises."""
+    try:
+        describe_disagreement(entries, label)
+    except PlanMismatchError as exc:
+        return str(exc)
+    return None
 
 
 def describe_disagreement(entries: list[Entry], label: str = "plan") -> None:

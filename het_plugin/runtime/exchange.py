@@ -21,7 +21,7 @@ import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from ..core.errors import ConfigError, HetPluginError
 from ..core.ranks.dims import format_ranks
@@ -114,6 +114,8 @@ class Entry:
 
 
 def encode_error(exc: BaseException) -> dict:
+    if isinstance(exc, ExchangeTimeout):        # travels as itself: every member raises the root's message
+        return {"config": False, "timeout": True, "problem": str(exc), "missing": list(exc.missing)}
     if isinstance(exc, ConfigError):
         return {"config": True, "problem": exc.problem, "source": exc.source, "field": exc.field, "fix": exc.fix}
     return {"config": False, "problem": f"{type(exc).__name__}: {exc}"}
@@ -166,12 +168,51 @@ class Exchange:
             self._publish("answer", 0, value, error)
         return self._collect("answer", indices=[0], who=[self.members[root]])[0]
 
-    def done(self, *, root: int = 0, wait_s: float = 60.0) -> None:
+    def decide(self, value: Any = None, *, judge: Callable[[list[Entry]], Any],
+               error: Optional[BaseException] = None, root: int = 0) -> Entry:
+        """Publish; the root gathers every entry and publishes ``judge(entries)`` (JSON-able; an exception it
+        raises travels as the answer's error) under one key that every member reads: the linear shape of an
+        all-gather whose members only need the verdict. A member makes 4 store requests whatever the world
+        size (publish, wait, read, done); the root about 4 plus one per member's key in a multi-key call.
+
+        Failures keep one message on every member: the root that times out publishes the ExchangeTimeout
+        (naming the missing members) as the answer and raises it; the others raise the same. A member whose
+        answer never comes (the root itself is missing or died) waits ``timeout + answer_margin`` and then
+        names the missing members itself (a halving search over the members' keys). Returns the answer entry
+        (its ``error`` set when the judge failed); the root waits (bounded) until every member that published
+        has read it, since it may host the store."""
+        self._publish("v", self.index, value, error)
+        missing: list[int] = []
+        if self.index == root:
+            try:
+                entries = self._collect("v")
+            except ExchangeTimeout as exc:
+                self._publish("answer", 0, None, exc)
+                missing = list(exc.missing)
+            else:
+                try:
+                    answer, failure = judge(entries), None
+                except Exception as exc:        # noqa: BLE001 - every member stops with it
+                    answer, failure = None, exc
+                self._publish("answer", 0, answer, failure)
+        try:
+            reply = self._collect("answer", indices=[0], who=[self.members[root]],
+                                  timeout=self.timeout_s + answer_margin(self.timeout_s))[0]
+        except ExchangeTimeout:
+            raise self._timeout_here(root) from None
+        self.done(root=root, skip=missing)
+        if reply.error is not None and reply.error.get("timeout"):
+            raise ExchangeTimeout(reply.error["problem"], reply.error.get("missing", []))
+        return reply
+
+    def done(self, *, root: int = 0, wait_s: float = 60.0, skip: Sequence[int] = ()) -> None:
         """Every member says it has read the answer; the root waits for that (best effort, at most
-        ``wait_s``): the root may host the store, and leaving early would take it from the others."""
+        ``wait_s``): the root may host the store, and leaving early would take it from the others.
+        ``skip``: members (global ranks) known to be missing, not waited for."""
         self.store.set(f"{self.prefix}/done/{self.index}", "1")
         if self.index == root:
-            keys = [f"{self.prefix}/done/{i}" for i in range(len(self.members))]
+            gone = set(skip)
+            keys = [f"{self.prefix}/done/{i}" for i, r in enumerate(self.members) if r not in gone]
             try:
                 self.store.wait(keys, timedelta(seconds=min(wait_s, self.timeout_s)))
             except Exception:
@@ -183,12 +224,12 @@ class Exchange:
         self.store.set(f"{self.prefix}/{kind}/{slot}", json.dumps(payload, default=str))
 
     def _collect(self, kind: str, indices: Optional[Sequence[int]] = None,
-                 who: Optional[Sequence[int]] = None) -> list[Entry]:
+                 who: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> list[Entry]:
         indices = list(range(len(self.members))) if indices is None else list(indices)
         who = [self.members[i] for i in indices] if who is None else list(who)
         keys = [f"{self.prefix}/{kind}/{i}" for i in indices]
         try:
-            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+            self.store.wait(keys, timedelta(seconds=self.timeout_s if timeout is None else timeout))
         except Exception as exc:    # the store's own timeout error; say who is missing instead
             try:
                 missing = [r for r, k in zip(who, keys) if not self.store.check([k])]
@@ -201,10 +242,61 @@ class Exchange:
                 f"(crashed, hung, or not started?); every rank waits at most {ENV_TIMEOUT} seconds or the adapter's "
                 "timeout_s", missing) from None
         out = []
-        for i, r, k in zip(indices, who, keys):
-            payload = json.loads(self.store.get(k))
+        for i, r, raw in zip(indices, who, _read_all(self.store, keys)):
+            payload = json.loads(raw)
             out.append(Entry(i, r, payload.get("value"), payload.get("error")))
         return out
+
+    def _timeout_here(self, root: int = 0) -> ExchangeTimeout:
+        """No answer from the root within the bound: name the members that never published (or, when all
+        did, the root that never answered) with the message the root would have published."""
+        try:
+            missing = self._missing("v")
+        except Exception as exc:    # noqa: BLE001 - the store itself is gone
+            return ExchangeTimeout(f"the store stopped answering while waiting for {self.what} "
+                                   f"({type(exc).__name__}: {exc}): the process hosting it (rank 0 under "
+                                   "init_process_group's MASTER_ADDR, or torchrun's agent) is gone?", [])
+        if not missing:
+            root = self.members[root]
+            return ExchangeTimeout(f"rank {root} collected {self.what} but never answered within "
+                                   f"{self.timeout_s:g}s (crashed or hung?); every rank waits at most "
+                                   f"{ENV_TIMEOUT} seconds or the adapter's timeout_s", [root])
+        return ExchangeTimeout(
+            f"rank(s) {format_ranks(missing)} never reached {self.what} within {self.timeout_s:g}s "
+            f"(crashed, hung, or not started?); every rank waits at most {ENV_TIMEOUT} seconds or the adapter's "
+            "timeout_s", missing)
+
+    def _missing(self, kind: str, limit: int = 1024) -> list[int]:
+        """Members without their ``kind`` key: halving ranges with the store's all-keys check, so k missing
+        members cost about 2k log2(N) requests instead of N."""
+        found: list[int] = []
+        todo = [(0, len(self.members))]
+        while todo and len(found) < limit:
+            lo, hi = todo.pop()
+            if self.store.check([f"{self.prefix}/{kind}/{i}" for i in range(lo, hi)]):
+                continue
+            if hi - lo == 1:
+                found.append(self.members[lo])
+                continue
+            mid = (lo + hi) // 2
+            todo += [(mid, hi), (lo, mid)]
+        return sorted(found)
+
+
+def answer_margin(timeout: float) -> float:
+    """How much longer than the root a member waits for the answer: the root's own timeout runs from when it
+    started waiting, and its verdict (naming the missing) must reach the others before they give up."""
+    return min(10.0, max(2.0, 0.1 * timeout))
+
+
+def _read_all(store, keys: Sequence[str]) -> list[bytes]:
+    """Every key's value in one request where the store has ``multi_get`` (torch >= 2.5), else one get each."""
+    if len(keys) > 1:
+        try:
+            return list(store.multi_get(list(keys)))
+        except Exception:       # noqa: BLE001 - a store without it (or an older torch): one get each
+            pass
+    return [store.get(k) for k in keys]
 
 
 def first_error(entries: Sequence[Entry]) -> Optional[Entry]:

@@ -26,7 +26,7 @@ from ..core.nccl_env import (
     world_refusal,
     world_warning,
 )
-from .exchange import Exchange, ExchangeTimeout
+from .exchange import Exchange
 
 log = logging.getLogger("het_plugin")
 
@@ -85,24 +85,23 @@ def check_network(plan, rank: int, *, cluster=None, native_network: bool = False
     if store is None:
         from torch.distributed import distributed_c10d
         store = distributed_c10d._get_default_store()
+    return exchange_check(plan, rank, store=store, cluster=cluster, env=env, backend=backend,
+                          net_name=world_net_name(), timeout_s=timeout_s)
+
+
+def exchange_check(plan, rank: int, *, store, cluster=None, env: Optional[Mapping[str, str]] = None,
+                   backend: str = "nccl", net_name: Optional[str] = None,
+                   timeout_s: Optional[float] = None) -> Preflight:
+    """The check's store exchange, once it applies: every rank's NCCL settings to rank 0, its verdict to every
+    rank (:meth:`Exchange.decide`: a few requests per rank, linear on rank 0). Needs no process group, so the
+    start-up benchmark runs it as it is."""
+    env = os.environ if env is None else env
     ex = Exchange(store, "preflight", index=rank, members=range(plan.world_size), what="the NCCL pre-flight",
                   timeout=timeout_s)
-    try:
-        from .nccl_version import loaded_nccl_version
-        version = loaded_nccl_version()
-        entries = ex.gather({**nccl_settings(env), VERSION_KEY: list(version) if version else None})
-        answer, error = None, None
-        if entries is not None:
-            try:
-                answer = judge(plan, cluster, {e.rank: e.value for e in entries}, backend, world_net_name())
-            except Exception as exc:     # noqa: BLE001 - every rank stops with it
-                error = exc
-        reply = ex.broadcast(answer, error=error)
-    except ExchangeTimeout as exc:
-        if rank == 0:                    # tell the others now, not after their own timeout
-            ex.broadcast(error=exc)
-        raise
-    ex.done()
+    from .nccl_version import loaded_nccl_version
+    version = loaded_nccl_version()
+    reply = ex.decide({**nccl_settings(env), VERSION_KEY: list(version) if version else None},
+                      judge=lambda entries: judge(plan, cluster, {e.rank: e.value for e in entries}, backend, net_name))
     if reply.error is not None:
         reply.raise_error("")
     result = Preflight({}, [Refusal(**r) for r in reply.value["refusals"]], reply.value["warnings"])

@@ -371,7 +371,13 @@ def _parse_path(text: str) -> tuple:
 
 
 def _line_of(text: str, loc: tuple) -> int | None:
-    """1-based line of the YAML node at ``loc`` (a key's line for mapping entries), or None."""
+    """1-based line of the YAML node at ``loc`` (a key's line for mapping entries), or None. A top-level key
+    written once at the start of a line is found without composing the document (seconds for a large file)."""
+    if len(loc) == 1 and isinstance(loc[0], str):
+        hits = [m for m in re.finditer(rf"^(?:{re.escape(loc[0])}|\"{re.escape(loc[0])}\"|'{re.escape(loc[0])}')[ \t]*:",
+                                       text, re.MULTILINE)]
+        if len(hits) == 1:
+            return text.count("\n", 0, hits[0].start()) + 1
     try:
         node = compose(text)
     except yaml.YAMLError:

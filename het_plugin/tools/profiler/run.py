@@ -65,6 +65,28 @@ def load_cluster_arg(arg: str, store, rank: int, world: int, timeout_s: Optional
         raise ConfigError(exc.problem, source=exc.source, field="CLUSTER", fix=exc.fix) from None
 
 
+_START_CHECKS = (("on_gpu", "accelerator", "launch the profile on nodes where torch sees the accelerators on every "
+                  "rank (or on CPU everywhere, e.g. CUDA_VISIBLE_DEVICES=)"),
+                 ("megatron", "--layers", "pass --layers torch (or install megatron-core on every node)"))
+
+
+def _judge_start(views) -> None:
+    """Rank 0, before any process group: a rank that refused stops every rank with its reason; views that
+    differ (backend, whose layers) stop every rank naming the ranks."""
+    from ...runtime.exchange import first_error
+    refused = first_error(views)
+    if refused is not None:
+        if refused.error.get("config"):
+            refused.raise_error()
+        raise ProfileFailed(f"rank {refused.rank} cannot profile: {refused.error['problem']}")
+    for key, field, fix in _START_CHECKS:
+        seen = sorted({bool(e.value[key]) for e in views})
+        if len(seen) > 1:
+            ranks = [e.rank for e in views if e.value[key]]
+            raise ConfigError(f"ranks disagree on {key}: ranks {ranks} say yes, the others no; every rank must run "
+                              "the same backend and layers", field=field, fix=fix)
+
+
 def profile_launch(cluster_arg: str, model: ModelSpec, settings: Settings, output: str, *,
                    timeout_s: Optional[float] = None) -> Outcome:
     """Run on every rank of the launch (WORLD_SIZE/RANK/MASTER_ADDR from the launcher; alone without one)."""
@@ -103,27 +125,18 @@ def profile_launch(cluster_arg: str, model: ModelSpec, settings: Settings, outpu
         if rank == 0:
             check_output(output)
     except Exception as exc:
-        ready.all_gather(error=exc)     # the others stop with this rank's reason, not at a timeout
-        ready.done()                    # rank 0 may host the store: the others read the reason first
+        try:                        # the others stop with this rank's reason, not at a timeout
+            ready.decide(error=exc, judge=_judge_start)
+        except Exception:           # noqa: BLE001 - this rank's own error is the clearer message
+            pass
         raise
     # What every rank must decide alike (backend, whose layers, hence which groups): each rank's own view,
-    # agreed before any process group exists.
-    views = ready.all_gather({"on_gpu": on_gpu, "megatron": megatron})
-    refused = first_error(views)
-    if refused is not None:
-        ready.done()
-        if refused.error.get("config"):
-            refused.raise_error()
-        raise ProfileFailed(f"rank {refused.rank} cannot profile: {refused.error['problem']}")
-    ready.done()
-    for key, field, fix in (("on_gpu", "accelerator", "launch the profile on nodes where torch sees the "
-                             "accelerators on every rank (or on CPU everywhere, e.g. CUDA_VISIBLE_DEVICES=)"),
-                            ("megatron", "--layers", "pass --layers torch (or install megatron-core on every node)")):
-        seen = sorted({bool(e.value[key]) for e in views})
-        if len(seen) > 1:
-            ranks = [e.rank for e in views if e.value[key]]
-            raise ConfigError(f"ranks disagree on {key}: ranks {ranks} say yes, the others no; every rank must run "
-                              "the same backend and layers", field=field, fix=fix)
+    # agreed before any process group exists. Rank 0 judges every view and publishes one verdict (linear).
+    verdict = ready.decide({"on_gpu": on_gpu, "megatron": megatron}, judge=_judge_start)
+    if verdict.error is not None:
+        if verdict.error.get("config"):
+            verdict.raise_error("")
+        raise ProfileFailed(verdict.error["problem"].removeprefix(f"{ProfileFailed.__name__}: "))
     if rank == 0:
         log(f"{cluster.name}: {world} ranks, device types {[d.name for d in devices]}; {len(rounds)} compute "
             f"points ({'Megatron-Core' if megatron else 'plain torch'} layers), {len(ljobs)} links x "
