@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.errors import HetPluginError
+from ..core.ranks.transport import Transport
 from ..runtime.netselect import SHIM_BACKEND, gloo_network
 from .shim_layout import ShimLayout, chunk_bounds, describe, stripe_pieces
 from ..runtime.exchange import timeout_s
@@ -215,7 +216,7 @@ class ShimProcessGroup(dist.ProcessGroup):
         self._worker = None
         self._sync_stream = self._copy_stream = None     # created on the first accelerator call (caller's thread)
         if not layout.single_vendor:
-            with gloo_network("host-staged"):
+            with gloo_network(Transport.HOST_STAGED):
                 self._host = dist.ProcessGroupGloo(dist.PrefixStore("het_shim/host", store), rank, size, timeout)
                 # Every member creates its rails in stripe order, so no creation waits on a later one.
                 for i, owners in enumerate(layout.rails):

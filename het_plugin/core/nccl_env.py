@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .errors import ConfigError
-from .ranks.transport import ENV_GLOO_IFNAMES, nccl_net_name
+from .ranks.transport import ENV_GLOO_IFNAMES, OVER_SOCKETS, Transport, nccl_net_name
 
 RDMA_KINDS = ("ib", "roce")
 KIND_TEXT = {"ib": "InfiniBand", "roce": "RoCE"}
@@ -380,7 +380,7 @@ def preflight(groups: Iterable[GroupUse], nics: Mapping[str, NodeNics], env: Map
     # Per node: which HCAs each RDMA transport will use, which interfaces NCCL's sockets use.
     selected: dict[str, list[Hca]] = {}            # node -> HCAs NCCL's IB plugin will open (RDMA nodes)
     socket_ifs: dict[str, list[str]] = {}          # node -> interfaces NCCL_SOCKET_IFNAME selects (when set)
-    crossing = {n for g in groups if g.transport in ("socket", "host-staged") for n in g.nodes}
+    crossing = {n for g in groups if g.transport in OVER_SOCKETS for n in g.nodes}
     for n in order:
         if n not in nics:
             continue
@@ -582,7 +582,7 @@ def _check_counts(groups, selected, socket_ifs, envs, refuse, warn, versions) ->
         if g.transport in RDMA_KINDS:
             counts = {n: nic_count(selected[n], envs[n], versions.get(n)) for n in g.nodes if selected.get(n)}
             what, var = "network devices (NICs, ports of one NIC merged as NCCL merges them)", "NCCL_IB_HCA"
-        elif g.transport in ("socket", "host-staged"):
+        elif g.transport in OVER_SOCKETS:
             counts = {n: len(socket_ifs[n]) for n in g.nodes if socket_ifs.get(n)}
             what, var = "interfaces NCCL's sockets use", "NCCL_SOCKET_IFNAME"
         else:
@@ -681,7 +681,7 @@ def _uses(node: NodeNics, transports, hcas, env) -> dict[str, list[str]]:
             hs = hcas if hcas is not None else node.of_kind(t)
             out[t] = [h.label + (f" (GID {h.gid_index})" if h.kind == "roce" and h.gid_index is not None else "")
                       for h in hs]
-        elif t in ("socket", "host-staged"):
+        elif t in OVER_SOCKETS:
             ifname = _socket_interface(node)
             out[t] = [ifname] if ifname else []
     return out
@@ -726,7 +726,7 @@ def _settings(node: NodeNics, transports, hints: Optional[FabricHints] = None) -
         elif t == "roce":
             netdevs = [d for h in node.of_kind("roce") for d in h.netdevs]
             ifname = netdevs[0] if netdevs else sock
-        elif t in ("socket", "host-staged"):
+        elif t in OVER_SOCKETS:
             ifname = sock
         else:
             continue
@@ -852,7 +852,7 @@ NET_NAME_UNREADABLE = "<unreadable>"
 def world_warning(world: GroupUse, backend: str, world_net_name: Optional[str],
                   node_nets: Mapping[str, Optional[str]]) -> Optional[str]:
     """The warning given instead of :func:`world_refusal`'s refusal when the world's net_name is unreadable."""
-    if world_net_name != NET_NAME_UNREADABLE or world.transport == "host-staged":
+    if world_net_name != NET_NAME_UNREADABLE or world.transport == Transport.HOST_STAGED:
         return None
     refusal = world_refusal(world, backend, None, node_nets)
     if refusal is None:
@@ -870,7 +870,7 @@ def world_refusal(world: GroupUse, backend: str, world_net_name: Optional[str],
     (``node_nets``: node -> NCCL_NET). None: nothing to refuse."""
     if "nccl" not in backend.lower() or len(world.nodes) <= 1:
         return None
-    if world.transport == "host-staged":
+    if world.transport == Transport.HOST_STAGED:
         return Refusal("init_process_group(backend=)",
                        f"the world group (init_process_group's backend {backend!r}) spans accelerator vendors: NCCL "
                        "and RCCL cannot form one communicator, so its first collective would hang",

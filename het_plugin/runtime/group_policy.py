@@ -33,6 +33,7 @@ from datetime import timedelta
 from typing import Any, Iterator, Optional, Sequence
 
 from ..core.errors import ConfigError
+from ..core.ranks.transport import Transport
 from .netselect import RDMA_TRANSPORTS, SHIM_BACKEND, gloo_ifnames, ifname_set, nccl_net_name
 
 
@@ -99,13 +100,13 @@ def spec_for(plan, ranks: Optional[Sequence[int]], policy: Policy, *, backend: O
     members = tuple(range(plan.world_size)) if ranks is None else tuple(int(r) for r in ranks)
     transport = plan.transport_of(members)
     chosen, options = backend, pg_options
-    if transport == "host-staged" and backend in (None, "nccl"):
+    if transport == Transport.HOST_STAGED and backend in (None, "nccl"):
         shim = _shim_backend(policy)
         if shim is not None:
             from ..comm import ShimOptions
             chosen, options = shim, ShimOptions.from_plan(plan)
     effective = str(chosen or policy.default_backend).lower()
-    if transport == "host-staged" and "nccl" in effective and chosen != SHIM_BACKEND:
+    if transport == Transport.HOST_STAGED and "nccl" in effective and chosen != SHIM_BACKEND:
         raise ConfigError(f"the group of ranks {list(members)[:8]}{' ...' if len(members) > 8 else ''} spans "
                           f"accelerator vendors, and its backend would be {effective!r}: NCCL and RCCL cannot form "
                           "one communicator, so it could only fail or hang", field="backend",
