@@ -30,7 +30,8 @@ def check_plan_agreement(value: str, *, rank: int, world_size: int, store=None, 
     ex = Exchange(store or _default_store(), f"agree/{label}", index=rank, members=range(world_size),
                   what=f"the {label} check", timeout=timeout_s)
     try:
-        verdict = ex.decide(value, error=error, judge=lambda entries: _verdict(entries, label))
+        verdict = ex.decide(value, error=error, judge=lambda entries: _verdict(entries, label),
+                            stops=lambda reply: reply.error is not None or reply.value is not None)
     except ExchangeTimeout as exc:
         raise PlanMismatchError(f"{exc} (crashed before planning?)") from None
     if verdict.error is not None:       # rank 0's judging itself failed: say so, on every rank

@@ -169,7 +169,8 @@ class Exchange:
         return self._collect("answer", indices=[0], who=[self.members[root]])[0]
 
     def decide(self, value: Any = None, *, judge: Callable[[list[Entry]], Any],
-               error: Optional[BaseException] = None, root: int = 0) -> Entry:
+               error: Optional[BaseException] = None, root: int = 0,
+               stops: Callable[[Entry], bool] = lambda reply: reply.error is not None) -> Entry:
         """Publish; the root gathers every entry and publishes ``judge(entries)`` (JSON-able; an exception it
         raises travels as the answer's error) under one key that every member reads: the linear shape of an
         all-gather whose members only need the verdict. A member makes 4 store requests whatever the world
@@ -179,8 +180,10 @@ class Exchange:
         (naming the missing members) as the answer and raises it; the others raise the same. A member whose
         answer never comes (the root itself is missing or died) waits ``timeout + answer_margin`` and then
         names the missing members itself (a halving search over the members' keys). Returns the answer entry
-        (its ``error`` set when the judge failed); the root waits (bounded) until every member that published
-        has read it, since it may host the store."""
+        (its ``error`` set when the judge failed). When the answer ``stops`` every member (default: the judge
+        failed) the root waits (bounded) until every member that published has read it, since it may host the
+        store; otherwise it goes on at once (a member that died after publishing must not hold it back: the next
+        phase names that member)."""
         self._publish("v", self.index, value, error)
         missing: list[int] = []
         if self.index == root:
@@ -200,7 +203,10 @@ class Exchange:
                                   timeout=self.timeout_s + answer_margin(self.timeout_s))[0]
         except ExchangeTimeout:
             raise self._timeout_here(root) from None
-        self.done(root=root, skip=missing)
+        if missing or stops(reply):
+            self.done(root=root, skip=missing)
+        else:
+            self.store.set(f"{self.prefix}/done/{self.index}", "1")
         if reply.error is not None and reply.error.get("timeout"):
             raise ExchangeTimeout(reply.error["problem"], reply.error.get("missing", []))
         return reply

@@ -101,7 +101,8 @@ def exchange_check(plan, rank: int, *, store, cluster=None, env: Optional[Mappin
     from .nccl_version import loaded_nccl_version
     version = loaded_nccl_version()
     reply = ex.decide({**nccl_settings(env), VERSION_KEY: list(version) if version else None},
-                      judge=lambda entries: judge(plan, cluster, {e.rank: e.value for e in entries}, backend, net_name))
+                      judge=lambda entries: judge(plan, cluster, {e.rank: e.value for e in entries}, backend, net_name),
+                      stops=lambda reply: reply.error is not None or bool((reply.value or {}).get("refusals")))
     if reply.error is not None:
         reply.raise_error("")
     result = Preflight({}, [Refusal(**r) for r in reply.value["refusals"]], reply.value["warnings"])
