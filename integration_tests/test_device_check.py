@@ -193,4 +193,5 @@ def test_part_selection():
     assert dc.select_parts("1,2,3") == ["1", "2a", "2b", "2c", "3"]
     assert dc.select_parts("3,2a") == ["3", "2a"]
     with pytest.raises(SystemExit):
-        dc.select_parts("4")
+        dc.select_parts("9")
+    assert dc.select_parts("4") == ["4a", "4b", "4c"]
