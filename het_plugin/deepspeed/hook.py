@@ -23,8 +23,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from importlib.abc import Loader, MetaPathFinder
 from typing import Any, Callable, Optional
+
+from ..runtime.import_patch import PatchOnLoad
 
 TARGET = "deepspeed"
 ENV_CONFIG = "HET_PLUGIN_DEEPSPEED_CONFIG"
@@ -184,43 +185,16 @@ def patch_deepspeed(module=None) -> None:
 
 # ---- finding deepspeed ---------------------------------------------------------------------------
 
-class _PatchingLoader(Loader):
-    def __init__(self, inner):
-        self.inner = inner
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        patch_deepspeed(module)
-
-    def __getattr__(self, name):           # get_source, get_code, ... for tracebacks and tools
-        return getattr(self.inner, name)
-
-
-class DeepSpeedFinder(MetaPathFinder):
+class DeepSpeedFinder(PatchOnLoad):
     """Finds nothing itself; wraps the real loader of ``deepspeed`` so it is patched once loaded."""
 
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != TARGET:
-            return None
-        return wrapped_spec(fullname, path, target, skip=self)
+    target = TARGET
 
+    def patch(self, module) -> None:
+        patch_deepspeed(module)
 
-def wrapped_spec(fullname, path=None, target=None, skip=()):
-    """The spec the other finders give ``deepspeed``, with a loader that patches it after it runs."""
-    skip = skip if isinstance(skip, (list, tuple)) else (skip,)
-    for finder in list(sys.meta_path):
-        if finder in skip or isinstance(finder, DeepSpeedFinder) or _is_trigger(finder) \
-                or not hasattr(finder, "find_spec"):
-            continue
-        spec = finder.find_spec(fullname, path, target)
-        if spec is not None:
-            if spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader)
-            return spec
-    return None
+    def skips(self, finder) -> bool:
+        return _is_trigger(finder)
 
 
 def _is_trigger(finder) -> bool:
@@ -229,14 +203,13 @@ def _is_trigger(finder) -> bool:
 
 def from_trigger(trigger, fullname, path=None, target=None):
     """Called by the .pth's finder when ``deepspeed`` is first imported: install, and hand back the spec."""
-    try:
-        sys.meta_path.remove(trigger)
-    except ValueError:
-        pass
+    # Every trigger goes, not only the one asked: the .pth can run twice in one process (an explicit
+    # site.addsitedir of site-packages, or a venv and its base sharing the line), and all of them are this hook.
+    sys.meta_path[:] = [f for f in sys.meta_path if not _is_trigger(f)]
     install(register_finder=False)
     if _state["mode"] is None:
         return None
-    return wrapped_spec(fullname, path, target, skip=trigger)
+    return DeepSpeedFinder().real_spec(fullname, path, target, also_skip=(trigger,))
 
 
 def install(register_finder: bool = True) -> None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from importlib.abc import Loader, MetaPathFinder
+
+from ..runtime.import_patch import PatchOnLoad
 
 TARGET = "megatron.training.arguments"
 FLAG = "--heterogeneous-nic"
@@ -29,36 +30,16 @@ def _flag_on(argv=None) -> bool:
     return any(a == FLAG or a.startswith(FLAG + "=") for a in argv)
 
 
-class _PatchingLoader(Loader):
-    def __init__(self, inner):
-        self.inner = inner
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        patch_arguments_module(module)
-
-    def __getattr__(self, name):           # get_source, get_code, ... for tracebacks and tools
-        return getattr(self.inner, name)
-
-
-class MegatronArgsFinder(MetaPathFinder):
+class MegatronArgsFinder(PatchOnLoad):
     """Finds nothing itself; wraps the real loader of megatron.training.arguments when the flag is on."""
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET or not _flag_on():
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
+    target = TARGET
+
+    def active(self) -> bool:
+        return _flag_on()
+
+    def patch(self, module) -> None:
+        patch_arguments_module(module)
 
 
 def patch_arguments_module(module) -> None:

@@ -143,8 +143,11 @@ class GroupGuard:
 
     # ---- the phase ----------------------------------------------------------------------------------------
     def __enter__(self) -> "GroupGuard":
-        self._set_at(0, None, None, "started")
-        self.store.add(self._k("beat", self.rank), 1)
+        try:
+            self._set_at(0, None, None, "started")
+            self.store.add(self._k("beat", self.rank), 1)
+        except Exception as store_exc:      # noqa: BLE001 - the store host died before this rank got here
+            raise self._store_gone(f"the start of {self.what}", store_exc) from store_exc
         self._thread = threading.Thread(target=self._watch, name="het_plugin-group-guard", daemon=True)
         self._thread.start()
         return self
@@ -209,11 +212,7 @@ class GroupGuard:
             try:
                 missing, details = self.describe(others, n)
             except Exception as store_exc:      # noqa: BLE001 - the store itself is gone
-                host, missing = store_host()
-                torch_error = "" if str(store_exc) == str(exc) else f" [torch: {_short(exc, 160)}]"
-                msg = (f"{PHASE} stopped on rank {self.rank} at {where}: the store stopped answering "
-                       f"({_short(store_exc, 160)}): {host} is gone{torch_error}")
-                return GroupCreationTimeout(msg, missing, PHASE)
+                return self._store_gone(where, store_exc, exc)
             if not missing:
                 self._abort(f"rank {self.rank} failed at {where}: {_short(exc)}", [self.rank],
                             f"rank {self.rank} failed at {where}: {_short(exc, 200)}")
@@ -225,6 +224,16 @@ class GroupGuard:
             return GroupCreationTimeout(msg, missing)
         finally:
             self._handling = False
+
+    def _store_gone(self, where: str, store_exc: BaseException,
+                    torch_exc: Optional[BaseException] = None) -> "GroupCreationTimeout":
+        """The error when the store itself stopped answering: its host (rank 0, or torchrun's agent) is gone."""
+        host, missing = store_host()
+        torch_error = "" if torch_exc is None or str(store_exc) == str(torch_exc) else \
+            f" [torch: {_short(torch_exc, 160)}]"
+        msg = (f"{PHASE} stopped on rank {self.rank} at {where}: the store stopped answering "
+               f"({_short(store_exc, 160)}): {host} is gone{torch_error}")
+        return GroupCreationTimeout(msg, missing, PHASE)
 
     def describe(self, ranks: Sequence[int], n: Optional[int], store=None) -> tuple[list[int], str]:
         """(the missing ranks, one clause per rank that did not arrive), for the ranks this rank waits

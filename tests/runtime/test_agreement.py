@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -96,16 +95,14 @@ def test_a_failing_rank_stops_everyone_with_its_message():
 
 
 def test_a_rank_that_never_reports_times_out_instead_of_hanging():
-    started = time.monotonic()
     # world of 3, but rank 2 never runs (crashed before planning)
     results = run_rank_threads(2, lambda r, s: check_plan_agreement("abc", rank=r, world_size=3, store=s,
                                                                     timeout_s=1.0), hash_store(2))
-    elapsed = time.monotonic() - started
     for r in range(2):
         exc = results[r]
         assert isinstance(exc, PlanMismatchError), (r, exc)
         assert "rank(s) 2 never reached the plan check within 1s" in str(exc)
-    assert elapsed < 10
+    # no time bound: a rank that hung would be caught by run_rank_threads' join (its "hung" assertion)
 
 
 def test_repeated_checks_use_fresh_keys():

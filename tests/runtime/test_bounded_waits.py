@@ -204,15 +204,16 @@ def test_a_rank_that_gave_up_stops_the_ones_waiting_at_the_end_at_once():
                 raise RuntimeError("the framework broke on rank 2")
         return "finished"
 
-    started = time.monotonic()
     res = run_rank_threads(3, body, stores, join_s=30)
-    took = time.monotonic() - started
     assert isinstance(res[2], RuntimeError) and "framework broke" in str(res[2])
     for r in (0, 1):
         assert isinstance(res[r], GroupCreationTimeout), res[r]
         assert res[r].missing == [2]
         assert "rank 2 gave up" in str(res[r]) and "the framework broke on rank 2" in str(res[r])
-    assert took < BOUND, f"{took:.1f}s: they waited out the bound instead of reading the abort"
+        # stopped by reading rank 2's abort (the "stopped: ... gave up" message), not by waiting out the bound
+        # (which says "did not finish on every rank"): told apart by what was read, not by the clock
+        assert "(the test's groups) stopped: missing rank(s) 2: rank 2 gave up" in str(res[r]), res[r]
+        assert "did not finish on every rank" not in str(res[r])
 
 
 def test_a_creation_error_with_every_member_alive_is_the_ranks_own_error():
@@ -261,7 +262,7 @@ def test_a_creation_that_outlives_the_bound_ends_the_process():
     took = time.monotonic() - started
     assert me.exit_message and "did not return from torch within 2s" in me.exit_message
     assert "group #1 (NCCL_EAGER)" in me.exit_message and "missing rank(s) 1" in me.exit_message
-    assert me.guard.overrun <= took < me.guard.overrun + 8 * INTERVAL + 3
+    assert me.guard.overrun <= took            # it waited the bound and its margin, not less (the end is the join)
 
 
 def test_naming_the_late_ranks_costs_a_few_store_round_trips_not_one_per_rank():
@@ -287,3 +288,26 @@ def test_naming_the_late_ranks_costs_a_few_store_round_trips_not_one_per_rank():
     assert fake.store.calls <= 2 * len(late) * 15, fake.store.calls
     fake.store = CountingStore(set())                         # nobody done: at most DESCRIBE_LIMIT named
     assert guard_mod.GroupGuard._not_done(fake) == list(range(guard_mod.DESCRIBE_LIMIT))
+
+
+def test_a_store_gone_before_the_guard_starts_is_named_not_torchs_socket_error(monkeypatch):
+    """The store's host (rank 0) died before this rank reached group creation (CI saw it: rank 0 ahead at its
+    3rd new_group, rank 1 still planning): the first store call of the guard fails with torch's socket error,
+    which must become the guard's GroupCreationTimeout naming the host."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+
+    class GoneStore:
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                raise torch_dist.DistNetworkError("Connection reset by peer")
+            return call
+
+    guard = GroupGuard(GoneStore(), rank=1, world_size=4, what="Megatron-Core's initialize_model_parallel",
+                       timeout=BOUND, interval=INTERVAL)
+    with pytest.raises(GroupCreationTimeout) as err:
+        with guard:
+            pytest.fail("the body ran on a dead store")
+    text = str(err.value)
+    assert "the store stopped answering (DistNetworkError: Connection reset by peer)" in text
+    assert "rank 0, which hosts it" in text and "is gone" in text and err.value.missing == [0]
+    assert "at the start of Megatron-Core's initialize_model_parallel" in text
