@@ -25,8 +25,9 @@ The guard, one per adapter call around the group-building phase (:meth:`AppliedP
   started group creation, or alive but still at an earlier group -- publishes ``abort`` and raises
   :class:`GroupCreationTimeout` naming them; when every member is alive and waiting, the rank's own
   error is raised as it is (after ``abort`` tells the others);
-* at the end every rank waits for every other one (an :class:`Exchange` all-gather, bounded, polled with
-  ``abort`` checks): a rank that finished while another died stops too;
+* at the end every rank waits for every other one (a counter, and one ``end`` key the last rank -- or a rank
+  that gives up -- sets; one bounded ``store.wait``, no polling): a rank that finished while another died
+  stops too;
 * a main thread that is inside torch's creation when another rank gives up (a rendezvous that can no
   longer complete), or whose creation outlives the bound (a backend that ignores the timeout), cannot be
   interrupted from Python: the thread prints the GroupCreationTimeout on stderr (with where the main
@@ -328,23 +329,27 @@ class GroupGuard:
         return list(range(self.world_size)) if members is None else list(members)
 
     def _finish(self) -> None:
-        """Wait (bounded, polling a counter: one key, whatever the world size) until every rank finished;
-        stop at once when a rank gave up."""
-        self._set_at(self.count, None, None, "done")
-        self.store.set(self._k("done", self.rank), "1")
+        """Wait (bounded) until every rank finished; stop at once when a rank gave up.
+
+        One counter and one ``end`` key, whatever the world size: every rank adds itself to the counter, the
+        last one sets ``end`` to "done", a rank that gives up sets it to "abort" (:meth:`_publish_abort`), and
+        the others block in one ``store.wait`` on ``end`` for the bound -- no polling, so a rank's requests do
+        not grow with how long the slowest rank takes (about 6 per rank; docs/benchmark-startup.md)."""
+        end = self._k("end")
         deadline = time.monotonic() + self.bound
-        pause = 0.01
-        finished = self.store.add(self._k("done"), 1)
-        while finished < self.world_size:
+        try:
+            self._set_at(self.count, None, None, "done")
+            self.store.set(self._k("done", self.rank), "1")
+            if self.store.add(self._k("done"), 1) >= self.world_size:
+                self.store.set(end, "done")
+            ended = self._wait_key(end, deadline)
+            if ended and self.store.get(end) == b"done":
+                return
             self._check_abort()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, self.interval)
-            finished = self.store.add(self._k("done"), 0)
-        else:
-            return
+        except GroupCreationTimeout:
+            raise
+        except Exception as store_exc:      # noqa: BLE001 - the store's host is gone
+            raise self._store_gone(f"the end of {self.what}", store_exc) from store_exc
         self._handling = True
         try:
             late = self._not_done()
@@ -361,6 +366,19 @@ class GroupGuard:
         finally:
             self._handling = False
         raise GroupCreationTimeout(msg, missing)
+
+    def _wait_key(self, key: str, deadline: float) -> bool:
+        """Block until ``key`` exists or the deadline passes (False). A store that fails before the deadline
+        is gone: its error propagates. (A wait that times out also makes torch's C++ store log one warning.)"""
+        left = deadline - time.monotonic()
+        if left > 0:
+            try:
+                self.store.wait([key], timedelta(seconds=left))
+                return True
+            except Exception:       # noqa: BLE001 - a timeout, or the store gone: the check below tells
+                if time.monotonic() < deadline - 0.5:
+                    raise
+        return bool(self.store.check([key]))
 
     def _not_done(self) -> list[int]:
         """Ranks without their 'done' key, the first DESCRIBE_LIMIT of them: halving ranges with the store's
@@ -385,11 +403,16 @@ class GroupGuard:
         self._aborted = True
         record = json.dumps({"message": message, "missing": list(missing), "cause": cause})
         try:
-            self.store.set(self._k("abort", self.rank), record)
-            self.store.set(self._k("abort"), str(self.rank))
+            self._publish_abort(self.store, record)
         except Exception:       # noqa: BLE001 - the store is gone: the others find out by themselves
             return
         self._linger_if_host(self.store, missing)
+
+    def _publish_abort(self, store, record: str) -> None:
+        """This rank's record, who gave up first, and ``end`` (which wakes the ranks waiting in :meth:`_finish`)."""
+        store.set(self._k("abort", self.rank), record)
+        store.set(self._k("abort"), str(self.rank))
+        store.set(self._k("end"), "abort")
 
     def _linger_if_host(self, store, missing: Sequence[int]) -> None:
         """The store lives in rank 0's process (init_process_group's MASTER_ADDR store): before it goes, give the
@@ -459,7 +482,7 @@ class GroupGuard:
                 continue
             if found is not None and found[0] != self.rank and not self._aborted:
                 # inside torch's creation the main thread cannot see it: end now; elsewhere (the final wait
-                # polls for it) give the main thread the grace to raise by itself
+                # wakes on the end key) give the main thread the grace to raise by itself
                 seen_abort = seen_abort or now
                 if ((self._current is not None or now - seen_abort > self.grace) and not self._handling
                         and not self._stop.is_set()):
@@ -483,8 +506,7 @@ class GroupGuard:
                 record = json.dumps({"message": msg, "missing": missing or [self.rank],
                                      "cause": details or f"rank {self.rank} stuck in torch at {where}"})
                 try:
-                    store.set(self._k("abort", self.rank), record)
-                    store.set(self._k("abort"), str(self.rank))
+                    self._publish_abort(store, record)
                     self._linger_if_host(store, missing)
                 except Exception:   # noqa: BLE001
                     pass
