@@ -11,6 +11,10 @@ on every rank uses the same keys.
 One timeout rule: an explicit ``timeout_s``, else the one an adapter was given for the duration of its
 call (:func:`configured_timeout`: ``initialize_model_parallel(..., timeout_s=)``, the DeepSpeed section's
 ``timeout_s``), else ``HET_PLUGIN_TIMEOUT`` (seconds), else :data:`DEFAULT_TIMEOUT_S`.
+
+Values are JSON; one over :data:`COMPRESS_FROM` bytes is stored zlib-compressed (:func:`encode_value`): the
+store serves every byte once per reader, and what is large here (a rank's discovered node, the gathered
+cluster every rank reads back) is repetitive JSON that shrinks several times (docs/benchmark-startup.md).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import itertools
 import json
 import os
 import threading
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -28,6 +33,8 @@ from ..core.ranks.dims import format_ranks
 
 ENV_TIMEOUT = "HET_PLUGIN_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
+COMPRESS_FROM = 256         # bytes of JSON from which a value is stored compressed
+_ZLIB = b"\x00z"            # marks a compressed value (JSON never starts with a NUL byte)
 
 
 class ExchangeTimeout(HetPluginError, RuntimeError):
@@ -227,7 +234,7 @@ class Exchange:
     # ---- plumbing ---------------------------------------------------------------------------------
     def _publish(self, kind: str, slot: int, value: Any, error: Optional[BaseException]) -> None:
         payload = {"error": encode_error(error)} if error is not None else {"value": value}
-        self.store.set(f"{self.prefix}/{kind}/{slot}", json.dumps(payload, default=str))
+        self.store.set(f"{self.prefix}/{kind}/{slot}", encode_value(payload))
 
     def _collect(self, kind: str, indices: Optional[Sequence[int]] = None,
                  who: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> list[Entry]:
@@ -249,7 +256,7 @@ class Exchange:
                 "timeout_s", missing) from None
         out = []
         for i, r, raw in zip(indices, who, _read_all(self.store, keys)):
-            payload = json.loads(raw)
+            payload = decode_value(raw)
             out.append(Entry(i, r, payload.get("value"), payload.get("error")))
         return out
 
@@ -287,6 +294,17 @@ class Exchange:
             mid = (lo + hi) // 2
             todo += [(mid, hi), (lo, mid)]
         return sorted(found)
+
+
+def encode_value(payload: Any) -> bytes:
+    """JSON, zlib-compressed (behind a marker) from :data:`COMPRESS_FROM` bytes on."""
+    text = json.dumps(payload, default=str).encode()
+    return text if len(text) < COMPRESS_FROM else _ZLIB + zlib.compress(text, 6)
+
+
+def decode_value(raw: bytes) -> Any:
+    raw = bytes(raw)
+    return json.loads(zlib.decompress(raw[len(_ZLIB):]) if raw.startswith(_ZLIB) else raw)
 
 
 def answer_margin(timeout: float) -> float:
