@@ -3,11 +3,15 @@
 A source is a Plan, a plan (as a dict or a file from ``het-plugin plan -o``), a cluster (object or
 file), or nothing (discover the cluster on every rank). A plan is checked against the launch (world
 size, the degrees the user fixed, the model); a cluster is checked against the launch and planned for
-the model. Pure: discovery (which gathers over the job's store) is passed in by the adapters.
+the model. Pure: discovery (which gathers over the job's store) is passed in by the adapters, and so is ``share_plan``,
+how the ranks of one node plan once between them (``het_plugin.runtime.plan_once``): it gets the digest of
+every planning input (:func:`planning_digest`) and the call that plans.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -22,6 +26,7 @@ ModelArg = Union[ModelSpec, dict, PathLike, None, Callable[[], ModelSpec]]
 Source = Union[Plan, dict, Cluster, PathLike, None]
 
 DISCOVER = ("discover", "auto")      # what the adapters call "find the cluster yourself"
+SharePlan = Callable[[str, Callable[[], Plan]], Plan]
 
 
 @dataclass(frozen=True)
@@ -100,10 +105,12 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
                    degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
                    names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
                    overlap_p2p_comm: Optional[bool] = None,
-                   discover: Callable[[], Cluster] = no_discovery, profile: Any = None) -> Resolved:
+                   discover: Callable[[], Cluster] = no_discovery, profile: Any = None,
+                   share_plan: Optional[SharePlan] = None) -> Resolved:
     """:func:`resolve_plan`, with the cluster the plan was made from. ``discover``: what finds the cluster when
     the source names none (on ranks: ``het_plugin.discovery.discover_cluster``). ``profile``: a measured profile
-    the planner uses (re-planning on restart, :mod:`het_plugin.runtime.restart_replan`; not for a plan file)."""
+    the planner uses (re-planning on restart, :mod:`het_plugin.runtime.restart_replan`; not for a plan file).
+    ``share_plan(digest, plan)``: where the search runs (None: here), see the module docstring."""
     degrees = degrees or Degrees(launch.world_size)
     names = names or {}
     loaded = load_source(source)
@@ -121,11 +128,17 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
                           fix="pass a model (ModelSpec, model file or preset name), or a plan file")
     from .planner import make_plan, placeable_degrees
     fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
-    try:
-        plan = make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
+    def search() -> Plan:
+        return make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
                          ep=degrees.ep, etp=degrees.etp, order=degrees.order, micro_batch_size=micro_batch_size,
                          vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm, profile=profile)
-        return Resolved(plan, cluster)
+
+    try:
+        if share_plan is None:
+            return Resolved(search(), cluster)
+        digest = planning_digest(cluster, spec, degrees, micro_batch_size=micro_batch_size, vpp=vpp,
+                                 overlap_p2p_comm=overlap_p2p_comm, profile=profile)
+        return Resolved(share_plan(digest, search), cluster)
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):
             raise
@@ -135,6 +148,24 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
         raise ConfigError(f"the degrees passed ({given}, cp={degrees.cp}) cannot be placed on {cluster.name}: "
                           f"{exc.problem}", source=exc.source, field=exc.field,
                           fix=f"{exc.fix + '; ' if exc.fix else ''}degrees this cluster can hold: {listed}") from None
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    return value
+
+
+def planning_digest(cluster: Cluster, model: ModelSpec, degrees: Degrees, **settings: Any) -> str:
+    """A content hash of everything :func:`resolve_launch` plans from (the cluster as the planner reads it, the
+    model, the degrees, the settings, a profile): equal digests give equal plans, since the planner is
+    deterministic. Two ranks with different inputs get different digests, so they never share a plan."""
+    from .. import __version__
+    payload = {"cluster": cluster.digest, "model": _plain(model), "degrees": _plain(degrees),
+               "settings": {k: _plain(v) for k, v in sorted(settings.items())}, "het_plugin": __version__}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 LAUNCH_DEGREES = ("tp", "pp", "dp", "cp", "ep", "etp", "order")

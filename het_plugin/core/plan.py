@@ -409,9 +409,13 @@ class Plan:
     def hash(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
 
+    def to_json(self) -> str:
+        """The whole plan as JSON (what a plan file holds; :meth:`from_dict` reads it back)."""
+        return json.dumps(self.to_dict(), default=_json_default)
+
     def save(self, path: str | Path) -> None:
         from .inputs.yamlio import dump_data
-        dump_data(json.loads(json.dumps(self.to_dict(), default=_json_default)), path)
+        dump_data(json.loads(self.to_json()), path)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

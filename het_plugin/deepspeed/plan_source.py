@@ -16,6 +16,7 @@ from ..core.plan import Plan
 from ..core.inputs.cluster import Cluster
 from ..discovery import discover_cluster
 from ..core.launch import Launch, Resolved, load_source, resolve_launch
+from ..runtime.plan_once import node_sharing
 from ..core.ranks.dims import Degrees
 from .config import AUTO, DEEPSPEED_NAMES, SECTION, HetSection, check_plan
 
@@ -62,7 +63,8 @@ def resolve_section(section: HetSection, shape: RunShape, *, derive_model: Optio
                                   fix="re-wrap the config with `het-plugin wrap-config`")
             model = lambda: _planning_model(section, derive_model, source)  # noqa: E731 - derived only if needed
             resolved = resolve_launch(loaded, launch=Launch(shape.world_size), model=model, degrees=degrees,
-                                      micro_batch_size=None, names=DEEPSPEED_NAMES, discover=discover_cluster)
+                                      micro_batch_size=None, names=DEEPSPEED_NAMES, discover=discover_cluster,
+                                      share_plan=node_sharing())
             plan, cluster = resolved.plan, resolved.cluster
     if section.plan_hash is not None and plan.hash != section.plan_hash:
         raise ConfigError(f"the plan here ({plan.hash}) is not the one the config was wrapped with "

@@ -22,6 +22,7 @@ from ..core.plan import Plan
 from ..views.report import startup_summary
 from ..discovery import discover_cluster
 from ..core.launch import Launch, Resolved, check_launch_settings, resolve_launch
+from ..runtime.plan_once import node_sharing
 from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
 from ..core.ranks.dims import DEFAULT_ORDER, Degrees
@@ -91,7 +92,8 @@ def resolve_megatron_launch(source: Union[Plan, Cluster, PathLike, None] = None,
                       names=MEGATRON_NAMES, source="Megatron arguments")
     return resolve_launch(source, launch=Launch(world_size, rank, local_world_size), model=model, degrees=degrees,
                           micro_batch_size=micro_batch_size, names=MEGATRON_NAMES, vpp=vpp,
-                          overlap_p2p_comm=overlap_p2p_comm, discover=discover_cluster, profile=profile)
+                          overlap_p2p_comm=overlap_p2p_comm, discover=discover_cluster, profile=profile,
+                          share_plan=node_sharing())
 
 
 # ---- applying a plan to Megatron-Core ---------------------------------------------------------------

@@ -7,6 +7,8 @@
    ``HET_TEST_NO_PTH=1`` skips it (a process without the hook).
 2. CPU shims (as in deepspeed_cpu.py): DeepSpeed's CPU accelerator without the shared-memory op build, and
    ``torch.cuda.set_device`` a no-op (the scripts call it; CPU torch has no CUDA).
+   ``HET_TEST_SYNTHETIC_CIFAR=1``: torchvision importable on CPU torch and CIFAR-10 without the download
+   (support/torchvision_cpu.py), for the original DeepSpeedExamples script.
 3. Instrumentation outside the script: ``PipelineEngine.train_batch`` is wrapped to record each returned loss;
    after the script ends, each rank reports (``RESULT <json>``) its stage, layer range and ``parts``, the losses,
    the topology's mapping and the plan's hash (None: DeepSpeed's own run).
@@ -41,6 +43,9 @@ def main() -> None:
     skip_shm_build()
     import torch
     torch.cuda.set_device = lambda *a, **k: None
+    if os.environ.get("HET_TEST_SYNTHETIC_CIFAR", "") not in ("", "0"):
+        from integration_tests.support.torchvision_cpu import install
+        install()
     from deepspeed.runtime.pipe.engine import PipelineEngine
     seen: dict = {"losses": [], "engine": None}
     original = PipelineEngine.train_batch
