@@ -111,24 +111,17 @@ def run_phase(name: str, stores: list[CountingStore], body: Callable[[int, Count
     return best
 
 
-def run_once(name: str, stores: list[CountingStore], body: Callable[[int, CountingStore], object]) -> Phase:
-    """``body(rank, store)`` on every rank at once (threads released together); the phase's wall time is
-    from the release to the last rank's return."""
-    n = len(stores)
-    for s in stores:
-        s.counts.reset()
+def released_together(n: int, fn: Callable[[int], object]) -> tuple[float, dict[int, BaseException]]:
+    """``fn(rank)`` on n threads released at once: (seconds from the release to the last return, errors)."""
     gate = threading.Event()
-    cpu = [0.0] * n
     errors: dict[int, BaseException] = {}
 
     def target(rank: int) -> None:
         gate.wait()
-        c0 = time.thread_time()
         try:
-            body(rank, stores[rank])
-        except BaseException as exc:    # noqa: BLE001 - reported below
+            fn(rank)
+        except BaseException as exc:    # noqa: BLE001 - reported by the caller
             errors[rank] = exc
-        cpu[rank] = time.thread_time() - c0
 
     threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
@@ -137,7 +130,25 @@ def run_once(name: str, stores: list[CountingStore], body: Callable[[int, Counti
     gate.set()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
+    return time.perf_counter() - start, errors
+
+
+def run_once(name: str, stores: list[CountingStore], body: Callable[[int, CountingStore], object]) -> Phase:
+    """``body(rank, store)`` on every rank at once (threads released together); the phase's wall time is
+    from the release to the last rank's return."""
+    n = len(stores)
+    for s in stores:
+        s.counts.reset()
+    cpu = [0.0] * n
+
+    def timed(rank: int) -> None:
+        c0 = time.thread_time()
+        try:
+            body(rank, stores[rank])
+        finally:
+            cpu[rank] = time.thread_time() - c0
+
+    wall, errors = released_together(n, timed)
     if errors:
         first = min(errors)
         raise RuntimeError(f"{name}: {len(errors)} rank(s) failed, rank {first}: {errors[first]!r}")
@@ -235,25 +246,11 @@ def torch_connect(n: int, made: list) -> Phase:
     port = probe.port
     del probe                                   # a free port for rank 0's server
     made[:] = [None] * n
-    gate = threading.Event()
-    errors: dict[int, BaseException] = {}
-
     def make(rank: int) -> None:
-        gate.wait()
-        try:
-            made[rank] = tdist.TCPStore("127.0.0.1", port, n, rank == 0, timeout=timedelta(seconds=TIMEOUT_S),
-                                        wait_for_workers=True)
-        except BaseException as exc:    # noqa: BLE001
-            errors[rank] = exc
+        made[rank] = tdist.TCPStore("127.0.0.1", port, n, rank == 0, timeout=timedelta(seconds=TIMEOUT_S),
+                                    wait_for_workers=True)
 
-    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    start = time.perf_counter()
-    gate.set()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall, errors = released_together(n, make)
     if errors:
         raise RuntimeError(f"torch's TCPStore rendezvous failed on {len(errors)} ranks: {next(iter(errors.values()))!r}")
     return Phase(TORCH[0], wall, 0.0, TORCH_CONSTRUCTOR_REQUESTS * n, 0, TORCH_CONSTRUCTOR_REQUESTS,

@@ -13,7 +13,7 @@ from ..inputs.profile import Profile
 from ..ranks.dims import ParallelDims
 from .analysis import Analysis, StageInfo
 from .fixed_costs import slot_s
-from .network import _hops_s, CollectivePath, FRAMEWORK_OVERHEAD_GIB, GIB, GRAD_BYTES, HBM_BYTES_PER_S, HOST_COPY_GBPS, LOGITS_BYTES, OPTIMIZER_BYTES_MOVED, OPTIMIZER_STATE_BYTES, Tier, WEIGHT_BYTES
+from .network import _hops_s, CollectivePath, FRAMEWORK_OVERHEAD_GIB, GIB, GRAD_BYTES, HBM_BYTES_PER_S, LOGITS_BYTES, OPTIMIZER_BYTES_MOVED, OPTIMIZER_STATE_BYTES, Tier, WEIGHT_BYTES
 
 # ---- per-stage times and memory -------------------------------------------------------------------
 
@@ -154,13 +154,7 @@ def _cp_ring_s(model: ModelSpec, mb: int, dims: ParallelDims, info: StageInfo, a
     chunk = model.attention_core_flops_fwd(mb) / (dims.tp * dims.cp) / dims.cp / acc.sustained_flops
 
     def step(nbytes: float) -> float:
-        worst = 0.0
-        for tier, share, staged in info.cp_hops:
-            t = tier.step_s(nbytes, share, profile)
-            if staged:
-                t += 2 * nbytes * 8 / (HOST_COPY_GBPS * 1e9)
-            worst = max(worst, t)
-        return worst
+        return _hops_s(info.cp_hops, nbytes, profile)
 
     fwd = (dims.cp - 1) * max(0.0, step(kv) - chunk)
     bwd = (dims.cp - 1) * max(0.0, step(2 * kv) - 2 * chunk)
@@ -228,12 +222,7 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
                 fixed_mem += model.mtp_layers * _activation_bytes_per_layer(model, mb, tp, cp)
                 fixed_mem += model.mtp_layers * mb * model.seq_length * model.vocab_size * LOGITS_BYTES / (tp * cp)
             fixed_mem += mb * model.seq_length * model.vocab_size * LOGITS_BYTES / (tp * cp)
-        send = 0.0
-        for tier, share, staged in info.hop_next:
-            t = tier.step_s(act_msg, share, profile)
-            if staged:
-                t += 2 * act_msg * 8 / (HOST_COPY_GBPS * 1e9)
-            send = max(send, t)
+        send = _hops_s(info.hop_next, act_msg, profile)
         back = None
         if profile is not None and profile.directional and info.hop_next:      # gradients go the other way
             back = _hops_s([(tier.flipped(), share, staged) for tier, share, staged in info.hop_next], act_msg, profile)
