@@ -17,6 +17,7 @@ PLAN_OUT_FLAG = "--heterogeneous-plan-out"
 TIMEOUT_FLAG = "--heterogeneous-timeout"
 PROFILE_OUT_FLAG = "--heterogeneous-profile-out"
 PROFILE_INTERVAL_FLAG = "--heterogeneous-profile-interval"
+REPLAN_FLAG = "--heterogeneous-replan-on-restart"
 DISCOVER = "discover"          # the value of a bare --heterogeneous-nic
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -43,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             f"{PROFILE_INTERVAL_FLAG} iterations and at exit, for `het-plugin plan --profile FILE`")
     group.add_argument(PROFILE_INTERVAL_FLAG, type=int, default=None, metavar="N",
                        help=f"iterations between writes of {PROFILE_OUT_FLAG} (default 100)")
+    group.add_argument(REPLAN_FLAG, action="store_true",
+                       help=f"with {PROFILE_OUT_FLAG}: the next start of this command (a restart, torchrun's elastic "
+                            "restarts too) re-plans from the profile this run wrote, for the nodes it starts on, and "
+                            "takes the new plan when it predicts a gain and the checkpoint in --load loads under it")
     from .settings import TAKE_FLAG
     group.add_argument(TAKE_FLAG, action="store_true",
                        help="also turn on the training settings the plan assumed (--use-distributed-optimizer "

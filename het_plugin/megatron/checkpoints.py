@@ -202,6 +202,26 @@ def read_checkpoint(found: CheckpointDir) -> TrainingShape:
                       fix="save in torch_dist (--ckpt-format torch_dist) to resume under another plan")
 
 
+def load_optimizer(args: Any, found: CheckpointDir) -> bool:
+    return not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False) or found.iteration is None)
+
+
+def checkpoint_shape(args: Any, load_arg: str = "load"):
+    """The checkpoint ``--load`` names as :mod:`het_plugin.core.checkpoint_fit` reads it (what re-planning on
+    restart asks before it takes a plan); None without one."""
+    from ..core.checkpoint_fit import MEGATRON, CheckpointShape
+    load_dir = getattr(args, load_arg, None)
+    found = checkpoint_dir(load_dir, args) if load_dir else None
+    if found is None:
+        return None
+    saved = read_checkpoint(found)
+    return CheckpointShape(framework=MEGATRON, path=found.path, format=saved.ckpt_format, world_size=saved.world_size,
+                           tp=saved.tp, pp=saved.pp, dp=saved.dp, layers_per_stage=list(saved.layers),
+                           distributed_optimizer=saved.distributed_optimizer, optimizer_sharding=saved.optim_sharding,
+                           has_optimizer=load_optimizer(args, found), plan_hash=saved.plan_hash,
+                           iteration=saved.iteration)
+
+
 def check_before_load(args: Any, load_arg: str = "load") -> list[str]:
     """The check on Megatron-LM's args (every rank); the notes for rank 0. A no-op without a checkpoint."""
     load_dir = getattr(args, load_arg, None)
@@ -210,6 +230,4 @@ def check_before_load(args: Any, load_arg: str = "load") -> list[str]:
         return []
     saved = read_checkpoint(found)
     run = shape_of_args(args, ckpt_format=saved.ckpt_format, optim_sharding=current_sharding(args))
-    load_optim = not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)
-                      or found.iteration is None)
-    return check_resume(saved, run, load_optim=load_optim, where=load_dir)
+    return check_resume(saved, run, load_optim=load_optimizer(args, found), where=load_dir)

@@ -72,7 +72,7 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
                             plan_out=getattr(args, "heterogeneous_plan_out", None))
         if source != DISCOVER:
             try:
-                resolved = _plan_for(args, degrees_given(args, argv), source)
+                resolved = _resolve(args, degrees_given(args, argv), source)
                 state.plan, state.cluster = resolved.plan, resolved.cluster
                 # kept for the agreement like a planning error; the plan still goes into args, so that
                 # validate_args passes (its own assertion would pre-empt the message) and every rank reaches it
@@ -144,9 +144,34 @@ def megatron_args() -> Any:
     return args if getattr(args, "_het_plugin_prepared", False) else state.args
 
 
+def _resolve(args: Any, given: dict, source: Optional[str], rank: Optional[int] = None,
+             world_size: Optional[int] = None):
+    """:func:`_plan_for`; with ``--heterogeneous-replan-on-restart`` the plan re-planning on restart chooses from
+    the profile the last attempt wrote and the checkpoint in ``--load`` (het_plugin.runtime.restart_replan), its
+    reasoning printed on rank 0."""
+    from .args import PROFILE_OUT_FLAG, REPLAN_FLAG
+    if not getattr(args, "heterogeneous_replan_on_restart", False):
+        return _plan_for(args, given, source, rank, world_size)
+    settings = launch_profile_settings(args)
+    if settings is None:
+        raise ConfigError(f"{REPLAN_FLAG} needs {PROFILE_OUT_FLAG}: the next start re-plans from the measured profile "
+                          "this run writes there", source="command line", field=REPLAN_FLAG,
+                          fix=f"add {PROFILE_OUT_FLAG} FILE (on storage every rank sees, e.g. beside the checkpoints)")
+    from ..runtime.restart_replan import resolve_on_restart
+    from .checkpoints import checkpoint_shape
+    chosen, decision = resolve_on_restart(
+        lambda profile: _plan_for(args, given, source, rank, world_size, profile=profile), settings.path,
+        checkpoint=lambda: checkpoint_shape(args),
+        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    if (rank if rank is not None else int(os.environ.get("RANK", "0") or 0)) == 0:
+        print("\n".join(f"het_plugin: {line}" for line in decision.lines), flush=True)
+    return chosen
+
+
 def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int] = None,
-              world_size: Optional[int] = None):
-    """The plan (and its cluster) for these Megatron arguments (het_plugin.core.launch.Resolved)."""
+              world_size: Optional[int] = None, profile: Any = None):
+    """The plan (and its cluster) for these Megatron arguments (het_plugin.core.launch.Resolved); ``profile``: a
+    measured profile to plan with."""
     from .mcore import resolve_megatron_launch
     from .modelspec import model_from_args
     world = world_size or int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
@@ -158,7 +183,7 @@ def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int]
                         local_world_size=int(lws) if lws else None, tp=given["tp"], pp=given["pp"],
                         cp=given["cp"], micro_batch_size=given["micro_batch_size"], ep=given.get("ep", 1),
                         etp=given.get("etp"), order=given.get("order") or "tp-cp-ep-dp-pp", vpp=given.get("vpp"),
-                        overlap_p2p_comm=given.get("overlap_p2p_comm"))
+                        overlap_p2p_comm=given.get("overlap_p2p_comm"), profile=profile)
 
 
 def install_initialize_wrapper() -> None:
@@ -272,7 +297,7 @@ def planned_initialize_model_parallel(*args, **kwargs):
                  **plan_degrees(kwargs),
                  # validated by Megatron already: its interleaved schedule overlaps p2p unless told not to
                  "overlap_p2p_comm": None if getattr(margs, "overlap_p2p_comm", True) else False}
-        resolved = _plan_for(margs, fixed, DISCOVER, rank=rank, world_size=world)
+        resolved = _resolve(margs, fixed, DISCOVER, rank=rank, world_size=world)
         state.cluster = resolved.cluster
         check_replica_batch(margs, resolved.plan)
         return resolved.plan
@@ -302,6 +327,9 @@ def launch_profile_settings(args: Any):
     path = getattr(args, "heterogeneous_profile_out", None)
     every = getattr(args, "heterogeneous_profile_interval", None)
     try:
-        return profile_settings(path, every, state.source, field=PROFILE_OUT_FLAG, every_field=PROFILE_INTERVAL_FLAG)
+        settings = profile_settings(path, every, state.source, field=PROFILE_OUT_FLAG, every_field=PROFILE_INTERVAL_FLAG)
     except ConfigError as exc:
         raise ConfigError(exc.problem, source="command line", field=exc.field, fix=exc.fix) from None
+    if settings is not None and getattr(args, "heterogeneous_replan_on_restart", False):
+        settings.replan_on_restart = True       # write the plan run beside the profile: the next start's old plan
+    return settings
