@@ -235,19 +235,46 @@ def mean_abs(rows: dict, tp=None) -> float:
     return sum(vals) / len(vals)
 
 
+GLOBAL_BATCH = 32      # samples per iteration over the machine's 2 devices, for the choice below
+
+
+def plan_times(rows: dict, key: str) -> dict[str, float]:
+    """The plans these points make for a global batch of GLOBAL_BATCH on 2 devices: TP 1 (2 replicas, 16 samples
+    each) or TP 2 (one replica), each at every micro-batch size; compute seconds per iteration (the data-parallel
+    all-reduce, equal for the TP-1 plans, left out). ``key``: predicted_s or measured_s."""
+    out = {}
+    for name, r in rows.items():
+        tp, mb = (int(x[2:]) for x in name.split(" "))
+        out[name] = (GLOBAL_BATCH // (2 // tp)) / mb * r[key]
+    return out
+
+
+def pick_loss(rows: dict) -> tuple[str, str, float]:
+    """(the plan the predictions pick, the best measured plan, how much slower the pick measured than the best)."""
+    predicted, measured = plan_times(rows, "predicted_s"), plan_times(rows, "measured_s")
+    pick, best = min(predicted, key=predicted.get), min(measured, key=measured.get)
+    return pick, best, measured[pick] / measured[best] - 1
+
+
 def table(data: dict, results: dict) -> str:
     lines = [f"peak (1-thread fp32 GEMM) {data['peak_tflops'] * 1e3:.1f} GFLOPS; load average (1 min) "
              + ", ".join(f"{k} {v:.1f}" for k, v in data["load_avg_1min"].items()) + f" on {data['cpus']} CPUs; "
              f"median of {data['rounds']} rounds per pass (passes: {data.get('protocol', 'alternating')}); CPU seconds "
              "(process_time)",
-             "", "| profile | rule | efficiency | TP 1 mean abs | TP 2 mean abs | all | worst point |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| profile | rule | efficiency | TP 1 mean abs | TP 2 mean abs | all | worst point | pick (best measured): "
+                 "slower by |",
+             "|---|---|---|---|---|---|---|---|"]
     for (eff, res) in results.items():
         for key, rows in res.items():
             name, rule = key.split(" ")
             worst_k = max(rows, key=lambda k: abs(rows[k]["error"]))
+            pick, best, loss = pick_loss(rows)
             lines.append(f"| {name} | {rule} | {eff} | {mean_abs(rows, 1):.1%} | {mean_abs(rows, 2):.1%} | "
-                         f"{mean_abs(rows):.1%} | {worst_k}: {rows[worst_k]['error']:+.0%} |")
+                         f"{mean_abs(rows):.1%} | {worst_k}: {rows[worst_k]['error']:+.0%} | {pick} ({best}): "
+                         f"{loss:.1%} |")
+    lines += ["", f"pick: the plan (TP degree, micro-batch size) with the least predicted compute per iteration for "
+              f"{GLOBAL_BATCH} samples on 2 devices (TP 1: two replicas of 16; TP 2: one of 32), measured against the "
+              "best measured plan of the same 12"]
     meas = data["measured"]
     lines += ["", "measured fwd+bwd per layer (ms), per sample (ms): "
               + "; ".join(f"tp{tp} mb{mb} {sum(meas[tp][mb]) * 1e3:.2f} ({sum(meas[tp][mb]) * 1e3 / mb:.2f})"
