@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def direct_times(shape: dict, reps: int) -> dict:
+def small_gpt(shape: dict, num_layers: int):
+    """The benchmark's GPT (Megatron-Core's local spec, fp32, CPU) on one rank, with a micro-batch of tokens and
+    their positions: (model, tokens, positions)."""
     import torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -31,13 +33,20 @@ def direct_times(shape: dict, reps: int) -> dict:
     from megatron.core.transformer import TransformerConfig
     ps.initialize_model_parallel(1, 1)
     mb, s, h = shape["micro_batch_size"], shape["seq_length"], shape["hidden_size"]
-    cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=shape["num_attention_heads"],
+    cfg = TransformerConfig(num_layers=num_layers, hidden_size=h, num_attention_heads=shape["num_attention_heads"],
                             ffn_hidden_size=shape["ffn_hidden_size"], hidden_dropout=0.0, attention_dropout=0.0,
                             use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32)
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=shape["vocab_size"], max_sequence_length=s,
                      share_embeddings_and_output_weights=True)
     tokens = torch.randint(0, shape["vocab_size"], (mb, s))
-    pos = torch.arange(s).unsqueeze(0).expand(mb, -1)
+    return model, tokens, torch.arange(s).unsqueeze(0).expand(mb, -1)
+
+
+def direct_times(shape: dict, reps: int) -> dict:
+    import torch
+    from megatron.core import parallel_state as ps
+    mb, s, h = shape["micro_batch_size"], shape["seq_length"], shape["hidden_size"]
+    model, tokens, pos = small_gpt(shape, 1)
     out = {"ef": [], "eb": [], "of": [], "ob": []}
 
     def head(hidden):

@@ -202,19 +202,10 @@ def _megatron_direct(shape: dict) -> dict:
     """Megatron's embedding and output layer + loss timed directly (as e2e_compute.direct_times, in blocks), and
     the update of a 6-layer model."""
     import torch
+    from e2e_compute import small_gpt
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-    ps.initialize_model_parallel(1, 1)
     mb, s, h = shape["micro_batch_size"], shape["seq_length"], shape["hidden_size"]
-    cfg = TransformerConfig(num_layers=6, hidden_size=h, num_attention_heads=shape["num_attention_heads"],
-                            ffn_hidden_size=shape["ffn_hidden_size"], hidden_dropout=0.0, attention_dropout=0.0,
-                            use_cpu_initialization=True, pipeline_dtype=torch.float32, params_dtype=torch.float32)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=shape["vocab_size"], max_sequence_length=s,
-                     share_embeddings_and_output_weights=True)
-    tokens = torch.randint(0, shape["vocab_size"], (mb, s))
-    pos = torch.arange(s).unsqueeze(0).expand(mb, -1)
+    model, tokens, pos = small_gpt(shape, 6)
 
     def head():
         hidden = torch.randn(s, mb, h, requires_grad=True)
