@@ -102,6 +102,7 @@ def training_runs(shape: dict, rounds: int, steps: int, barrier, runs: dict = RU
     megatron_tiny.train(megatron_tiny.TinyGPT(**dict(shape, num_layers=2)), tp=1, pp=1, steps=2, use_plugin=False,
                         overlap_grad_reduce=True)
     ps.destroy_model_parallel()
+    megatron_tiny.release_groups()
     for _ in range(rounds):
         for key, (layers, mult) in runs.items():
             barrier.wait()
@@ -110,6 +111,7 @@ def training_runs(shape: dict, rounds: int, steps: int, barrier, runs: dict = RU
                                       overlap_grad_reduce=True)
             times[key] += res.step_times[1:]
             ps.destroy_model_parallel()
+            megatron_tiny.release_groups()
     return {k: statistics.median(v) for k, v in times.items()}
 
 
