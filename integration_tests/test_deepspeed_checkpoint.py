@@ -8,6 +8,9 @@ a gloo reduction order that differs between placements. A refused combination is
 tensor, on every rank, with the documented message (docs/deepspeed.md, "Checkpoints across plans")."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,7 +101,40 @@ def test_optimizer_state_is_refused_where_it_cannot_follow_and_follows_a_replica
         first = refused[0]["refused"]
         assert all(r["refused"] == first for r in refused)
         assert first["field"] == "checkpoint.load_universal"
-        assert words in first["problem"] and "ds_to_universal" in first["fix"], first
+        assert words in first["problem"] and "resume under the plan it was saved with" in first["fix"], first
     res = launch(cfgs["A3"][1], "--steps", K, "--momentum", 0.9, "--load-dir", work / "ckpt_momentum")
     for r in res:
         assert r["plan_hash"] == cfgs["A3"][0].hash and r["losses"] == pytest.approx(expected[K:], **TOL)
+
+
+def test_zero_state_follows_another_partition_and_placement_through_a_universal_checkpoint(configs):
+    """ZeRO stage 1 with Adam (its state partitioned over the data-parallel ranks, per pipeline stage) saved under A
+    at k. Under B (5/3 on the H100s -> 3/5 on the A100s) the plain load is refused before anything is read, naming
+    the conversion; the conversion the message names, run as it says (DeepSpeed's own ds_to_universal), and the
+    config's ``"checkpoint": {"load_universal": true}`` then resume B, and iterations k+1..2k equal the continuous
+    run's under A: weights by global layer index, Adam's moments and step by parameter name."""
+    work, cfgs = configs
+    ckpt = work / "ckpt_zero1"
+    zero = ("--adam", "--zero", 1)
+    res = launch(cfgs["A"][1], "--steps", 2 * K, *zero, "--save-dir", ckpt, "--save-at", K)
+    expected = res[0]["losses"]
+    assert all(r["losses"] == expected for r in res) and len(set(expected)) > 1
+    refused = launch(cfgs["B"][1], "--steps", K, *zero, "--load-dir", ckpt)
+    assert all("refused" in r for r in refused)
+    fix = refused[0]["refused"]["fix"]
+    command = fix[fix.index("python -m deepspeed.checkpoint.ds_to_universal"):].split(",")[0].split()
+    assert command[:3] == ["python", "-m", "deepspeed.checkpoint.ds_to_universal"], fix
+    done = subprocess.run([sys.executable, *command[1:]], env={**os.environ, **ENV}, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (ckpt / "latest_universal").is_file()
+    res = launch(cfgs["B"][1], "--steps", K, *zero, "--universal", "--load-dir", ckpt)
+    for r in res:
+        assert "refused" not in r, r
+        assert r["plan_hash"] == cfgs["B"][0].hash and r["resumed_at"] == K
+        assert r["losses"] == pytest.approx(expected[K:], **TOL)
+    # the state mattered: the weights alone (Adam afresh: the per-rank files without their optimizer state; a
+    # universal load reads the optimizer state even with load_optimizer_states=False, DeepSpeed 0.19.8
+    # runtime/zero/stage_1_and_2.py _load_universal_checkpoint) train on differently
+    fresh = launch(cfgs["B"][1], "--steps", K, *zero, "--no-load-optim", "--load-dir", ckpt)
+    assert fresh[0]["losses"][1] != pytest.approx(expected[K + 1], **TOL)

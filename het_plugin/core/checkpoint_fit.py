@@ -184,6 +184,20 @@ def _file_order_problem(shape: CheckpointShape, plan: Plan) -> Optional[str]:
     return None
 
 
+def _universal_fix(shape: CheckpointShape) -> str:
+    """The conversion that lets ZeRO state follow any plan, as a command to run; ``ds_to_universal`` merges ZeRO
+    partitions (``*_optim_states.pt``), so a torch optimizer without ZeRO has none to offer. ``--inject_missing_state``:
+    a plain ``PipelineModule`` records no ``universal_checkpoint_info`` (Megatron-DeepSpeed's modules do), which the
+    conversion otherwise asserts (DeepSpeed 0.19.8 ``checkpoint/ds_to_universal.py`` ``_check_for_required_state``)."""
+    if not shape.zero_stage:
+        return ("resume under the plan it was saved with (a torch optimizer's state without ZeRO does not convert: "
+                "ds_to_universal reads ZeRO partitions only; a run that will change plans trains with "
+                "\"zero_optimization\": {\"stage\": 1}), ")
+    return (f"convert it once: python -m deepspeed.checkpoint.ds_to_universal --input_folder {shape.path} "
+            f"--output_folder {shape.path}_universal --inject_missing_state, then set \"checkpoint\": "
+            "{\"load_universal\": true} in the DeepSpeed config; ")
+
+
 def _deepspeed(shape: CheckpointShape, plan: Plan) -> Optional[ResumeProblem]:
     where = f"the checkpoint {shape.path}"
     if shape.tp is not None and shape.tp != plan.tp:
@@ -199,9 +213,9 @@ def _deepspeed(shape: CheckpointShape, plan: Plan) -> Optional[ResumeProblem]:
     if order is not None:
         return ResumeProblem(
             f"{where} holds optimizer state per pipeline stage, but under this placement {order}",
-            "resume on a placement that keeps each pipeline's stages on ascending launch ranks, or convert it "
-            "once with deepspeed.checkpoint.ds_to_universal and set \"checkpoint\": {\"load_universal\": true}, "
-            "or load the weights only (load_optimizer_states=False: the optimizer starts afresh)",
+            "resume on a placement that keeps each pipeline's stages on ascending launch ranks, "
+            f"{_universal_fix(shape)}or load the weights only (load_optimizer_states=False: the optimizer starts "
+            "afresh)",
             "checkpoint.load_universal", ("engine file order",))
     if changes:
         kind = f"ZeRO stage {shape.zero_stage}" if shape.zero_stage else "optimizer"
@@ -209,9 +223,7 @@ def _deepspeed(shape: CheckpointShape, plan: Plan) -> Optional[ResumeProblem]:
             f"{where} holds {kind} state per pipeline stage{' and data-parallel rank' if shape.zero_stage else ''} "
             f"(mp_rank_XX files), which cannot follow this plan ({_changed(changes)}); the weights (per-layer "
             "files) could",
-            "convert it once: python -m deepspeed.checkpoint.ds_to_universal --input_folder CKPT/TAG "
-            "--output_folder CKPT/TAG_universal, then set \"checkpoint\": {\"load_universal\": true} in the "
-            "DeepSpeed config (docs/deepspeed.md, \"Checkpoints across plans\"); or load the weights only "
-            "(load_checkpoint(..., load_module_only=True): the optimizer starts afresh)",
+            f"{_universal_fix(shape)}or load the weights only (load_checkpoint(..., load_module_only=True): the "
+            "optimizer starts afresh); docs/deepspeed.md, \"Checkpoints across plans\"",
             "checkpoint.load_universal", tuple(changes))
     return None

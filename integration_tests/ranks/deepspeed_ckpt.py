@@ -3,7 +3,10 @@
 The model of ``deepspeed_pipe.py`` (InProj, 8 Blocks, Head; MSE loss) under a wrapped config, trained with torch's
 SGD. ``--save-dir D --save-at K``: save after iteration K (training goes on); ``--load-dir D``: resume from D first
 (``--no-load-optim``: ``load_optimizer_states=False``), then train ``--steps`` iterations on the batches that follow
-the checkpoint's. Reports the losses, or the refusal (its field, problem and fix) when het_plugin refuses the load.
+the checkpoint's. ``--zero 1``: ZeRO stage 1 (the optimizer state partitioned over the data-parallel ranks);
+``--adam``: torch's Adam instead of SGD (what ``ds_to_universal`` converts: it reads ``exp_avg`` and ``exp_avg_sq``);
+``--universal``: load with ``"checkpoint": {"load_universal": true}`` (a ``ds_to_universal`` conversion).
+Reports the losses, or the refusal (its field, problem and fix) when het_plugin refuses the load.
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--load-dir")
     p.add_argument("--no-load-optim", action="store_true")
+    p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--universal", action="store_true")
+    p.add_argument("--adam", action="store_true")
     args = p.parse_args()
 
     import torch
@@ -48,9 +54,14 @@ def main() -> None:
         [LayerSpec(Head, HIDDEN, HIDDEN)]
     topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=1, num_dp=dp)
     config = json.loads(Path(args.config).read_text())
+    if args.zero:
+        config.update(zero_optimization={"stage": args.zero}, zero_allow_untested_optimizer=True)
+    if args.universal:
+        config["checkpoint"] = {"load_universal": True}
     model = hds.PipelineModule(layers=layers, topology=topo, config=config, loss_fn=torch.nn.MSELoss(),
                                seed_layers=True, base_seed=1234)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=args.momentum)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01) if args.adam else \
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=args.momentum)
     engine, _, _, _ = hds.initialize(model=model, optimizer=optimizer, config=config)
     data_id = model.mpu().get_data_parallel_rank()
     done = 0

@@ -177,8 +177,13 @@ def test_deepspeed_checkpoint_under_another_partition(two_plans, kw, loads):
     shape = shape_of(a, framework=DEEPSPEED, distributed_optimizer=None, optimizer_sharding=None, **kw)
     problem = resume_problem(shape, b)
     assert (problem is None) == loads, problem
-    if problem is not None:
-        assert "ds_to_universal" in problem.fix and "load_universal" in problem.fix
+    if problem is not None and kw["zero_stage"]:     # the conversion as a command: this checkpoint's path
+        command = (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {shape.path} --output_folder "
+                   f"{shape.path}_universal --inject_missing_state")
+        assert command in problem.fix and "load_universal" in problem.fix, problem.fix
+    elif problem is not None:          # no ZeRO partitions to convert: no command that would fail
+        assert "python -m" not in problem.fix and "resume under the plan it was saved with" in problem.fix
+        assert "ZeRO partitions only" in problem.fix and "load_module_only=True" in problem.fix
     assert resume_problem(dataclasses.replace(shape, tp=2), a).field == "tp"
 
 
