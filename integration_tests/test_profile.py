@@ -39,6 +39,7 @@ def test_four_ranks_write_a_profile_that_plan_takes(tmp_path):
     assert four.forward_s + four.backward_s > 1.3 * (one.forward_s + one.backward_s), (one, four)
     assert all(c.forward_s > 0 and c.backward_s > 0 for c in prof.compute)
     assert prof.optimizer_s_per_param("A100-80", 1) > 0 and prof.iteration_overhead_s("A100-80") > 0
+    assert 0 < prof.pipeline_slot_s("A100-80") < four.forward_s + four.backward_s    # measured, not a layer's work
     links = {(link.tier, link.cluster): link for link in prof.links}
     assert set(links) == {("local", "ib"), ("ib", "ib"), ("socket", "ib")}
     ib = links[("ib", "ib")]

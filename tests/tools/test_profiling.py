@@ -121,6 +121,7 @@ def _records():
         R.ComputeRecord("dev-a", "layer", 1, 1, 0.011, 0.022), R.ComputeRecord("dev-a", "layer", 1, 4, 0.030, 0.060),
         R.ComputeRecord("dev-b", "layer", 1, 1, 0.020, 0.040),
         R.OptimizerRecord("dev-a", 1, 2e-9), R.OverheadRecord("dev-a", 0.003),
+        R.SlotRecord("dev-a", 4e-5), R.SlotRecord("dev-a", 6e-5), R.SlotRecord("dev-a", 5e-5),
         R.LatencyRecord("ib", "ib", 20e-6),
         R.TransferRecord("ib", "ib", 1, 1 << 20, 1e-3), R.TransferRecord("ib", "ib", 1, 1 << 20, 2e-3),   # two ways
         R.TransferRecord("ib", "ib", 1, 1 << 16, 1e-4), R.TransferRecord("ib", "ib", 2, 1 << 20, 3e-3),
@@ -141,6 +142,7 @@ def test_records_become_curves_that_reproduce_the_measured_times(tmp_path):
     assert back.compute_time("dev-a", "layer", 4, 1).forward_s == 0.030
     assert back.compute_time("dev-b", "layer", 1, 1).forward_s == 0.020
     assert back.optimizer_s_per_param("dev-a", 1) == 2e-9 and back.iteration_overhead_s("dev-a") == 0.003
+    assert back.pipeline_slot_s("dev-a") == 5e-5 and back.pipeline_slot_s("dev-b") is None    # measured, median
     # a tier kind keeps the slower direction; the profile's transfer time is the measured one without the reply
     lat = 20e-6
     assert back.step_s(["ib"], 1 << 20, 1, "ib") == pytest.approx(2e-3 - lat)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ...core.cost.network import FRAMEWORK_OVERHEAD_GIB
 from ...core.inputs.model import ModelSpec
 from . import layers
-from .records import ComputeRecord, OptimizerRecord, OverheadRecord, window_mean
+from .records import ComputeRecord, OptimizerRecord, OverheadRecord, SlotRecord, window_mean
 from .settings import OPTIMIZER_MAX_PARAMS, ComputeJob
 
 MAX_REPEATS = 10_000
@@ -212,6 +212,31 @@ def overhead_parts(model: ModelSpec, dev: Device, window_s: float, warmup: int) 
         opt.zero_grad(set_to_none=False)
     seconds, _ = time_fwd_bwd(once, lambda _: None, dev, window_s, warmup, None)
     return seconds
+
+
+def slot_record(device_name: str, model: ModelSpec, dev: Device, micro_batch_size: int, window_s: float,
+                warmup: int) -> SlotRecord:
+    """A pipeline slot's own work on this device (issue 23), what a 1F1B schedule does around each forward and
+    backward of one micro-batch besides the stage's layers and the transfer: the receive buffer of an activation
+    (sequence x micro-batch x hidden) made a leaf that wants its gradient, an output through autograd, a backward
+    with its gradient and the buffer of the gradient sent back, the output freed after the send (Megatron's
+    ``deallocate_output_tensor``). One op stands for the stage so that no layer's work is timed; the transfer's
+    latency is the links' (the profile's ``latency_us``). A lower bound of a framework's slot (its hooks and loss
+    scaling add launches), measured where the default was a guess."""
+    shape = (model.seq_length, micro_batch_size, model.hidden_size)
+    weight = torch.ones(1, device=dev.torch_device, dtype=dev.dtype, requires_grad=True)
+
+    def forward():
+        torch.empty(shape, device=dev.torch_device, dtype=dev.dtype).requires_grad_()     # the received input
+        return weight * 2.0                          # the stage: one op, so that no layer's work is timed
+
+    def backward(out):
+        torch.autograd.backward(out, torch.ones_like(out))
+        torch.empty(shape, device=dev.torch_device, dtype=dev.dtype)                      # the gradient sent back
+        out.data = torch.empty((1,), device=dev.torch_device, dtype=dev.dtype)            # freed after the send
+        weight.grad = None
+    fwd, bwd = time_fwd_bwd(forward, backward, dev, window_s, warmup, None)
+    return SlotRecord(device_name, (fwd + bwd) / 2)
 
 
 def loss_allreduce_s(dev: Device, repeats: int, group=None) -> float:

@@ -36,6 +36,14 @@ class OverheadRecord:
 
 
 @dataclass(frozen=True)
+class SlotRecord:
+    """A pipeline slot's own work on one device type (issue 23): seconds per forward or backward hand-off of one
+    micro-batch, without a layer's compute or the transfer (compute.slot_s says what it holds)."""
+    device: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class LatencyRecord:
     """One-way latency of a link (half a ping-pong of a tiny message)."""
     key: str
@@ -64,8 +72,9 @@ class AllReduceRecord:
     seconds: float
 
 
-Record = Union[ComputeRecord, OptimizerRecord, OverheadRecord, LatencyRecord, TransferRecord, AllReduceRecord]
-_TYPES = {cls.__name__: cls for cls in (ComputeRecord, OptimizerRecord, OverheadRecord, LatencyRecord,
+Record = Union[ComputeRecord, OptimizerRecord, OverheadRecord, SlotRecord, LatencyRecord, TransferRecord,
+               AllReduceRecord]
+_TYPES = {cls.__name__: cls for cls in (ComputeRecord, OptimizerRecord, OverheadRecord, SlotRecord, LatencyRecord,
                                         TransferRecord, AllReduceRecord)}
 
 
@@ -104,7 +113,7 @@ def window_mean(total_s: float, count: int) -> float:
 
 def build_profile(records: Iterable[Record], description: str = "") -> Profile:
     """Rank 0: every rank's records -> a format-2 profile. Repeated measurements of one point (several ranks,
-    both directions of a tier kind) become their median (compute, optimizer, overhead, latency) or the
+    both directions of a tier kind) become their median (compute, optimizer, overhead, slot, latency) or the
     slower one (a transfer or an all-reduce: a ring pays the slower direction)."""
     recs = list(records)
     prof = Profile(description=description)
@@ -121,6 +130,8 @@ def build_profile(records: Iterable[Record], description: str = "") -> Profile:
             prof.add_optimizer(group[0].device, group[0].tp, statistics.median(g.seconds_per_param for g in group))
         elif key[0] == "OverheadRecord":
             prof.add_overhead(group[0].device, statistics.median(g.seconds for g in group))
+        elif key[0] == "SlotRecord":
+            prof.add_pipeline_slot(group[0].device, statistics.median(g.seconds for g in group))
     for (name, cluster) in _link_keys(recs):
         mine = [r for r in recs if getattr(r, "key", None) == name and r.cluster == cluster]
         lats = [r.seconds for r in mine if isinstance(r, LatencyRecord)]
@@ -150,7 +161,7 @@ def _key(r: Record) -> tuple:
         return (r.device.lower(), r.kind, r.tp, r.micro_batch_size)
     if isinstance(r, OptimizerRecord):
         return (r.device.lower(), r.tp)
-    if isinstance(r, OverheadRecord):
+    if isinstance(r, (OverheadRecord, SlotRecord)):
         return (r.device.lower(),)
     return (r.key, r.cluster or "")
 

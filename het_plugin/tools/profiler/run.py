@@ -285,6 +285,10 @@ def _measure(cluster: Cluster, model: ModelSpec, settings: Settings, rounds, dev
             out.append(r)
             parts = compute.overhead_parts(model, dev, settings.window_s, settings.warmup)
             log(f"{d.name} optimizer {r.seconds_per_param * 1e9:.3f} ns/parameter")
+            slot = compute.slot_record(d.name, model, dev, min(settings.micro_batch_sizes), settings.window_s,
+                                       settings.warmup)
+            out.append(slot)
+            log(f"{d.name} pipeline slot {slot.seconds * 1e6:.1f} us")
         barrier()
         # across vendors NCCL and RCCL cannot form one world communicator: time it on gloo there
         loss_s = compute.loss_allreduce_s(dev, LOSS_ALLREDUCES, group=lockstep if cross_vendor else None)
