@@ -5,6 +5,7 @@ torch's own store rendezvous for the same N in the same run.
     python benchmarks/bench_startup.py                      (N = 64, 256, 1024, 2048)
     python benchmarks/bench_startup.py --ranks 64,256       (a quick run)
     python benchmarks/bench_startup.py --markdown docs/benchmark-startup.md --chart docs/img/startup.png
+    python benchmarks/bench_startup.py --processes 16    (the ranks spread over 16 worker processes)
 
 Phases, in the order an adapter runs them (both adapters: the Megatron-LM ``--heterogeneous-nic`` path
 discovers the cluster first; a DeepSpeed wrapped config or a cluster file starts at "plan"):
@@ -29,9 +30,10 @@ torch's reference for the same N, the store part of ``init_process_group`` (torc
 Its request count is read from that source (2 requests per rank in the constructor, counted, plus the
 server's 10-ms polls, not counted); the barrier and the id exchange go through the counting wrapper.
 
-Times are from one busy shared machine (several agents on 2 cores, load average recorded with the numbers):
-pessimistic, and each rank's local work (parsing, validating) is serialised on one interpreter here, which a
-real job does in parallel. Requests and bytes are exact counts; the extrapolation to 16,384 and 131,072 ranks
+Times are pessimistic: 2 cores for every rank, and with ``--processes 1`` each rank's local work (parsing,
+validating, the sysfs reads) queues on one interpreter's GIL, which a real job (one rank per process) does not
+have; ``--processes P`` spreads the ranks over P worker processes (startup_procs.py) with the store server in
+this one. Requests and bytes are exact counts; the extrapolation to 16,384 and 131,072 ranks
 fits each phase's counts linearly (and says so where a phase grows faster).
 """
 from __future__ import annotations
@@ -166,14 +168,16 @@ def fake_sysfs() -> Path:
     return root
 
 
-def file_cluster(n: int):
+def cluster_data(n: int) -> dict:
     """The cluster discovery finds, as a cluster file would give it (the DeepSpeed / cluster-file path)."""
+    return {"name": "bench", "clusters": [{"name": "ib", "fabric": {"type": "ib", "gbps": 800},
+            "nodes": [{"count": n // RANKS_PER_NODE, "accelerator": "H100", "accelerators_per_node": RANKS_PER_NODE,
+                       "nics": [{"type": "ib", "gbps": 200, "devices": ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]}]}]}]}
+
+
+def file_cluster(n: int):
     from het_plugin.core.inputs.cluster import cluster_from_dict
-    return cluster_from_dict({"name": "bench", "clusters": [{"name": "ib", "fabric": {"type": "ib", "gbps": 800},
-                              "nodes": [{"count": n // RANKS_PER_NODE, "accelerator": "H100",
-                                         "accelerators_per_node": RANKS_PER_NODE,
-                                         "nics": [{"type": "ib", "gbps": 200,
-                                                   "devices": ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]}]}]}]})
+    return cluster_from_dict(cluster_data(n))
 
 
 def het_plugin_phases(n: int, sysfs: Path, model_name: str, discovery: bool = True) -> tuple[list[Phase], dict]:
@@ -215,6 +219,56 @@ def het_plugin_phases(n: int, sysfs: Path, model_name: str, discovery: bool = Tr
     plan_bytes = len(json.dumps(plan.to_dict()))
     del clients, stores, server
     return phases, {"cluster_bytes": found["cluster_bytes"], "plan_bytes": plan_bytes}
+
+
+def pooled_phase(pool, name: str, payload=None, payloads=None) -> Phase:
+    """One phase run REPEATS times on the worker processes (``--processes``), the fastest kept (as run_phase);
+    ``payloads``: one payload per repeat (torch's connect needs a fresh port each time)."""
+    runs = []
+    for i in range(max(1, REPEATS)):
+        res = pool.run(name, payloads[i] if payloads else payload)
+        req = res["requests"]
+        runs.append((Phase(name, res["wall"], res["cpu"], sum(req), res["bytes"], max(req[1:] or [0]), req[0]),
+                     res["extra"]))
+    best, extra = min(runs, key=lambda pe: pe[0].wall_s)
+    best.notes.append("wall s of the repeats: " + ", ".join(f"{p.wall_s:.2f}" for p, _ in runs))
+    best.notes.append(f"{pool.processes} processes")
+    return best, extra
+
+
+def pooled_run(n: int, sysfs: Path, model_name: str, discovery: bool, processes: int) -> tuple[list[Phase], dict, list[Phase]]:
+    """het_plugin's phases and torch's reference with the ranks in ``processes`` worker processes."""
+    from startup_procs import Pool, free_port
+    pool = Pool(n, processes, str(sysfs))
+    try:
+        phases = []
+        if discovery:
+            ph, extra = pooled_phase(pool, "discovery")
+            phases.append(ph)
+            from het_plugin.core.inputs.cluster import cluster_from_dict
+            data = extra["data"]
+            cluster, cluster_bytes = cluster_from_dict(data), len(json.dumps(data))
+        else:
+            cluster, cluster_bytes = file_cluster(n), 0
+            data = cluster_data(n)
+        model = preset_model(model_name).model_copy(update={"global_batch_size": 4 * n})
+        c0, t0 = time.process_time(), time.perf_counter()
+        plan = make_plan(cluster, model)
+        phases.append(Phase("plan", time.perf_counter() - t0, time.process_time() - c0,
+                            notes=[f"tp{plan.tp} pp{plan.pp} dp{plan.dp}"]))
+        phases.append(pooled_phase(pool, "agreement", plan.hash)[0])
+        phases.append(pooled_phase(pool, "pre-flight", (plan.to_json(), data))[0])
+        phases.append(pooled_phase(pool, "guard")[0])
+        ports = [free_port() for _ in range(max(1, REPEATS))]
+        ref = [pooled_phase(pool, TORCH[0], payloads=ports)[0]]
+        ref[0].requests, ref[0].max_rank_requests, ref[0].root_requests = (TORCH_CONSTRUCTOR_REQUESTS * n,
+                                                                          TORCH_CONSTRUCTOR_REQUESTS,
+                                                                          TORCH_CONSTRUCTOR_REQUESTS)
+        ref[0].notes.append("requests read from TCPStore.cpp, not counted")
+        ref.append(pooled_phase(pool, TORCH[1], payloads=list(range(max(1, REPEATS))))[0])
+    finally:
+        pool.close()
+    return phases, {"cluster_bytes": cluster_bytes, "plan_bytes": len(json.dumps(plan.to_dict()))}, ref
 
 
 def torch_reference(n: int) -> list[Phase]:
@@ -403,6 +457,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each phase, the fastest kept")
     ap.add_argument("--no-discovery", action="store_true",
                     help="start at the plan (a cluster file: the DeepSpeed wrapped-config path)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="spread the ranks over this many worker processes (startup_procs.py: each rank's local "
+                         "work no longer queues on one interpreter's GIL); 1: every rank a thread of this process")
     args = ap.parse_args(argv)
     global REPEATS
     REPEATS = args.repeats
@@ -413,8 +470,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     text = ""
     for n in sizes:
         before = load()
-        het, sizes_info = het_plugin_phases(n, sysfs, args.model, discovery=not args.no_discovery)
-        ref = torch_reference(n)
+        if args.processes > 1:
+            het, sizes_info, ref = pooled_run(n, sysfs, args.model, not args.no_discovery, args.processes)
+        else:
+            het, sizes_info = het_plugin_phases(n, sysfs, args.model, discovery=not args.no_discovery)
+            ref = torch_reference(n)
         results[n] = {"load_before": before, "load_after": load(), "phases": het, "torch": ref, **sizes_info}
         print(f"N={n}: het_plugin {sum(p.wall_s for p in het):.2f} s ("
               f"{', '.join(f'{p.name} {p.wall_s:.2f}' for p in het)}); torch {sum(p.wall_s for p in ref):.2f} s; "
