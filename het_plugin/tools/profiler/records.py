@@ -38,7 +38,7 @@ class OverheadRecord:
 @dataclass(frozen=True)
 class SlotRecord:
     """A pipeline slot's own work on one device type (issue 23): seconds per forward or backward hand-off of one
-    micro-batch, without a layer's compute or the transfer (compute.slot_s says what it holds)."""
+    micro-batch, without a layer's compute or the transfer (compute.slot_record says what it holds)."""
     device: str
     seconds: float
 
