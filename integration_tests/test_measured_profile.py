@@ -114,3 +114,65 @@ def test_deepspeed_pipeline_training_writes_a_profile_that_replans(tmp_path, cap
     assert f"het_plugin: measured profile written to {out}" in outs[0].stdout
     check_run(out, plan, "DeepSpeed", delay)
     check_replan(replan(capsys, cluster, model, out), plan)
+
+
+def test_deepspeed_replans_on_restart_from_the_profile_its_last_attempt_wrote(tmp_path):
+    """A config wrapped with ``replan_on_restart``: the first start runs the wrapped plan and leaves the measured
+    profile and the plan it ran beside it; its H100 stages were slow (a delay per layer), so the second start of the
+    same command re-plans from that profile for its nodes, says so on rank 0 (old plan, new plan, predicted gain),
+    and every rank runs the new plan, with fewer layers on the H100s. With ``resume_from`` naming a checkpoint
+    whose optimizer state is per stage (saved under the old split), the same re-plan is not taken: the run goes on
+    under the old plan and says why."""
+    pytest.importorskip("deepspeed")
+    from het_plugin.deepspeed import wrap, write_config
+    from het_plugin.runtime.restart_replan import ran_plan_path
+    from integration_tests.support.deepspeed_cpu import cpu_environment
+    cluster, model = DATA / "ds_hetero_4.yaml", DATA / "ds_tiny_model.yaml"
+    out = tmp_path / "measured.json"
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 8,
+              "steps_per_print": 10 ** 6}
+    env = dict(cpu_environment(), HET_PLUGIN_GLOO_IFNAMES="local=lo,ib=lo,roce=lo,socket=lo")
+
+    def start(cfg_path):
+        outs = run_ranks(HERE / "ranks" / "deepspeed_pipe.py", 4,
+                         ["--config", str(cfg_path), "--pp", "2", "--steps", str(STEPS), "--slow-device", "H100",
+                          "--layer-delay-ms", "10"], env=env, timeout=150)
+        hashes = {o.result["plan_hash"] for o in outs}
+        assert len(hashes) == 1
+        return outs, hashes.pop()
+
+    cfg = wrap(config, cluster, str(model), pp=2, layer_pattern="Block", profile_out=str(out), profile_every=1,
+               replan_on_restart=True)
+    plan = Plan.from_dict(cfg["heterogeneous"]["plan"])
+    write_config(cfg, tmp_path / "cfg.json")
+    first, ran = start(tmp_path / "cfg.json")
+    assert ran == plan.hash and "no measured profile from a previous attempt; plan as usual" in first[0].stdout
+    assert Plan.load(ran_plan_path(str(out))).hash == plan.hash
+
+    second, ran = start(tmp_path / "cfg.json")
+    log = second[0].stdout
+    assert f"re-plan on restart: old plan {plan.hash}" in log and "predicted gain" in log and "  taken" in log, log
+    assert ran != plan.hash and f"new plan {ran}" in log
+    new = Plan.load(ran_plan_path(str(out)))          # the plan this start ran: the next start's old plan
+    assert new.hash == ran and h100_layers(new.layers_per_stage, new) < h100_layers(plan.layers_per_stage, plan)
+    assert all("re-plan on restart" not in o.stdout for o in second[1:])      # rank 0 says it, once
+
+    # a checkpoint saved under the first plan with per-stage optimizer state (a stand-in: its stage-0 engine file
+    # with the keys DeepSpeed writes and read_shape reads; real ones: test_deepspeed_checkpoint.py): the re-plan
+    # would not load it
+    from het_plugin.deepspeed.checkpoints import plan_record
+    import torch
+    ckpt = tmp_path / "ckpt" / "global_step2"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest").write_text("global_step2")
+    torch.save({"checkpoint_parallel_dimensions": {"pp": 2, "tp": 1}, "dp_world_size": 2, "global_steps": 2,
+                "ds_config": {"zero_optimization": {"stage": 0}}, "optimizer": {"state": {1: {}}},
+                "het_plugin": plan_record(plan)}, ckpt / "mp_rank_00_model_states.pt")
+    Plan.save(plan, ran_plan_path(str(out)))           # as if the slow run had gone on under the first plan
+    cfg = wrap(config, cluster, str(model), pp=2, layer_pattern="Block", profile_out=str(out), profile_every=1,
+               replan_on_restart=True, resume_from=str(tmp_path / "ckpt"))
+    write_config(cfg, tmp_path / "cfg-resume.json")
+    third, ran = start(tmp_path / "cfg-resume.json")
+    log = third[0].stdout
+    assert "not taken: the checkpoint" in log and "cannot follow this plan" in log, log
+    assert ran == plan.hash

@@ -22,6 +22,12 @@ def register(sub) -> None:
                    help="time each pipeline stage while training; rank 0 writes the measured profile to FILE (.yaml "
                         "or .json) every --profile-every iterations and at exit, for `het-plugin plan --profile`")
     p.add_argument("--profile-every", type=int, metavar="N", help="iterations between writes (default 100)")
+    p.add_argument("--replan-on-restart", action="store_true",
+                   help="with --profile-out and a cluster: the next start re-plans from the profile this run writes, "
+                        "for the nodes of that start, and logs the old and new plan and the predicted gain")
+    p.add_argument("--resume-from", metavar="DIR",
+                   help="with --replan-on-restart: the checkpoint folder the script loads (its load_dir); a re-plan "
+                        "that checkpoint would not load under is not taken")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
     p.set_defaults(func=run)
 
@@ -59,7 +65,8 @@ def run(args) -> int:
     check_args(args)
     wrapped = wrap(args.config, cluster=args.cluster, model=args.model, pp=args.pp, tp=args.tp,
                    layer_pattern=args.layer_pattern, embed_plan=not args.no_embed_plan,
-                   profile_out=args.profile_out, profile_every=args.profile_every)
+                   profile_out=args.profile_out, profile_every=args.profile_every,
+                   replan_on_restart=args.replan_on_restart, resume_from=args.resume_from)
     section = wrapped[SECTION]
     if args.output:
         write_atomic(args.output, json.dumps(wrapped, indent=2) + "\n", "wrapped config")

@@ -29,7 +29,7 @@ DEEPSPEED_NAMES = {"tp": "tp (the topology's model axis)", "pp": "pp (num_stages
                    "dp": "train_batch_size / (micro * accumulation)"}
 
 
-OPTIONAL_KEYS = ("profile_out", "profile_every")     # written only when set
+OPTIONAL_KEYS = ("profile_out", "profile_every", "replan_on_restart", "resume_from")     # written only when set
 
 
 @dataclass
@@ -49,6 +49,11 @@ class HetSection:
     # profile_every iterations (default 100) and at exit (None: not timed). Added to version 1: optional keys.
     profile_out: Optional[str] = None
     profile_every: Optional[int] = None
+    # Re-plan on restart (runtime.restart_replan): the next start re-plans from the profile this run writes to
+    # profile_out, for the nodes of that start; resume_from: the checkpoint folder the script loads (load_dir),
+    # so that a re-plan it would not load under is not taken. Optional keys, added to version 1.
+    replan_on_restart: Optional[bool] = None
+    resume_from: Optional[str] = None
     version: int = SECTION_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -72,17 +77,33 @@ class HetSection:
             from ..runtime.exchange import check_timeout
             check_timeout(data["timeout_s"], f"{SECTION}.timeout_s", source)
         section = cls(**data)
-        section.profile_settings(source)          # a bad profile_out / profile_every is refused here
+        section.profile_settings(source)          # a bad profile_out / profile_every / replan_on_restart is refused
         return section
 
     def profile_settings(self, source: str = "<config>", profile_out: Optional[str] = None):
         """The measured-profile settings (``profile_out`` overrides the section's), or None."""
         path = profile_out if profile_out is not None else self.profile_out
         every = self.profile_every
+        if self.replan_on_restart not in (None, True, False):
+            raise ConfigError(f"replan_on_restart must be true or false, got {self.replan_on_restart!r}",
+                              source=source, field=f"{SECTION}.replan_on_restart", fix="true, or drop the key")
+        if self.resume_from is not None and not self.replan_on_restart:
+            raise ConfigError("resume_from is set without replan_on_restart (it only tells re-planning which "
+                              "checkpoint the run resumes)", source=source, field=f"{SECTION}.resume_from",
+                              fix="add \"replan_on_restart\": true, or drop resume_from")
+        if self.replan_on_restart and self.cluster is None:
+            raise ConfigError("replan_on_restart needs the cluster to re-plan for: the section names none (a plan "
+                              "given in memory)", source=source, field=f"{SECTION}.replan_on_restart",
+                              fix="wrap with the cluster file (or \"auto\")")
         if path is None:
             if every is not None:
                 raise ConfigError("profile_every is set without profile_out", source=source,
                                   field=f"{SECTION}.profile_every", fix="add profile_out: FILE, or drop profile_every")
+            if self.replan_on_restart:
+                raise ConfigError("replan_on_restart needs profile_out: the next start re-plans from the measured "
+                                  "profile this run writes there", source=source,
+                                  field=f"{SECTION}.replan_on_restart",
+                                  fix="add profile_out: FILE (on storage every rank sees, e.g. beside the checkpoints)")
             return None
         if every is not None and (not isinstance(every, int) or isinstance(every, bool)):
             raise ConfigError(f"profile_every must be a whole number of iterations, got {every!r}", source=source,
@@ -91,7 +112,7 @@ class HetSection:
         from ..core.replan_command import cluster_file
         try:
             return ProfileSettings(str(path), every=DEFAULT_EVERY if every is None else every,
-                                   cluster=cluster_file(self.cluster))
+                                   cluster=cluster_file(self.cluster), replan_on_restart=bool(self.replan_on_restart))
         except ConfigError as exc:
             key = "profile_every" if exc.field == "profile_every" else "profile_out"
             raise ConfigError(exc.problem, source=source, field=f"{SECTION}.{key}", fix=exc.fix) from None
@@ -214,7 +235,8 @@ def check_plan(plan: Plan, *, world_size: Optional[int] = None, pp: Optional[int
 def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO, model: ModelArg = None, *,
          pp: Optional[int] = None, tp: Optional[int] = None, layer_pattern: Optional[str] = None,
          embed_plan: bool = True, timeout_s: Optional[float] = None, profile_out: Optional[str] = None,
-         profile_every: Optional[int] = None) -> dict:
+         profile_every: Optional[int] = None, replan_on_restart: bool = False,
+         resume_from: Optional[str] = None) -> dict:
     """Return ``config`` with a ``"heterogeneous"`` section (the input is not modified).
 
     ``cluster``: a cluster file, a plan file, a :class:`Plan`, or ``"auto"`` (every rank discovers the
@@ -226,7 +248,10 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
     from the cluster file and must get the same hash). ``timeout_s``: the bound on every wait of het_plugin
     at start-up (plan check, group creation; stored in the section; None: ``HET_PLUGIN_TIMEOUT`` or 300 s
     on each rank). ``profile_out``: rank 0 writes the run's measured profile there every ``profile_every``
-    iterations (default 100) and at exit, for ``het-plugin plan --profile``.
+    iterations (default 100) and at exit, for ``het-plugin plan --profile``. ``replan_on_restart`` (with
+    ``profile_out`` and a cluster): the next start re-plans from that profile for its nodes
+    (:mod:`het_plugin.runtime.restart_replan`); ``resume_from``: the checkpoint folder the script loads, so that a
+    re-plan it would not load under is not taken.
     """
     cfg, source = load_ds_config(config)
     if timeout_s is not None:
@@ -243,8 +268,8 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
     plan: Optional[Plan] = None
     section = HetSection(cluster=None, model=spec.model_dump() if spec else None, tp=tp, pp=pp, dp=batch.dp,
                          layer_pattern=layer_pattern, timeout_s=timeout_s, profile_out=profile_out,
-                         profile_every=profile_every)
-    section.profile_settings(source)
+                         profile_every=profile_every, replan_on_restart=True if replan_on_restart else None,
+                         resume_from=os.path.abspath(resume_from) if resume_from else None)
     if isinstance(cluster, Plan):
         plan = cluster
     elif str(cluster) == AUTO:
@@ -262,6 +287,7 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
                 from ..core.planner import make_plan
                 plan = make_plan(loaded, spec, tp=tp or 1, pp=pp, dp=batch.dp,
                                  micro_batch_size=batch.micro_batch_size)
+    section.profile_settings(source)
     if plan is not None:
         check_plan(plan, pp=pp, tp=tp, dp=batch.dp, source=source)
         from .replicas import check_batch_settings

@@ -43,7 +43,59 @@ def resolve_section_plan(section: HetSection, shape: RunShape, *, derive_model: 
 def resolve_section(section: HetSection, shape: RunShape, *, derive_model: Optional[Callable[[], ModelSpec]] = None,
                     source: str = "<config>") -> Resolved:
     """:func:`resolve_section_plan` with the cluster the plan came from (for the pre-flight's NICs): the one
-    planned from, or, for an embedded plan, the section's cluster file when it is still the one planned from."""
+    planned from, or, for an embedded plan, the section's cluster file when it is still the one planned from.
+    With ``replan_on_restart``: :func:`replan_on_restart`."""
+    if section.replan_on_restart:
+        return replan_on_restart(section, shape, derive_model=derive_model, source=source)
+    return _as_wrapped(section, shape, derive_model, source)
+
+
+def replan_on_restart(section: HetSection, shape: RunShape, *,
+                      derive_model: Optional[Callable[[], ModelSpec]] = None, source: str = "<config>") -> Resolved:
+    """Re-plan on restart (:mod:`het_plugin.runtime.restart_replan`, the rule Megatron-LM's
+    ``--heterogeneous-replan-on-restart`` uses): the plan as wrapped, or, when the last attempt left a measured
+    profile at ``profile_out``, one planned with it for the nodes of this start (the section's cluster file as it
+    is now, or discovery) with the model's own pipeline and tensor degrees and the config's micro-batch size; not
+    taken when the checkpoint in ``resume_from`` would not load under it. Rank 0 prints the reasoning."""
+    from ..runtime.restart_replan import resolve_on_restart
+    from .checkpoints import read_shape
+    wrapped = _as_wrapped(section, shape, derive_model, source)
+    if section.cluster == AUTO:
+        cluster: Optional[Cluster] = discover_cluster()
+    else:
+        loaded = load_source(section.cluster)
+        cluster = loaded if isinstance(loaded, Cluster) else None      # a plan file: nothing to re-plan for
+
+    def resolve(profile) -> Resolved:
+        if profile is None:
+            return Resolved(wrapped.plan, cluster)
+        model = lambda: _planning_model(section, derive_model, source)  # noqa: E731
+        resolved = resolve_launch(cluster, launch=Launch(shape.world_size), model=model,
+                                  degrees=shape.degrees(source), micro_batch_size=wrapped.plan.micro_batch_size,
+                                  names=DEEPSPEED_NAMES, profile=profile)
+        check_plan(resolved.plan, world_size=shape.world_size, pp=shape.pp, tp=shape.tp, dp=resolved.plan.dp,
+                   num_layers=shape.num_layers, source=source)
+        return resolved
+    checkpoint = (lambda: read_shape(section.resume_from)) if section.resume_from else None
+    chosen, decision = resolve_on_restart(resolve, section.profile_out, checkpoint=checkpoint)
+    if _rank() == 0:
+        print("\n".join(f"het_plugin: {line}" for line in decision.lines), flush=True)
+    return chosen
+
+
+def _rank() -> int:
+    import os
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _as_wrapped(section: HetSection, shape: RunShape, derive_model, source: str) -> Resolved:
+    """The plan the section stands for, as wrap made it (see :func:`resolve_section`)."""
     degrees = shape.degrees(source)
     cluster: Optional[Cluster] = None
     if section.plan is not None:

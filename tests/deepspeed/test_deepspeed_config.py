@@ -238,3 +238,32 @@ def test_resolve_cluster_for_another_world_size(cluster_file):
     with pytest.raises(ConfigError) as err:
         resolve_section_plan(section, RunShape(world_size=2, pp=2, num_layers=8), derive_model=lambda: TINY)
     assert "2 ranks were launched (WORLD_SIZE), but the cluster file describes 4 accelerators" in str(err.value)
+
+
+def test_replan_on_restart_needs_a_profile_and_a_cluster_and_is_written_only_when_set(cluster_file, tmp_path,
+                                                                                      uneven_plan):
+    plain = wrap(DS, cluster_file, TINY, pp=2)[SECTION]
+    assert "replan_on_restart" not in plain and "resume_from" not in plain      # sections as before
+    with pytest.raises(ConfigError, match="replan_on_restart needs profile_out") as err:
+        wrap(DS, cluster_file, TINY, pp=2, replan_on_restart=True)
+    assert err.value.field == f"{SECTION}.replan_on_restart" and "profile_out" in err.value.fix
+    with pytest.raises(ConfigError, match="resume_from is set without replan_on_restart"):
+        wrap(DS, cluster_file, TINY, pp=2, profile_out=str(tmp_path / "p.json"), resume_from=str(tmp_path))
+    prof = str(tmp_path / "p.json")
+    section = wrap(DS, cluster_file, TINY, pp=2, profile_out=prof, replan_on_restart=True,
+                   resume_from=str(tmp_path / "ckpt"))[SECTION]
+    assert section["replan_on_restart"] is True and section["resume_from"] == str(tmp_path / "ckpt")
+    read = section_of({SECTION: section})
+    assert read.profile_settings().replan_on_restart                 # the run writes the plan it ran
+    with pytest.raises(ConfigError, match="must be true or false") as err:
+        section_of({SECTION: dict(section, replan_on_restart="yes")})
+    assert err.value.field == f"{SECTION}.replan_on_restart"
+    with pytest.raises(ConfigError, match="names none"):
+        wrap(DS, uneven_plan, pp=2, profile_out=prof, replan_on_restart=True)       # a Plan in memory
+
+
+def test_replan_on_restart_without_a_profile_yet_runs_the_wrapped_plan(cluster_file, tmp_path, capsys):
+    section = section_of(wrap(DS, cluster_file, TINY, pp=2, profile_out=str(tmp_path / "p.json"),
+                              replan_on_restart=True))
+    assert resolve_section_plan(section, SHAPE).hash == section.plan_hash
+    assert "no measured profile from a previous attempt; plan as usual" in capsys.readouterr().out
