@@ -42,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -465,6 +466,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     REPEATS = args.repeats
     sizes = [int(x) for x in args.ranks.split(",")]
     sysfs = fake_sysfs()
+    try:
+        return _run_sizes(args, sizes, sysfs)
+    finally:
+        shutil.rmtree(sysfs, ignore_errors=True)
+
+
+def _run_sizes(args, sizes: list[int], sysfs: Path) -> int:
     service = store_service_time()
     results: dict[int, dict] = {}
     text = ""

@@ -3,6 +3,7 @@ same protocol: with the ranks as threads of one process and spread over worker p
 same store requests and moves the same bytes, rank 0 and the busiest other rank included (32 ranks, 4 nodes)."""
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,8 +24,11 @@ def counts(phases):
 def test_threads_and_processes_make_the_same_requests(monkeypatch):
     monkeypatch.setattr(bench_startup, "REPEATS", 1)
     sysfs = bench_startup.fake_sysfs()
-    threads, sizes = bench_startup.het_plugin_phases(N, sysfs, "gpt-7.5b")
-    pooled, pooled_sizes, ref = bench_startup.pooled_run(N, sysfs, "gpt-7.5b", True, processes=2)
+    try:
+        threads, sizes = bench_startup.het_plugin_phases(N, sysfs, "gpt-7.5b")
+        pooled, pooled_sizes, ref = bench_startup.pooled_run(N, sysfs, "gpt-7.5b", True, processes=2)
+    finally:
+        shutil.rmtree(sysfs, ignore_errors=True)
     assert [p.name for p in pooled] == list(bench_startup.PHASES)
     assert all("2 processes" in p.notes for p in pooled if p.name != "plan")
     a, b = counts(threads), counts(pooled)
