@@ -108,10 +108,7 @@ def run_phase(name: str, stores: list[CountingStore], body: Callable[[int, Count
     """:func:`run_once` ``REPEATS`` times, the fastest kept: on a loaded machine the slowest runs measure the
     scheduler (one phase measured 0.2 to 6.5 s in a row, with the same requests). Every repeat uses fresh
     keys (the exchanges' per-call counts)."""
-    runs = [run_once(name, stores, body) for _ in range(max(1, REPEATS))]
-    best = min(runs, key=lambda p: p.wall_s)
-    best.notes.append("wall s of the repeats: " + ", ".join(f"{p.wall_s:.2f}" for p in runs))
-    return best
+    return fastest([run_once(name, stores, body) for _ in range(max(1, REPEATS))])
 
 
 def released_together(n: int, fn: Callable[[int], object]) -> tuple[float, dict[int, BaseException]]:
@@ -181,94 +178,152 @@ def file_cluster(n: int):
     return cluster_from_dict(cluster_data(n))
 
 
+DISCOVERY_ENV = {"HET_PLUGIN_ACCELERATOR": "H100", "HET_PLUGIN_ACCELERATOR_COUNT": str(RANKS_PER_NODE)}
+Body = Callable[[int, CountingStore], object]
+
+
+# ---- what one rank runs in each phase: the same functions for ranks as threads and in worker processes --------
+
+def discovery_body(n: int, sysfs: Path, found: dict) -> Body:
+    """Rank 0 leaves the discovered cluster (``cluster``) and its data (``data``) in ``found``."""
+    def discover(rank, store):
+        d = gather_discovery(store, rank, n, local_rank=rank % RANKS_PER_NODE, sysfs_root=str(sysfs),
+                             node_name=f"node{rank // RANKS_PER_NODE:05d}", env=DISCOVERY_ENV, timeout_s=TIMEOUT_S)
+        if rank == 0:
+            found["cluster"], found["data"] = d.cluster, d.data
+    return discover
+
+
+def agreement_body(n: int, digest: str) -> Body:
+    return lambda r, s: check_plan_agreement(digest, rank=r, world_size=n, store=s, timeout_s=TIMEOUT_S)
+
+
+def preflight_body(plan, cluster) -> Body:
+    return lambda r, s: exchange_check(plan, r, store=s, cluster=cluster, env={}, backend="nccl", net_name=None,
+                                       timeout_s=TIMEOUT_S)
+
+
+def guard_body(n: int) -> Body:
+    def guard(rank, store):
+        with GroupGuard(store, rank=rank, world_size=n, what="the benchmark", timeout=TIMEOUT_S):
+            pass
+    return guard
+
+
+def barrier_and_id_body(n: int) -> Body:
+    """torch's store barrier and NCCL id exchange over each rank's rendezvous store; a fresh group name each time
+    a rank runs it (the repeats)."""
+    rounds: dict[int, int] = {}
+
+    def barrier_and_id(rank, store):
+        k = rounds[rank] = rounds.get(rank, -1) + 1
+        distributed_c10d._store_based_barrier(rank, store, f"bench{k}", n, timedelta(seconds=TIMEOUT_S))
+        key = f"bench{k}/ncclUniqueId"          # ProcessGroupNCCL::broadcastUniqueNCCLID: set by 0, get by all
+        if rank == 0:
+            store.set(key, os.urandom(128))
+        else:
+            store.get(key)
+    return barrier_and_id
+
+
+def rendezvous_store(port: int, n: int, rank: int):
+    """One rank's TCPStore as rendezvous.py's _create_c10d_store makes it for env:// (rank 0 the server)."""
+    return tdist.TCPStore("127.0.0.1", port, n, rank == 0, timeout=timedelta(seconds=TIMEOUT_S),
+                          wait_for_workers=True)
+
+
+def free_port() -> int:
+    """A port no one listens on (a TCPStore server opened and closed)."""
+    probe = tdist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    port = probe.port
+    del probe
+    return port
+
+
+def connect_phase(wall_s: float, n: int) -> Phase:
+    """torch's connect + wait phase: its requests are read from TCPStore.cpp (the constructor is C++)."""
+    return Phase(TORCH[0], wall_s, 0.0, TORCH_CONSTRUCTOR_REQUESTS * n, 0, TORCH_CONSTRUCTOR_REQUESTS,
+                 TORCH_CONSTRUCTOR_REQUESTS, ["requests read from TCPStore.cpp, not counted"])
+
+
+def plan_phase(cluster, model_name: str, n: int):
+    """The plan, computed once (every rank computes the same one in parallel), and its phase."""
+    model = preset_model(model_name).model_copy(update={"global_batch_size": 4 * n})
+    c0, t0 = time.process_time(), time.perf_counter()
+    plan = make_plan(cluster, model)
+    return plan, Phase("plan", time.perf_counter() - t0, time.process_time() - c0,
+                       notes=[f"tp{plan.tp} pp{plan.pp} dp{plan.dp}"])
+
+
 def het_plugin_phases(n: int, sysfs: Path, model_name: str, discovery: bool = True) -> tuple[list[Phase], dict]:
     exchange.reset_call_counts()
     server = tdist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
     clients = connect(server.port, n)
     stores = [CountingStore(c) for c in clients]
-    env = {"HET_PLUGIN_ACCELERATOR": "H100", "HET_PLUGIN_ACCELERATOR_COUNT": str(RANKS_PER_NODE)}
-    found: dict[int, object] = {}
-
-    def discover(rank, store):
-        d = gather_discovery(store, rank, n, local_rank=rank % RANKS_PER_NODE, sysfs_root=str(sysfs),
-                             node_name=f"node{rank // RANKS_PER_NODE:05d}", env=env, timeout_s=TIMEOUT_S)
-        if rank == 0:
-            found["cluster"] = d.cluster
-            found["cluster_bytes"] = len(json.dumps(d.data))
-
+    found: dict = {}
     if discovery:
-        phases = [run_phase("discovery", stores, discover)]
-        cluster = found["cluster"]
+        phases = [run_phase("discovery", stores, discovery_body(n, sysfs, found))]
+        cluster, cluster_bytes = found["cluster"], len(json.dumps(found["data"]))
     else:
-        phases, cluster = [], file_cluster(n)
-        found["cluster_bytes"] = 0
-    model = preset_model(model_name).model_copy(update={"global_batch_size": 4 * n})
-    c0, t0 = time.process_time(), time.perf_counter()
-    plan = make_plan(cluster, model)
-    phases.append(Phase("plan", time.perf_counter() - t0, time.process_time() - c0,
-                        notes=[f"tp{plan.tp} pp{plan.pp} dp{plan.dp}"]))
-    digest = plan.hash          # each rank hashes its own plan once, in parallel; not N times on one interpreter
-    phases.append(run_phase("agreement", stores, lambda r, s: check_plan_agreement(
-        digest, rank=r, world_size=n, store=s, timeout_s=TIMEOUT_S)))
-    phases.append(run_phase("pre-flight", stores, lambda r, s: exchange_check(
-        plan, r, store=s, cluster=cluster, env={}, backend="nccl", net_name=None, timeout_s=TIMEOUT_S)))
-
-    def guard(rank, store):
-        with GroupGuard(store, rank=rank, world_size=n, what="the benchmark", timeout=TIMEOUT_S):
-            pass
-    phases.append(run_phase("guard", stores, guard))
+        phases, cluster, cluster_bytes = [], file_cluster(n), 0
+    plan, planned = plan_phase(cluster, model_name, n)
+    phases.append(planned)
+    # each rank hashes its own plan once, in parallel; not N times on one interpreter
+    phases.append(run_phase("agreement", stores, agreement_body(n, plan.hash)))
+    phases.append(run_phase("pre-flight", stores, preflight_body(plan, cluster)))
+    phases.append(run_phase("guard", stores, guard_body(n)))
     plan_bytes = len(json.dumps(plan.to_dict()))
     del clients, stores, server
-    return phases, {"cluster_bytes": found["cluster_bytes"], "plan_bytes": plan_bytes}
+    return phases, {"cluster_bytes": cluster_bytes, "plan_bytes": plan_bytes}
 
 
-def pooled_phase(pool, name: str, payload=None, payloads=None) -> Phase:
-    """One phase run REPEATS times on the worker processes (``--processes``), the fastest kept (as run_phase);
-    ``payloads``: one payload per repeat (torch's connect needs a fresh port each time)."""
-    runs = []
+def fastest(runs: list[Phase]) -> Phase:
+    """The fastest of a phase's repeats, the others' wall times noted (on a loaded machine the slowest runs
+    measure the scheduler)."""
+    best = min(runs, key=lambda p: p.wall_s)
+    best.notes.append("wall s of the repeats: " + ", ".join(f"{p.wall_s:.2f}" for p in runs))
+    return best
+
+
+def pooled_phase(pool, name: str, payloads: Optional[list] = None) -> tuple[Phase, Optional[dict]]:
+    """One phase run REPEATS times on the worker processes (``--processes``), the fastest kept (as run_phase),
+    with rank 0's extra; ``payloads``: one per repeat (torch's connect needs a fresh port each time)."""
+    runs, extras = [], []
     for i in range(max(1, REPEATS)):
-        res = pool.run(name, payloads[i] if payloads else payload)
+        res = pool.run(name, payloads[i] if payloads else None)
         req = res["requests"]
-        runs.append((Phase(name, res["wall"], res["cpu"], sum(req), res["bytes"], max(req[1:] or [0]), req[0]),
-                     res["extra"]))
-    best, extra = min(runs, key=lambda pe: pe[0].wall_s)
-    best.notes.append("wall s of the repeats: " + ", ".join(f"{p.wall_s:.2f}" for p, _ in runs))
+        runs.append(Phase(name, res["wall"], res["cpu"], sum(req), res["bytes"], max(req[1:] or [0]), req[0]))
+        extras.append(res["extra"])
+    best = fastest(runs)
     best.notes.append(f"{pool.processes} processes")
-    return best, extra
+    return best, extras[runs.index(best)]
 
 
 def pooled_run(n: int, sysfs: Path, model_name: str, discovery: bool, processes: int) -> tuple[list[Phase], dict, list[Phase]]:
-    """het_plugin's phases and torch's reference with the ranks in ``processes`` worker processes."""
-    from startup_procs import Pool, free_port
+    """het_plugin's phases and torch's reference with the ranks in ``processes`` worker processes (the plan and
+    the cluster reach them as JSON: each worker decodes them once)."""
+    from startup_procs import Pool
+    from het_plugin.core.inputs.cluster import cluster_from_dict
     pool = Pool(n, processes, str(sysfs))
     try:
         phases = []
         if discovery:
             ph, extra = pooled_phase(pool, "discovery")
             phases.append(ph)
-            from het_plugin.core.inputs.cluster import cluster_from_dict
             data = extra["data"]
-            cluster, cluster_bytes = cluster_from_dict(data), len(json.dumps(data))
         else:
-            cluster, cluster_bytes = file_cluster(n), 0
             data = cluster_data(n)
-        model = preset_model(model_name).model_copy(update={"global_batch_size": 4 * n})
-        c0, t0 = time.process_time(), time.perf_counter()
-        plan = make_plan(cluster, model)
-        phases.append(Phase("plan", time.perf_counter() - t0, time.process_time() - c0,
-                            notes=[f"tp{plan.tp} pp{plan.pp} dp{plan.dp}"]))
-        phases.append(pooled_phase(pool, "agreement", plan.hash)[0])
-        phases.append(pooled_phase(pool, "pre-flight", (plan.to_json(), data))[0])
-        phases.append(pooled_phase(pool, "guard")[0])
-        ports = [free_port() for _ in range(max(1, REPEATS))]
-        ref = [pooled_phase(pool, TORCH[0], payloads=ports)[0]]
-        ref[0].requests, ref[0].max_rank_requests, ref[0].root_requests = (TORCH_CONSTRUCTOR_REQUESTS * n,
-                                                                          TORCH_CONSTRUCTOR_REQUESTS,
-                                                                          TORCH_CONSTRUCTOR_REQUESTS)
-        ref[0].notes.append("requests read from TCPStore.cpp, not counted")
-        ref.append(pooled_phase(pool, TORCH[1], payloads=list(range(max(1, REPEATS))))[0])
+        cluster = cluster_from_dict(data)
+        plan, planned = plan_phase(cluster, model_name, n)
+        phases.append(planned)
+        pool.share(plan.to_json(), data)
+        phases += [pooled_phase(pool, name)[0] for name in ("agreement", "pre-flight", "guard")]
+        connected = pooled_phase(pool, TORCH[0], payloads=[free_port() for _ in range(max(1, REPEATS))])[0]
+        ref = [connect_phase(connected.wall_s, n), pooled_phase(pool, TORCH[1])[0]]
+        ref[0].notes[:0] = connected.notes
     finally:
         pool.close()
+    cluster_bytes = len(json.dumps(data)) if discovery else 0
     return phases, {"cluster_bytes": cluster_bytes, "plan_bytes": len(json.dumps(plan.to_dict()))}, ref
 
 
@@ -278,38 +333,23 @@ def torch_reference(n: int) -> list[Phase]:
     for _ in range(max(1, REPEATS)):
         made = []
         runs.append(torch_connect(n, made))
-    first = min(runs, key=lambda p: p.wall_s)
-    first.notes.append("wall s of the repeats: " + ", ".join(f"{p.wall_s:.2f}" for p in runs))
-    stores = [CountingStore(s) for s in made]
-    rounds: dict[int, int] = {}
-
-    def barrier_and_id(rank, store):
-        k = rounds[rank] = rounds.get(rank, -1) + 1        # a fresh group name per repeat
-        distributed_c10d._store_based_barrier(rank, store, f"bench{k}", n, timedelta(seconds=TIMEOUT_S))
-        key = f"bench{k}/ncclUniqueId"          # ProcessGroupNCCL::broadcastUniqueNCCLID: set by 0, get by all
-        if rank == 0:
-            store.set(key, os.urandom(128))
-        else:
-            store.get(key)
-    second = run_phase(TORCH[1], stores, barrier_and_id)
+    first = fastest(runs)
+    second = run_phase(TORCH[1], [CountingStore(s) for s in made], barrier_and_id_body(n))
     return [first, second]
 
 
 def torch_connect(n: int, made: list) -> Phase:
-    """Every rank's TCPStore as rendezvous.py's _create_c10d_store makes it (rank 0 the server), in parallel."""
-    probe = tdist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    port = probe.port
-    del probe                                   # a free port for rank 0's server
+    """Every rank's rendezvous store (rank 0 the server), made in parallel."""
+    port = free_port()                          # a free port for rank 0's server
     made[:] = [None] * n
+
     def make(rank: int) -> None:
-        made[rank] = tdist.TCPStore("127.0.0.1", port, n, rank == 0, timeout=timedelta(seconds=TIMEOUT_S),
-                                    wait_for_workers=True)
+        made[rank] = rendezvous_store(port, n, rank)
 
     wall, errors = released_together(n, make)
     if errors:
         raise RuntimeError(f"torch's TCPStore rendezvous failed on {len(errors)} ranks: {next(iter(errors.values()))!r}")
-    return Phase(TORCH[0], wall, 0.0, TORCH_CONSTRUCTOR_REQUESTS * n, 0, TORCH_CONSTRUCTOR_REQUESTS,
-                 TORCH_CONSTRUCTOR_REQUESTS, ["requests read from TCPStore.cpp, not counted"])
+    return connect_phase(wall, n)
 
 
 def store_service_time() -> tuple[float, float]:
