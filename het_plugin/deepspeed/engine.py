@@ -146,7 +146,7 @@ def _data_parallel_setup(arguments, section, batch, source, cfg) -> AppliedPlan:
     resolved = []
 
     def make():
-        resolved.append(resolve_section(section, shape, source=source,
+        resolved.append(resolve_section(section, shape, source=source, rank=rank,
                                         derive_model=lambda: model_from_module(model, batch, world_size)))
         plan = resolved[-1].plan
         check_plan(plan, dp=batch.dp, source=source)

@@ -116,7 +116,7 @@ def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, cf
                               source=source, field=f"{SECTION}.pp",
                               fix=f"re-wrap with pp={pp} (`het-plugin wrap-config --pp {pp}`), or build the "
                                   f"PipelineModule with num_stages={section.pp}")
-        resolved.append(resolve_section(section, shape, source=source,
+        resolved.append(resolve_section(section, shape, source=source, rank=rank,
                                         derive_model=lambda: model_from_layers(specs, counted, batch,
                                                                                shape.degrees(source).dp, tp)))
         plan = resolved[-1].plan

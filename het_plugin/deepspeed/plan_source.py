@@ -41,17 +41,18 @@ def resolve_section_plan(section: HetSection, shape: RunShape, *, derive_model: 
 
 
 def resolve_section(section: HetSection, shape: RunShape, *, derive_model: Optional[Callable[[], ModelSpec]] = None,
-                    source: str = "<config>") -> Resolved:
+                    source: str = "<config>", rank: int = 0) -> Resolved:
     """:func:`resolve_section_plan` with the cluster the plan came from (for the pre-flight's NICs): the one
     planned from, or, for an embedded plan, the section's cluster file when it is still the one planned from.
-    With ``replan_on_restart``: :func:`replan_on_restart`."""
+    With ``replan_on_restart``: :func:`replan_on_restart` (``rank``: this rank; rank 0 prints its reasoning)."""
     if section.replan_on_restart:
-        return replan_on_restart(section, shape, derive_model=derive_model, source=source)
+        return replan_on_restart(section, shape, derive_model=derive_model, source=source, rank=rank)
     return _as_wrapped(section, shape, derive_model, source)
 
 
 def replan_on_restart(section: HetSection, shape: RunShape, *,
-                      derive_model: Optional[Callable[[], ModelSpec]] = None, source: str = "<config>") -> Resolved:
+                      derive_model: Optional[Callable[[], ModelSpec]] = None, source: str = "<config>",
+                      rank: int = 0) -> Resolved:
     """Re-plan on restart (:mod:`het_plugin.runtime.restart_replan`, the rule Megatron-LM's
     ``--heterogeneous-replan-on-restart`` uses): the plan as wrapped, or, when the last attempt left a measured
     profile at ``profile_out``, one planned with it for the nodes of this start (the section's cluster file as it
@@ -60,9 +61,10 @@ def replan_on_restart(section: HetSection, shape: RunShape, *,
     from ..runtime.restart_replan import resolve_on_restart
     from .checkpoints import read_shape
     wrapped = _as_wrapped(section, shape, derive_model, source)
-    if section.cluster == AUTO:
-        cluster: Optional[Cluster] = discover_cluster()
-    else:
+    cluster: Optional[Cluster] = wrapped.cluster        # the one planned from, when it is still this start's
+    if cluster is None and section.cluster == AUTO:
+        cluster = discover_cluster()
+    elif cluster is None:
         loaded = load_source(section.cluster)
         cluster = loaded if isinstance(loaded, Cluster) else None      # a plan file: nothing to re-plan for
 
@@ -78,20 +80,9 @@ def replan_on_restart(section: HetSection, shape: RunShape, *,
         return resolved
     checkpoint = (lambda: read_shape(section.resume_from)) if section.resume_from else None
     chosen, decision = resolve_on_restart(resolve, section.profile_out, checkpoint=checkpoint)
-    if _rank() == 0:
+    if rank == 0:
         print("\n".join(f"het_plugin: {line}" for line in decision.lines), flush=True)
     return chosen
-
-
-def _rank() -> int:
-    import os
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:
-        pass
-    return int(os.environ.get("RANK", "0") or 0)
 
 
 def _as_wrapped(section: HetSection, shape: RunShape, derive_model, source: str) -> Resolved:
