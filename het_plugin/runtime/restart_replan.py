@@ -60,7 +60,7 @@ def _predicted(plan: Plan, cluster, profile) -> Optional[float]:
     """The plan's iteration time predicted with ``profile`` on ``cluster`` (None: it does not fit these nodes)."""
     if plan.cluster_digest != cluster.digest or plan.world_size != cluster.world_size:
         return None
-    from ..views.timeline import split_costs
+    from ..core.cost.plan_costs import split_costs
     try:
         return split_costs(plan, cluster, profile).predict(plan.layers_per_stage).iteration_s
     except (ValueError, ConfigError):

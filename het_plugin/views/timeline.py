@@ -17,8 +17,7 @@ from typing import Optional, Sequence, Union
 from ..core import cost
 from ..core.errors import ConfigError
 from ..core.cost.measured import duration
-from ..core.inputs.model import ModelSpec
-from ..core.ranks.placement import Placement
+from ..core.cost.plan_costs import split_costs
 from ..core.plan import Plan
 from ..core.inputs.profile import Profile
 from ..core.inputs.profile_schema import MeasuredRun
@@ -65,28 +64,6 @@ def simulate_1f1b_ops(fwd: Sequence[float], bwd: Sequence[float], send: Sequence
     spans: list = []
     finish = cost.simulate_1f1b(fwd, bwd, send, m, send_back, record=spans)
     return [Op(*span) for span in spans], finish
-
-
-def placement_of(plan: Plan) -> Placement:
-    """The plan's placement as the cost model reads it (default-order numbering)."""
-    return Placement.from_rank_of_logical(plan.dims, plan.rank_of_logical)
-
-
-def split_costs(plan: Plan, cluster, profile: Optional[Profile] = None) -> cost.SplitCosts:
-    """The predictor's stage models for the plan's placement on ``cluster`` (as the planner predicted it)."""
-    if cluster.digest != plan.cluster_digest:
-        raise ConfigError(f"the plan was made for cluster {plan.cluster_name} (digest {plan.cluster_digest}), the "
-                          f"cluster file is {cluster.name} (digest {cluster.digest})", field="--timeline",
-                          fix="pass the cluster file the plan was made from")
-    model = ModelSpec.model_validate(plan.model)
-    placement = placement_of(plan)
-    analysis = cost.analyze_experts(cluster, cost.analyze(cluster, placement), plan.dims)
-    sc = cost.SplitCosts(model, analysis, plan.micro_batch_size, overlap_grad_reduce=plan.overlap_grad_reduce,
-                         distributed_optimizer=plan.distributed_optimizer, profile=profile, vpp=plan.vpp,
-                         overlap_p2p_comm=plan.overlap_p2p_comm)
-    if plan.replica_micro_batches:
-        sc.set_counts(plan.replica_micro_batches)
-    return sc
 
 
 def plan_timeline(plan: Plan, cluster, profile: Optional[Profile] = None) -> Timeline:

@@ -24,7 +24,7 @@ from het_plugin.core.inputs.model import ModelSpec
 from het_plugin.core.planner import make_plan
 from het_plugin.core.inputs.profile import Profile, load_profile
 from het_plugin.runtime.recorder import ProfileRecorder, ProfileSettings, StageTimer
-from het_plugin.views.timeline import split_costs
+from het_plugin.core.cost.plan_costs import split_costs
 
 DATA = Path(__file__).resolve().parents[2] / "integration_tests" / "data"
 IB_ROCE_4 = DATA / "megatron-ib-roce-4.yaml"      # 2 x H100 on IB, 2 x A100-80 on RoCE, one rank per node

@@ -14,7 +14,8 @@ from het_plugin.core.cost.pipeline import simulate_1f1b
 from het_plugin.core.errors import ConfigError
 from het_plugin.core.cost.measured import RankTimes, duration, measured_profile, stage_devices
 from het_plugin.core.planner import make_plan
-from het_plugin.views.timeline import bubbles, layout, plan_timeline, simulate_1f1b_ops, split_costs
+from het_plugin.core.cost.plan_costs import split_costs
+from het_plugin.views.timeline import bubbles, layout, plan_timeline, simulate_1f1b_ops
 from het_plugin.views.svg import to_svg
 from tests.core.test_measured import IB_ROCE_4, tiny_model, times_for
 
