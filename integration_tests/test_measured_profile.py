@@ -50,7 +50,7 @@ def check_replan(out: str, plan: Plan) -> list[int]:
     return new
 
 
-def check_run(path: Path, plan: Plan, framework: str, delay_s: float) -> None:
+def check_run(path: Path, plan: Plan, framework: str, delay_s: float, cluster_file: Path) -> None:
     prof = load_profile(path)
     run = prof.measured
     assert run.plan_hash == plan.hash and run.framework == framework
@@ -62,6 +62,25 @@ def check_run(path: Path, plan: Plan, framework: str, delay_s: float) -> None:
     assert h100.forward_s >= h100.layers * delay_s           # every H100 layer's forward slept first
     assert h100.forward_s / h100.layers > a100.forward_s / a100.layers
     assert run.iteration_s > 0 and {c.kind for c in prof.compute} == {"layer", "embedding", "output"}
+    check_fixed_costs(prof, plan, cluster_file)
+
+
+def check_fixed_costs(prof, plan: Plan, cluster_file: Path) -> None:
+    """The recorder knew the plan's cluster (its file): it wrote the slot cost its run left over, and the run's
+    plan predicted with its profile lasts what the run measured -- unless the model already predicted the schedule
+    call at or above the measurement (then the slot cost is 0)."""
+    from het_plugin.core.cost.plan_costs import split_costs
+    from het_plugin.core.inputs.cluster import load_cluster
+    run = prof.measured
+    slots = {d: prof.pipeline_slot_s(d) for d in ("H100", "A100-80")}
+    assert None not in slots.values() and len(set(slots.values())) == 1 and min(slots.values()) >= 0, slots
+    again = split_costs(plan, load_cluster(cluster_file), prof).predict(plan.layers_per_stage)
+    call = again.pipeline_s + again.dp_exposed_s + (again.optimizer_s if run.schedule_holds_step else 0.0)
+    if slots["H100"] > 0:
+        assert call == pytest.approx(run.schedule_s, rel=1e-3)
+        assert again.iteration_s == pytest.approx(run.iteration_s, rel=1e-3)
+    else:
+        assert call >= run.schedule_s
 
 
 def test_megatron_core_training_writes_a_profile_that_replans(tmp_path, capsys):
@@ -78,7 +97,7 @@ def test_megatron_core_training_writes_a_profile_that_replans(tmp_path, capsys):
     assert {o.result["plan_hash"] for o in outs} == {plan.hash}
     assert f"het_plugin: measured profile written to {out}" in outs[0].stdout
     assert not any("measured profile written" in o.stdout for o in outs[1:])
-    check_run(out, plan, "Megatron", delay)
+    check_run(out, plan, "Megatron", delay, IB_ROCE_4)
     beside = tmp_path / "measured.model.yaml"         # the script's model is an object: written beside the profile
     assert (f"re-plan with the measured times: het-plugin plan {IB_ROCE_4} --model {beside} --tp 1 --pp 2 --dp 2 "
             f"--micro-batch-size 2 --profile {out}") in outs[0].stderr
@@ -112,7 +131,8 @@ def test_deepspeed_pipeline_training_writes_a_profile_that_replans(tmp_path, cap
                       "--slow-device", "H100", "--layer-delay-ms", str(delay * 1e3)], env=env, timeout=150)
     assert {o.result["plan_hash"] for o in outs} == {plan.hash}
     assert f"het_plugin: measured profile written to {out}" in outs[0].stdout
-    check_run(out, plan, "DeepSpeed", delay)
+    check_run(out, plan, "DeepSpeed", delay, cluster)
+    assert load_profile(out).measured.schedule_holds_step
     check_replan(replan(capsys, cluster, model, out), plan)
 
 

@@ -23,8 +23,9 @@ from ..runtime.recorder import ProfileRecorder, ProfileSettings, default_store
 def install(engine, plan, rank: int, settings: ProfileSettings) -> ProfileRecorder:
     """Time ``engine``'s micro-batches and iterations; returns the recorder (also ``engine.het_profile``)."""
     applied = getattr(engine, "het_applied", None)
+    # train_batch (and forward .. step of other engines) holds the optimizer step: the slot-cost fit knows it
     recorder = ProfileRecorder(plan, rank, settings, "DeepSpeed", store=default_store(),
-                               cluster=getattr(applied, "cluster", None))
+                               cluster=getattr(applied, "cluster", None), schedule_holds_step=True)
     from deepspeed.runtime.pipe.engine import PipelineEngine
     if isinstance(engine, PipelineEngine):
         _pipeline_hooks(engine, recorder)

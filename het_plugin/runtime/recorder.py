@@ -263,12 +263,15 @@ class ProfileRecorder:
     profile file and the imbalance warning."""
 
     def __init__(self, plan: Plan, rank: int, settings: ProfileSettings, framework: str, *, clock=None,
-                 store: Any = None, exit_handler: bool = True, cluster: Any = None):
+                 store: Any = None, exit_handler: bool = True, cluster: Any = None,
+                 schedule_holds_step: bool = False):
         self.plan, self.rank, self.settings, self.framework = plan, rank, settings, framework
         self.timer = StageTimer(rank, clock if clock is not None else default_clock(), settings.warmup)
         self.store = store
         self.written: Optional[str] = None       # the path, once rank 0 wrote a profile
         self.cluster = cluster                   # the Cluster the plan came from (discovery: written beside)
+        self.schedule_holds_step = schedule_holds_step   # the timed schedule call holds the optimizer step
+        self._analysis: Any = None               # the plan on its cluster, analyzed once (the slot-cost fit)
         self._inputs = None                      # the re-plan command's cluster and model, once known
         self.warned = False
         self.warned_empty = False
@@ -332,7 +335,17 @@ class ProfileRecorder:
         return self.write(ranks)
 
     def write(self, ranks: list[RankTimes]) -> Optional[str]:
-        prof = measured_profile(self.plan, ranks, self.framework)
+        cluster, analysis = self._fit_inputs()
+        try:
+            prof = measured_profile(self.plan, ranks, self.framework, cluster=cluster, analysis=analysis,
+                                    schedule_holds_step=self.schedule_holds_step)
+        except (ValueError, ArithmeticError) as exc:     # the fit's predictions (a training run must not stop)
+            if cluster is None:
+                raise
+            log.warning("het_plugin: the measured profile gets no pipeline-slot cost (predicting the plan for the "
+                        "fit failed: %s)", exc)
+            self._analysis = False
+            prof = measured_profile(self.plan, ranks, self.framework, schedule_holds_step=self.schedule_holds_step)
         if prof is None:
             return None
         try:
@@ -353,6 +366,25 @@ class ProfileRecorder:
                 self.warned = True
                 log.warning("het_plugin: %s", message)
         return self.settings.path
+
+    def _fit_inputs(self) -> tuple[Any, Any]:
+        """The plan's cluster and its analysis for the slot-cost fit (core.cost.run_fit), made once: the Cluster
+        the plan came from, else the settings' cluster file; (None, None) when neither is there or matches the
+        plan (the slot cost is then not fitted)."""
+        if self._analysis is None:
+            from ..core.cost.plan_costs import plan_analysis
+            from ..core.errors import ConfigError
+            cluster = self.cluster
+            try:
+                if cluster is None and self.settings.cluster:
+                    from ..core.inputs.cluster import load_cluster
+                    cluster = self.cluster = load_cluster(self.settings.cluster)
+                self._analysis = False if cluster is None else plan_analysis(self.plan, cluster)
+            except (ConfigError, OSError, ValueError) as exc:
+                log.warning("het_plugin: the measured profile gets no pipeline-slot cost (cannot predict the plan "
+                            "on its cluster: %s)", exc)
+                self._analysis = False
+        return (self.cluster, self._analysis) if self._analysis is not False else (None, None)
 
     def replan_command(self) -> str:
         """The complete re-plan command (het_plugin.core.replan_command): the run's cluster, model, degrees and

@@ -64,6 +64,51 @@ def test_the_slot_cost_lengthens_each_forward_and_backward_of_the_pipeline(setup
     assert b.stage_compute_s == a.stage_compute_s          # the stage's compute (what its timers measure) is not it
 
 
+def test_the_slot_cost_lengthens_each_chunk_of_the_interleaved_pipeline(setup):
+    """vpp=2: each rank runs 2 m vpp slots one after another (each chunk's forward and backward), and no more
+    than the whole schedule's 2 m vpp pp."""
+    holmes, gpt7, placement = setup
+    base = layers_profile()
+    base.add_pipeline_slot(A100, 0.0)
+    slow = layers_profile()
+    slow.add_pipeline_slot(A100, 0.05)
+    a = cost.predict(holmes, gpt7, placement, [18, 18], 2, profile=base, vpp=2)
+    b = cost.predict(holmes, gpt7, placement, [18, 18], 2, profile=slow, vpp=2)
+    m, pp, vpp = gpt7.global_batch_size // (8 * 2), 2, 2
+    assert 2 * m * vpp * 0.05 * (1 - 1e-9) <= b.pipeline_s - a.pipeline_s <= 2 * m * vpp * pp * 0.05 * (1 + 1e-9)
+    assert b.stage_compute_s == a.stage_compute_s
+
+
+def test_the_layer_split_moves_layers_off_a_device_type_with_a_dearer_slot():
+    """The exact partition's per-micro-batch cost holds each stage's two slots: where one device type's slot
+    costs as much as layers do, it gets fewer of them (the same compute everywhere otherwise)."""
+    from het_plugin.core.planner import make_plan
+    from het_plugin.core.inputs.model import ModelSpec
+    cluster = load_cluster(Path(__file__).resolve().parents[2] / "integration_tests" / "data" / "megatron-ib-roce-4.yaml")
+    model = ModelSpec(name="tiny-gpt", num_layers=12, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                      vocab_size=128, seq_length=16, global_batch_size=8, micro_batch_size=2, dtype="fp32",
+                      activation="gelu", tie_embeddings=True)
+    devices = ["A100-80", "H100"]                        # the cluster's two device types, one per fabric
+
+    def profile(slot_of):
+        prof = Profile()
+        for dev in devices:
+            for kind, t in (("layer", 0.010), ("embedding", 0.0001), ("output", 0.0001)):
+                prof.add_compute(dev, kind, 2, 1, t, 2 * t)
+            prof.add_pipeline_slot(dev, slot_of.get(dev, 0.0))
+            prof.add_overhead(dev, 0.0)
+        return prof
+
+    even = make_plan(cluster, model, tp=1, pp=2, profile=profile({}))
+    assert sorted(even.layers_per_stage) == [6, 6]
+    dear = devices[0]
+    skewed = make_plan(cluster, model, tp=1, pp=2, profile=profile({dear: 0.030}))   # two slots = 6 layers' compute
+    from het_plugin.core.cost.measured import stage_devices
+    on = stage_devices(skewed)
+    assert dear in on, on
+    assert skewed.layers_per_stage[on.index(dear)] < 6
+
+
 def test_unmeasured_fixed_costs_default_to_the_analytic_term_only_with_a_format_2_profile(setup):
     holmes, gpt7, placement = setup
     measured = layers_profile()
@@ -88,7 +133,7 @@ def test_unmeasured_fixed_costs_default_to_the_analytic_term_only_with_a_format_
 def test_the_training_run_recorder_measures_the_iteration_overhead():
     from types import SimpleNamespace
 
-    from het_plugin.core.cost.measured import run_overhead_s
+    from het_plugin.core.cost.run_fit import run_overhead_s
     from het_plugin.core.inputs.profile_schema import MeasuredRun, MeasuredStage
     stages = [MeasuredStage(stage=0, layers=2, device=A100, forward_s=0.1, backward_s=0.2)]
     run = MeasuredRun(plan_hash="x", micro_batch_size=1, num_micro_batches=4, layers_per_stage=[2], iterations=3,
@@ -98,6 +143,9 @@ def test_the_training_run_recorder_measures_the_iteration_overhead():
     assert run_overhead_s(run.model_copy(update={"schedule_s": None}), plan) is None
     assert run_overhead_s(run, SimpleNamespace(prediction=None)) is None
     assert run_overhead_s(run.model_copy(update={"schedule_s": 1.49}), plan) == 0.0   # never negative
+    assert run_overhead_s(run, plan, optimizer_s=0.05) == pytest.approx(0.25)   # the step charged with the profile
+    holds = run.model_copy(update={"schedule_holds_step": True})     # DeepSpeed: the step is inside train_batch
+    assert run_overhead_s(holds, plan) == pytest.approx(0.3)
 
 
 def test_a_training_runs_profile_gets_no_default_fixed_costs():

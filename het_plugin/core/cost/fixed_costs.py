@@ -3,15 +3,17 @@ around each forward or backward of one micro-batch on a stage: p2p set-up and wa
 framework's hooks) and the per-iteration overhead (zero-grad, gradient norm and clipping, the optimizer's
 launches, the loss all-reduce, the data loader, logging).
 
-Measured values come from the profile (``pipeline_slot``, ``iteration_overhead``). Unmeasured, a format-2
-profile's prediction gets a small analytic default: a count of framework launches x one launch's latency
+Measured values come from the profile (``pipeline_slot``, ``iteration_overhead``): ``het-plugin profile`` measures
+both, and a training run's profile carries what the run left over (:mod:`.run_fit`: the slot cost fitted to the
+run's schedule call where the recorder knows the plan's cluster, the overhead from its iteration). Unmeasured, a
+format-2 profile's prediction gets a small analytic default: a count of framework launches x one launch's latency
 (``DEFAULT_SLOT_S``, ``DEFAULT_ITERATION_S``). Without a profile, and with a format-1 profile, both stay 0: the
 analytic model and format-1 predictions are unchanged (a format-1 file predicts as it did; plans keep their
-hashes). A training run's profile (with a ``measured`` section) gets no default either: its re-plan is calibrated
-on the run's own stage timers, and a guessed slot cost of 0.2 ms would outweigh a tiny model's whole stage (it
-flipped the re-planned split of tests/views/test_timeline.py); it carries the overhead it measured. The slot cost lengthens every forward and backward of the 1F1B simulation, not a stage's compute
-(``stage_compute_s`` stays the compute a run's stage timers compare with); the interleaved schedule
-(``vpp > 1``) does not add it yet.
+hashes). A training run's profile gets no default either: its re-plan is calibrated on the run's own stage
+timers, and a guessed slot cost of 0.2 ms would outweigh a tiny model's whole stage (it flipped the re-planned
+split of tests/views/test_timeline.py). The slot cost lengthens every forward and backward the schedule runs (in
+the 1F1B simulation, each model chunk's in the interleaved one) and the exact partition's per-micro-batch cost,
+not a stage's compute (``stage_compute_s`` stays the compute a run's stage timers compare with).
 """
 from __future__ import annotations
 

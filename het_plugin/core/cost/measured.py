@@ -101,8 +101,10 @@ def _slowest_by_stage_and_device(plan: Plan, ranks: Sequence[RankTimes]) -> dict
     return out
 
 
-def measured_run(plan: Plan, ranks: Sequence[RankTimes], framework: str = "") -> Optional[MeasuredRun]:
-    """The run's per-stage times; None until every stage has a rank that counted an iteration."""
+def measured_run(plan: Plan, ranks: Sequence[RankTimes], framework: str = "",
+                 schedule_holds_step: bool = False) -> Optional[MeasuredRun]:
+    """The run's per-stage times; None until every stage has a rank that counted an iteration
+    (``schedule_holds_step``: the framework's timed schedule call includes the optimizer step, DeepSpeed's)."""
     slowest = _slowest_by_stage_and_device(plan, ranks)
     counted = [r for r in ranks if r.iterations > 0]
     stages = []
@@ -123,6 +125,7 @@ def measured_run(plan: Plan, ranks: Sequence[RankTimes], framework: str = "") ->
     return MeasuredRun(plan_hash=plan.hash, framework=framework, micro_batch_size=plan.micro_batch_size, tp=plan.tp,
                        num_micro_batches=plan.num_micro_batches, layers_per_stage=list(plan.layers_per_stage),
                        iterations=min(r.iterations for r in counted), iteration_s=iteration, schedule_s=schedule,
+                       schedule_holds_step=schedule_holds_step,
                        predicted_iteration_s=prediction.iteration_s if prediction else None, stages=stages)
 
 
@@ -136,9 +139,12 @@ def flop_shares(model: ModelSpec, micro_batch_size: int) -> tuple[float, float, 
 
 
 def measured_profile(plan: Plan, ranks: Sequence[RankTimes], framework: str = "",
-                     description: str = "") -> Optional[Profile]:
-    """The run as a profile: ``measured`` plus compute curves per device type (module docstring)."""
-    run = measured_run(plan, ranks, framework)
+                     description: str = "", *, cluster=None, analysis=None,
+                     schedule_holds_step: bool = False) -> Optional[Profile]:
+    """The run as a profile: ``measured`` plus compute curves per device type (module docstring), and the fixed
+    costs the run leaves over (:mod:`.run_fit`): the per-iteration overhead and, given the ``cluster`` the plan was
+    made for (``analysis``: its :func:`~.plan_costs.plan_analysis`, to reuse), the per-pipeline-slot cost."""
+    run = measured_run(plan, ranks, framework, schedule_holds_step)
     if run is None:
         return None
     model = ModelSpec.model_validate(plan.model)
@@ -181,22 +187,19 @@ def measured_profile(plan: Plan, ranks: Sequence[RankTimes], framework: str = ""
         for kind, weight in (("embedding", emb_w), ("output", out_w)):
             if (dev.lower(), kind) not in seen and layer_w > 0:
                 prof.add_compute(dev, kind, mb, tp, f / n * weight / layer_w, b / n * weight / layer_w)
-    over = run_overhead_s(run, plan)
+    from .run_fit import fit_slot_s, run_devices, run_overhead_s
+    optimizer_s = None
+    if cluster is not None:
+        fit = fit_slot_s(plan, cluster, prof, run, analysis)
+        if fit is not None:
+            optimizer_s = fit.optimizer_s
+            for dev in run_devices(plan):
+                prof.add_pipeline_slot(dev, fit.slot_s)
+    over = run_overhead_s(run, plan, optimizer_s)
     if over is not None:
-        for dev in sorted({st.device for st in run.stages}, key=str.lower):
+        for dev in run_devices(plan):
             prof.add_overhead(dev, over)
     return prof
-
-
-def run_overhead_s(run: MeasuredRun, plan: Plan) -> Optional[float]:
-    """The run's per-iteration overhead (issue 23): the mean iteration minus the forward-backward schedule call
-    minus the optimizer step the plan predicts (the predictor adds that step back, so the measured plan's
-    iteration is re-predicted); None when the run timed no schedule call or the plan carries no prediction.
-    The per-pipeline-slot cost is not derived here (the schedule call also holds the sends and the exposed
-    gradient reduction, which the predictor adds itself): it keeps its default (cost.fixed_costs)."""
-    if run.schedule_s is None or plan.prediction is None or run.iteration_s <= 0:
-        return None
-    return max(0.0, run.iteration_s - run.schedule_s - plan.prediction.optimizer_s)
 
 
 # ---- predicted against measured ---------------------------------------------------------------------
@@ -250,6 +253,17 @@ def stage_devices(plan: Plan) -> list[str]:
 
 def _ratio(x: float) -> str:
     return f"{x:.2f}x" if x < 100 else f"{x:,.0f}x"
+
+
+def fixed_cost_line(profile: Profile) -> str:
+    """The report's line on the fixed costs a run's profile carries (core.cost.run_fit)."""
+    devices = sorted({st.device for st in profile.measured.stages}, key=str.lower)
+    slot = max((v for v in (profile.pipeline_slot_s(d) for d in devices) if v is not None), default=None)
+    over = max((v for v in (profile.iteration_overhead_s(d) for d in devices) if v is not None), default=None)
+    slot_text = (f"pipeline slot {duration(slot)} per forward or backward" if slot is not None else
+                 "pipeline slot not fitted (the run's recorder did not know the plan's cluster)")
+    over_text = f"iteration overhead {duration(over)}" if over is not None else "iteration overhead not measured"
+    return f"  fixed costs the run left over (fitted to re-predict it): {slot_text}, {over_text}"
 
 
 def comparison_lines(run: MeasuredRun, plan: Plan, repredicted: Optional[Sequence[float]] = None) -> list[str]:

@@ -126,6 +126,9 @@ def _interleaved_pipeline(sts: list[StageModel], virtual_layers: Sequence[Sequen
     chunk's share (by parameters) starts at its last backward's start and the shares run one after another."""
     from .interleaved import simulate_interleaved
     fwd, bwd = _virtual_times(sts, virtual_layers)
+    # every chunk's forward and backward is a slot of the schedule (its own forward_step, p2p and hooks)
+    fwd = [[t + st.slot_s for t in row] for st, row in zip(sts, fwd)]
+    bwd = [[t + st.slot_s for t in row] for st, row in zip(sts, bwd)]
     run = simulate_interleaved(fwd, bwd, [max(st.send_s, st.back_s) for st in sts], wrap_send, m,
                                overlap_p2p_comm=overlap_p2p_comm)
     ends = []
@@ -164,7 +167,7 @@ def _interleaved_stage_costs(sts: list[StageModel], num_layers: int, m: int, vpp
             links = [n_next * nxt, n_prev * prv]
         row = []
         for n in range(num_layers + 1):
-            compute = st.fixed_fwd_s + st.fixed_bwd_s + n * (st.layer_fwd_s + st.layer_bwd_s)
+            compute = st.fixed_fwd_s + st.fixed_bwd_s + n * (st.layer_fwd_s + st.layer_bwd_s) + 2 * vpp * st.slot_s
             red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
             exposed = max(0.0, (red - st.fixed_bwd_s - n * st.layer_bwd_s) / vpp) if overlap else red
             if overlap_p2p_comm:

@@ -47,13 +47,13 @@ def stage_times(sts: Sequence[StageModel], layers_per_stage: Sequence[int]) -> t
     return fwd, bwd
 
 
-def steady_step_s(fwd: Sequence[float], bwd: Sequence[float], sts: Sequence[StageModel]) -> float:
-    """One steady-state 1F1B step of the slowest stage: its forward and backward (with their pipeline slots), its
-    activation send to the next stage and its gradient send back to the previous one (each link's own
-    direction)."""
+def steady_step_s(fwd: Sequence[float], bwd: Sequence[float], sts: Sequence[StageModel], chunks: int = 1) -> float:
+    """One steady-state 1F1B step of the slowest stage: its forward and backward (with their pipeline slots, one
+    per model chunk each way: ``chunks`` = vpp when interleaved), its activation send to the next stage and its
+    gradient send back to the previous one (each link's own direction)."""
     pp = len(sts)
-    return max(f + b + 2 * sts[s].slot_s + (sts[s].send_s if s + 1 < pp else 0.0) + (sts[s - 1].back_s if s else 0.0)
-               for s, (f, b) in enumerate(zip(fwd, bwd)))
+    return max(f + b + 2 * chunks * sts[s].slot_s + (sts[s].send_s if s + 1 < pp else 0.0)
+               + (sts[s - 1].back_s if s else 0.0) for s, (f, b) in enumerate(zip(fwd, bwd)))
 
 
 @dataclass
@@ -91,7 +91,8 @@ def group_pipelines(sc: "SplitCosts", layers_per_stage: Sequence[int], record: b
             finish = simulate_1f1b(*with_slots(fwd, bwd, sts), [st.send_s for st in sts], m, [st.back_s for st in sts],
                                    record=spans)
             ends = [f + exposed_reduction_s(r, b, sc.overlap_grad_reduce) for f, r, b in zip(finish, reds, bwd)]
-        out.append(GroupPipeline(reps, m, fwd, bwd, finish, ends, steady_step_s(fwd, bwd, sts), spans))
+        chunks = len(virtual[0]) if virtual is not None else 1
+        out.append(GroupPipeline(reps, m, fwd, bwd, finish, ends, steady_step_s(fwd, bwd, sts, chunks), spans))
     return out
 
 
@@ -252,7 +253,8 @@ class SplitCosts:
             sizes.append(len(reps))
             steps.append(step)
             links = sum(st.send_s for st in sts[:-1]) + sum(st.back_s for st in sts[:-1])   # each link each way
-            fills.append(sum(f) + sum(b) + links - step)
+            slots = 2 * sum(st.slot_s for st in sts)                                         # each stage's F and B
+            fills.append(sum(f) + sum(b) + slots + links - step)
         totals = share_micro_batches(sizes, fills, steps, self.dp * self.num_micro_batches)
         counts = [0] * self.dp
         for (reps, _), q in zip(self.replica_groups, totals):

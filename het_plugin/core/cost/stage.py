@@ -340,7 +340,7 @@ def _stage_cost_parts(sts: list[StageModel], num_layers: int, dp: int, overlap: 
             fwd = st.fixed_fwd_s + n * st.layer_fwd_s
             bwd = st.fixed_bwd_s + n * st.layer_bwd_s
             red = red0 + n * red_step if profile is None else _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
-            per.append(fwd + bwd + st.send_s + recv_side)
+            per.append(fwd + bwd + 2 * st.slot_s + st.send_s + recv_side)
             exposed.append(exposed_reduction_s(red, bwd, overlap))
         per_rows.append(per)
         exposed_rows.append(exposed)

@@ -200,6 +200,7 @@ class MeasuredRun(_Strict):
     iterations: PositiveInt                     # iterations averaged (after the warm-up ones)
     iteration_s: float = Field(ge=0)            # mean wall time from one iteration's end to the next
     schedule_s: Optional[float] = Field(default=None, ge=0)    # mean forward-backward schedule call, slowest rank
+    schedule_holds_step: bool = False           # the schedule call includes the optimizer step (DeepSpeed)
     predicted_iteration_s: Optional[float] = Field(default=None, ge=0)
     stages: list[MeasuredStage] = Field(min_length=1)
 
