@@ -11,18 +11,16 @@ from het_plugin.core.cost.measured import RankTimes, measured_profile
 from het_plugin.core.cost.plan_costs import plan_analysis, split_costs
 from het_plugin.core.cost.run_fit import fit_slot_s, run_devices, with_slot
 from het_plugin.core.inputs.cluster import load_cluster
-from het_plugin.core.inputs.model import ModelSpec
 from het_plugin.core.planner import make_plan
+from tests.core.test_measured import tiny_model as measured_tiny_model
 
 DATA = Path(__file__).resolve().parents[2] / "integration_tests" / "data"
 ITERATIONS, OVERHEAD = 4, 0.003
 
 
-def tiny_model(**kw) -> ModelSpec:
-    base = dict(name="tiny-gpt", num_layers=8, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                vocab_size=128, seq_length=16, global_batch_size=16, micro_batch_size=1, dtype="fp32",
-                activation="gelu", tie_embeddings=True)
-    return ModelSpec(**{**base, **kw})
+def tiny_model():
+    """test_measured's tiny GPT with 8 layers and 16 micro-batches of 1 (the interleaved schedule's m % pp)."""
+    return measured_tiny_model(num_layers=8, global_batch_size=16, micro_batch_size=1)
 
 
 @pytest.fixture(scope="module")

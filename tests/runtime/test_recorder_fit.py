@@ -11,31 +11,13 @@ import pytest
 from het_plugin.core.cost.run_fit import run_devices
 from het_plugin.core.inputs.cluster import load_cluster
 from het_plugin.core.inputs.profile import load_profile
-from het_plugin.core.planner import make_plan
 from het_plugin.runtime.recorder import ProfileRecorder, ProfileSettings
-from tests.core.test_measured import IB_ROCE_4, FakeClock, MemoryStore, tiny_model
+from tests.core.test_measured import IB_ROCE_4, FakeClock, MemoryStore, cluster, plan  # noqa: F401 -- fixtures
+from tests.runtime.test_replan_inputs import FakeWall
 from tests.core.test_run_fit import OVERHEAD, run_at_slot
 
 PER_STAGE = {0: (0.004, 0.009), 1: (0.006, 0.011)}
 SLOT = 0.0025
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    return load_cluster(IB_ROCE_4)
-
-
-@pytest.fixture(scope="module")
-def plan(cluster):
-    return make_plan(cluster, tiny_model(), tp=1, pp=2)
-
-
-class FakeWall:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def record(plan, settings, cluster=None, iterations=4):
