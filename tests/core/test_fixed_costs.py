@@ -50,33 +50,21 @@ def test_pipeline_slot_round_trips_and_format_1_cannot_hold_it(tmp_path):
         load_profile(tmp_path / "nofmt.yaml")
 
 
-def test_the_slot_cost_lengthens_each_forward_and_backward_of_the_pipeline(setup):
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_the_slot_cost_lengthens_each_forward_and_backward_of_the_pipeline(setup, vpp):
+    """Every rank runs its 2 m vpp slots one after another (each model chunk's forward and backward); the critical
+    path holds at most m + pp - 1 forwards and backwards (1F1B), or every rank's slots (interleaved)."""
     holmes, gpt7, placement = setup
     base = layers_profile()
     base.add_pipeline_slot(A100, 0.0)
     slow = layers_profile()
     slow.add_pipeline_slot(A100, 0.05)
-    a = cost.predict(holmes, gpt7, placement, [18, 18], 2, profile=base)
-    b = cost.predict(holmes, gpt7, placement, [18, 18], 2, profile=slow)
+    a = cost.predict(holmes, gpt7, placement, [18, 18], 2, profile=base, vpp=vpp)
+    b = cost.predict(holmes, gpt7, placement, [18, 18], 2, profile=slow, vpp=vpp)
     m, pp = gpt7.global_batch_size // (8 * 2), 2
-    # every stage runs m forwards and m backwards, the critical path at most m + pp - 1 of each
-    assert 2 * m * 0.05 * (1 - 1e-9) <= b.pipeline_s - a.pipeline_s <= 2 * (m + pp - 1) * 0.05 * (1 + 1e-9)
+    most = 2 * (m + pp - 1) if vpp == 1 else 2 * m * vpp * pp
+    assert 2 * m * vpp * 0.05 * (1 - 1e-9) <= b.pipeline_s - a.pipeline_s <= most * 0.05 * (1 + 1e-9)
     assert b.stage_compute_s == a.stage_compute_s          # the stage's compute (what its timers measure) is not it
-
-
-def test_the_slot_cost_lengthens_each_chunk_of_the_interleaved_pipeline(setup):
-    """vpp=2: each rank runs 2 m vpp slots one after another (each chunk's forward and backward), and no more
-    than the whole schedule's 2 m vpp pp."""
-    holmes, gpt7, placement = setup
-    base = layers_profile()
-    base.add_pipeline_slot(A100, 0.0)
-    slow = layers_profile()
-    slow.add_pipeline_slot(A100, 0.05)
-    a = cost.predict(holmes, gpt7, placement, [18, 18], 2, profile=base, vpp=2)
-    b = cost.predict(holmes, gpt7, placement, [18, 18], 2, profile=slow, vpp=2)
-    m, pp, vpp = gpt7.global_batch_size // (8 * 2), 2, 2
-    assert 2 * m * vpp * 0.05 * (1 - 1e-9) <= b.pipeline_s - a.pipeline_s <= 2 * m * vpp * pp * 0.05 * (1 + 1e-9)
-    assert b.stage_compute_s == a.stage_compute_s
 
 
 def test_the_layer_split_moves_layers_off_a_device_type_with_a_dearer_slot():
