@@ -306,7 +306,7 @@ def measured_comparison(plan, cluster, profile) -> list[str]:
     """The report's measured-run section (a profile written by a training run): predicted against measured per
     stage and, where the new plan has the run's degrees and stage devices, the run's split predicted with the
     profile on the new plan's placement."""
-    from ..core.cost.measured import comparison_lines, fixed_cost_line, stage_devices
+    from ..core.cost.measured import comparison_lines, stage_devices
     run = profile.measured
     repredicted = None
     if ((plan.pp, plan.tp, plan.micro_batch_size, plan.vpp) == (len(run.layers_per_stage), run.tp,
@@ -317,6 +317,4 @@ def measured_comparison(plan, cluster, profile) -> list[str]:
             repredicted = split_costs(plan, cluster, profile).predict(run.layers_per_stage).stage_compute_s
         except (ValueError, ConfigError):
             repredicted = None
-    lines = comparison_lines(run, plan, repredicted)
-    at = next(i for i, line in enumerate(lines) if line.startswith("  iteration: "))
-    return lines[:at + 1] + [fixed_cost_line(profile)] + lines[at + 1:]
+    return comparison_lines(run, plan, repredicted, profile)

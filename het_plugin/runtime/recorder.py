@@ -271,7 +271,8 @@ class ProfileRecorder:
         self.written: Optional[str] = None       # the path, once rank 0 wrote a profile
         self.cluster = cluster                   # the Cluster the plan came from (discovery: written beside)
         self.schedule_holds_step = schedule_holds_step   # the timed schedule call holds the optimizer step
-        self._analysis: Any = None               # the plan on its cluster, analyzed once (the slot-cost fit)
+        self._fit: Optional[tuple[Any, Any]] = None   # (cluster, its analysis of the plan) for the slot-cost fit,
+                                                      # made once; (None, None): no fit
         self._inputs = None                      # the re-plan command's cluster and model, once known
         self.warned = False
         self.warned_empty = False
@@ -344,7 +345,7 @@ class ProfileRecorder:
                 raise
             log.warning("het_plugin: the measured profile gets no pipeline-slot cost (predicting the plan for the "
                         "fit failed: %s)", exc)
-            self._analysis = False
+            self._fit = (None, None)
             prof = measured_profile(self.plan, ranks, self.framework, schedule_holds_step=self.schedule_holds_step)
         if prof is None:
             return None
@@ -371,20 +372,21 @@ class ProfileRecorder:
         """The plan's cluster and its analysis for the slot-cost fit (core.cost.run_fit), made once: the Cluster
         the plan came from, else the settings' cluster file; (None, None) when neither is there or matches the
         plan (the slot cost is then not fitted)."""
-        if self._analysis is None:
+        if self._fit is None:
             from ..core.cost.plan_costs import plan_analysis
             from ..core.errors import ConfigError
-            cluster = self.cluster
+            self._fit = (None, None)
             try:
+                cluster = self.cluster
                 if cluster is None and self.settings.cluster:
                     from ..core.inputs.cluster import load_cluster
                     cluster = self.cluster = load_cluster(self.settings.cluster)
-                self._analysis = False if cluster is None else plan_analysis(self.plan, cluster)
+                if cluster is not None:
+                    self._fit = (cluster, plan_analysis(self.plan, cluster))
             except (ConfigError, OSError, ValueError) as exc:
                 log.warning("het_plugin: the measured profile gets no pipeline-slot cost (cannot predict the plan "
                             "on its cluster: %s)", exc)
-                self._analysis = False
-        return (self.cluster, self._analysis) if self._analysis is not False else (None, None)
+        return self._fit
 
     def replan_command(self) -> str:
         """The complete re-plan command (het_plugin.core.replan_command): the run's cluster, model, degrees and

@@ -30,6 +30,7 @@ from ..inputs.model import ModelSpec
 from ..inputs.profile import Profile
 from ..inputs.profile_schema import MeasuredRun, MeasuredStage
 from ..plan import Plan
+from .run_fit import fit_slot_s, run_devices, run_overhead_s
 
 #: the warning during training fires when the measured imbalance exceeds the predicted one by more than this
 DEFAULT_IMBALANCE_THRESHOLD = 0.2
@@ -187,7 +188,6 @@ def measured_profile(plan: Plan, ranks: Sequence[RankTimes], framework: str = ""
         for kind, weight in (("embedding", emb_w), ("output", out_w)):
             if (dev.lower(), kind) not in seen and layer_w > 0:
                 prof.add_compute(dev, kind, mb, tp, f / n * weight / layer_w, b / n * weight / layer_w)
-    from .run_fit import fit_slot_s, run_devices, run_overhead_s
     optimizer_s = None
     if cluster is not None:
         fit = fit_slot_s(plan, cluster, prof, run, analysis)
@@ -266,10 +266,12 @@ def fixed_cost_line(profile: Profile) -> str:
     return f"  fixed costs the run left over (fitted to re-predict it): {slot_text}, {over_text}"
 
 
-def comparison_lines(run: MeasuredRun, plan: Plan, repredicted: Optional[Sequence[float]] = None) -> list[str]:
+def comparison_lines(run: MeasuredRun, plan: Plan, repredicted: Optional[Sequence[float]] = None,
+                     profile: Optional[Profile] = None) -> list[str]:
     """The report's section: per stage of the measured plan, its predicted (when planned) and measured forward
     + backward of one micro-batch, ``repredicted`` (the same split predicted with this profile, when the new plan
-    has the measured one's degrees), the imbalances, and the new plan's split if it differs."""
+    has the measured one's degrees), the imbalances, the fixed costs ``profile`` (the run's) carries, and the new
+    plan's split if it differs."""
     lines = [f"measured run of plan {run.plan_hash}{f' ({run.framework})' if run.framework else ''}: "
              f"{run.iterations} iterations, micro-batch {run.micro_batch_size} x {run.num_micro_batches}, "
              f"tp={run.tp}; forward + backward of one micro-batch per stage (its slowest rank):"]
@@ -290,6 +292,8 @@ def comparison_lines(run: MeasuredRun, plan: Plan, repredicted: Optional[Sequenc
                  f"{'-' if predicted is None else f'{predicted:.2f}x'}, measured {measured:.2f}x")
     lines.append(f"  iteration: predicted {duration(run.predicted_iteration_s)}, measured {duration(run.iteration_s)}"
                  + (f" (forward-backward schedule {duration(run.schedule_s)})" if run.schedule_s else ""))
+    if profile is not None:
+        lines.append(fixed_cost_line(profile))
     same_shape = (plan.pp == len(run.layers_per_stage) and plan.micro_batch_size == run.micro_batch_size
                   and plan.tp == run.tp)
     same_devices = same_shape and all(st.device in devices.split("+")

@@ -48,7 +48,6 @@ class SlotFit:
     slot_s: float
     measured_s: float           # the schedule call the predictor's part is held against (step taken out)
     predicted_without_s: float  # the predictor's schedule call with no slot cost
-    predicted_s: float          # ... with ``slot_s``
     optimizer_s: float          # the optimizer step the predictor charges with this profile
     evaluations: int
 
@@ -77,10 +76,10 @@ def fit_slot_s(plan: Plan, cluster, profile: Profile, run: MeasuredRun,
     base, opt = schedule(0.0)
     target = run.schedule_s - (opt if run.schedule_holds_step else 0.0)
     if base >= target or target <= 0:
-        return SlotFit(0.0, max(0.0, target), base, base, opt, evaluations)
+        return SlotFit(0.0, max(0.0, target), base, opt, evaluations)
     c = _solve(lambda c: schedule(c)[0], target, base,
                first_guess=(target - base) / (2.0 * (run.num_micro_batches + len(run.layers_per_stage) - 1)))
-    return SlotFit(c, target, base, schedule(c)[0], opt, evaluations)
+    return SlotFit(c, target, base, opt, evaluations)
 
 
 def _solve(f: Callable[[float], float], target: float, f0: float, first_guess: float) -> float:
