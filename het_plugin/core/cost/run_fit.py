@@ -12,6 +12,12 @@ The two costs are fitted so that the predictor, given the run's own profile, re-
   slots on the critical path), so ``c`` is found by bracketing and false position; ``c = 0`` when the model
   already predicts the call at or above the measurement (its sends or reduction are over-predicted: nothing is
   left for the slots). One value for every device type of the run: one schedule call cannot tell them apart.
+  What the call holds, checked against the sources: Megatron-Core's three schedules call
+  ``config.finalize_model_grads_func`` (the DP reduction's wait, the tied-embedding all-reduce) before they return
+  (megatron-core 0.19.2 ``pipeline_parallel/schedules.py``: ``forward_backward_no_pipelining``,
+  ``..._with_interleaving``, ``..._without_interleaving``), so the exposed reduction is inside it and the optimizer
+  step is not; DeepSpeed's ``TrainSchedule`` ends every batch with ``ReduceTiedGrads``, ``ReduceGrads``,
+  ``OptimizerStep`` (deepspeed 0.19.8 ``runtime/pipe/schedule.py``), so ``train_batch`` holds the step too.
 * **per iteration** (:func:`run_overhead_s`): the mean iteration minus the schedule call minus the optimizer step
   the predictor charges (DeepSpeed's ``train_batch`` holds the step: then nothing is subtracted for it).
 
