@@ -24,14 +24,17 @@ every micro-batch, so replicas with different counts would issue different numbe
 from __future__ import annotations
 
 import copy
-import types
+import functools
 from typing import Any, Iterator, Optional, Sequence
 
 from ..core.ranks.batches import ReplicaSampler
 from ..core.errors import ConfigError, HetPluginError
 from ..core.plan import Plan
+from ..runtime.patches import BEHAVIOUR, PATCHES
 from ..runtime.replicas import ReplicaShare
 from .config import SECTION, BatchSettings
+
+PATCH_LABEL = "deepspeed.replicas"   # this module's engine hooks in het_plugin.runtime.patches.PATCHES
 
 FIX_CONFIG = ("give the config the plan's batch: train_batch_size = global batch, train_micro_batch_size_per_gpu = "
               "the plan's micro-batch size, gradient_accumulation_steps = the plan's even count (or leave them out); "
@@ -90,41 +93,54 @@ def apply_replica_split(engine, share: ReplicaShare, training_data: Any = None) 
         raise ConfigError(f"DeepSpeed made this rank data-parallel rank {dp_rank}, the plan replica {share.replica}",
                           field=f"{SECTION}.plan", fix="build the model with het_plugin.deepspeed (PipelineModule / "
                                                        "initialize) and the same wrapped config on every rank")
-    n = share.even_count
     engine.het_replica = share
-    original_backward = engine.backward
-
-    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
-        if scale_wrt_gas:
-            loss = loss / n
-        return original_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
-
-    original_per_tensor = engine._backward_prologue_per_tensor
-
-    def backward_prologue_per_tensor(self, grad):
-        # DeepSpeed's hook for loss.backward() outside engine.backward: grad / gas there, grad / n here
-        # (where DeepSpeed leaves the gradient alone, so do we).
-        scaled = original_per_tensor(grad)
-        return scaled if scaled is grad else grad / n
-
-    original_scale = engine._scale_loss_by_gas
-
-    def scale_loss_by_gas(self, prescaled_loss, eval_micro_batches=None):
-        # The pipeline's total loss (sum over this replica's micro-batches) / n, averaged over dp by DeepSpeed:
-        # the global batch's mean loss. Evaluation (eval_micro_batches given) is DeepSpeed's own.
-        divisor = n if eval_micro_batches is None else eval_micro_batches
-        return original_scale(prescaled_loss, eval_micro_batches=divisor)
-
-    engine.backward = types.MethodType(backward, engine)
+    for name, make in _weights(share.even_count):
+        PATCHES.apply(engine, name, make, label=PATCH_LABEL, order=BEHAVIOUR)
     if hasattr(engine, "_INSTRUCTION_MAP"):
         _weight_pipeline_backward(engine, share)
-    engine._backward_prologue_per_tensor = types.MethodType(backward_prologue_per_tensor, engine)
-    engine._scale_loss_by_gas = types.MethodType(scale_loss_by_gas, engine)
     _count_true_global_batch(engine, share)
     if hasattr(engine, "set_dataiterator"):
         _guard_data_iterator(engine, share)
     if training_data is not None:
         _read_replica_range(engine, share, training_data)
+
+
+def remove_replica_split(engine) -> int:
+    """Take this module's hooks off ``engine`` (the other labels' hooks stay, re-made over DeepSpeed's own)."""
+    return PATCHES.undo(PATCH_LABEL, owner=engine)
+
+
+def _weights(n: int):
+    """``(attribute, wrapper factory)`` of the engine's loss and gradient scaling: divide by the plan's even
+    count ``n`` where DeepSpeed divides by gas."""
+
+    def backward(inner):
+        @functools.wraps(inner)
+        def scaled_backward(loss, retain_graph=False, scale_wrt_gas=True):
+            if scale_wrt_gas:
+                loss = loss / n
+            return inner(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+        return scaled_backward
+
+    def backward_prologue_per_tensor(inner):
+        # DeepSpeed's hook for loss.backward() outside engine.backward: grad / gas there, grad / n here
+        # (where DeepSpeed leaves the gradient alone, so do we).
+        @functools.wraps(inner)
+        def scaled_prologue(grad):
+            scaled = inner(grad)
+            return scaled if scaled is grad else grad / n
+        return scaled_prologue
+
+    def scale_loss_by_gas(inner):
+        # The pipeline's total loss (sum over this replica's micro-batches) / n, averaged over dp by DeepSpeed:
+        # the global batch's mean loss. Evaluation (eval_micro_batches given) is DeepSpeed's own.
+        @functools.wraps(inner)
+        def scaled_loss(prescaled_loss, eval_micro_batches=None):
+            return inner(prescaled_loss, eval_micro_batches=n if eval_micro_batches is None else eval_micro_batches)
+        return scaled_loss
+
+    return (("backward", backward), ("_backward_prologue_per_tensor", backward_prologue_per_tensor),
+            ("_scale_loss_by_gas", scale_loss_by_gas))
 
 
 def _weight_pipeline_backward(engine, share: ReplicaShare) -> None:
@@ -133,15 +149,19 @@ def _weight_pipeline_backward(engine, share: ReplicaShare) -> None:
     step scales the loss by count / n first, so DeepSpeed's division by gas (= count) leaves loss / n."""
     import torch
     from deepspeed.runtime.pipe import schedule
-    pipeline_backward = engine._INSTRUCTION_MAP[schedule.BackwardPass]
     factor = share.count / share.even_count
 
-    def exec_backward_pass(self, buffer_id):
-        if self.is_last_stage() and isinstance(self.loss, torch.Tensor):
-            self.loss = self.loss * factor
-        return pipeline_backward(self, buffer_id)
+    def weighted_map(table):
+        pipeline_backward = table[schedule.BackwardPass]
 
-    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.BackwardPass: exec_backward_pass}
+        def exec_backward_pass(self, buffer_id):
+            if self.is_last_stage() and isinstance(self.loss, torch.Tensor):
+                self.loss = self.loss * factor
+            return pipeline_backward(self, buffer_id)
+
+        return {**table, schedule.BackwardPass: exec_backward_pass}
+
+    PATCHES.apply(engine, "_INSTRUCTION_MAP", weighted_map, label=PATCH_LABEL, order=BEHAVIOUR)
 
 
 def _engine_dp_rank(engine) -> Optional[int]:
@@ -267,18 +287,19 @@ class CountedIterator:
 
 
 def _guard_data_iterator(engine, share: ReplicaShare) -> None:
-    original = engine.set_dataiterator
+    def guarded(inner):
+        @functools.wraps(inner)
+        def set_dataiterator(iterator):
+            _refuse_even_sampler(iterator, share)
+            if isinstance(iterator, CountedIterator):
+                return inner(iterator)
+            current = getattr(engine, "data_iterator", None)
+            if isinstance(current, CountedIterator) and current.inner is iterator:
+                return inner(current)                   # train_batch(it) with the same iterator every step
+            return inner(CountedIterator(iterator, share))
+        return set_dataiterator
 
-    def set_dataiterator(self, iterator):
-        _refuse_even_sampler(iterator, share)
-        if isinstance(iterator, CountedIterator):
-            return original(iterator)
-        current = getattr(self, "data_iterator", None)
-        if isinstance(current, CountedIterator) and current.inner is iterator:
-            return original(current)                # train_batch(it) with the same iterator every step
-        return original(CountedIterator(iterator, share))
-
-    engine.set_dataiterator = types.MethodType(set_dataiterator, engine)
+    PATCHES.apply(engine, "set_dataiterator", guarded, label=PATCH_LABEL, order=BEHAVIOUR)
 
 
 def _refuse_even_sampler(iterator, share: ReplicaShare) -> None:
