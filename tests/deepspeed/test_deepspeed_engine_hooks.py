@@ -146,6 +146,7 @@ def test_pipeline_instruction_map_layers_compose_the_same_in_either_order(uneven
             return True
 
         def train_batch(self, data_iter=None):
+            self._INSTRUCTION_MAP[schedule.ForwardPass](self, 0)
             self._INSTRUCTION_MAP[schedule.BackwardPass](self, 0)
 
     results = []
