@@ -37,7 +37,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..core.errors import ConfigError
-    from ..core.nccl_env import check_launch, render_env, render_text
+    from ..core.nccl_env import check_launch
+    from ..views.nccl_env import render_env, render_text
 
     from .discover import check_timeout_arg
     check_timeout_arg(args)

@@ -10,6 +10,8 @@ and every group's transport, so :func:`preflight` checks them together. Pure: no
 Inputs: the groups (:func:`groups_from_plan` / :func:`groups_from_cluster`), each node's NICs
 (:class:`NodeNics`, from a discovery :class:`~het_plugin.discovery.NodeView` or a cluster file's ``nics``),
 and the environment (one mapping for every node, as a launcher propagates it; ``node_env`` overrides per node).
+How NCCL reads its name lists is ported in :mod:`het_plugin.core.nccl_names`; the result's ``export`` lines and
+text are rendered by :mod:`het_plugin.views.nccl_env`.
 
 NCCL semantics relied on (NCCL's "Environment Variables" documentation, docs/user-guide.md cites them):
 ``NCCL_IB_HCA`` and ``NCCL_SOCKET_IFNAME`` are comma-separated lists, prefix matches unless the list
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .errors import ConfigError
+from .nccl_names import NameFilter, nccl_auto_interfaces, socket_ifname_value
 from .ranks.transport import ENV_GLOO_IFNAMES, OVER_SOCKETS, Transport, nccl_net_name
 
 RDMA_KINDS = ("ib", "roce")
@@ -156,104 +159,6 @@ def groups_from_cluster(cluster) -> list[GroupUse]:
 def _ranks(ranks: Sequence[int]) -> str:
     from .ranks.dims import format_ranks
     return format_ranks(list(ranks))
-
-
-# ---- NCCL's name filters ---------------------------------------------------------------------------
-# A port (written here, not copied) of how NCCL reads NCCL_IB_HCA and NCCL_SOCKET_IFNAME, read in NVIDIA/nccl
-# v2.30.7-1: src/misc/utils.cc parseStringList / matchIf / matchPort / matchIfList, the '^' and '=' prefixes in
-# src/transport/net_ib/init.cc (NCCL_IB_HCA, at most MAX_IB_DEVS = 32 entries) and src/os/linux.cc
-# ncclOsFindInterfaces (interfaces, MAX_IFS = 16 entries, port never compared). The same code since v2.17.
-# What it does, and this port with it:
-# * a leading '^' excludes, then a leading '=' asks for exact names (so '^=' both; '=^' is the name '^...');
-#   nothing is stripped (' mlx5_0' is a name starting with a space);
-# * entries split on ',' (empty entries skipped); an entry is name[:port[:rail[:plane]]], an empty name skips
-#   the entry, the name is cut to 63 characters (a char[64] buffer), and the port is C's atoi of its field
-#   (-1 when absent or empty: any port; 'x' gives 0, which no port has);
-# * a name matches by prefix unless exact ('mlx5_1' selects mlx5_10 too; '=mlx5_1' only mlx5_1);
-# * no entry at all selects everything, so '^' alone excludes everything and '=' alone selects everything.
-
-PREFIX_MAX = 63
-MAX_IB_DEVS = 32
-MAX_IFS = 16
-
-
-def c_atoi(text: str) -> int:
-    """C's atoi: leading whitespace, a sign, digits; 0 when there are none."""
-    i, n = 0, len(text)
-    while i < n and text[i] in " \t\n\v\f\r":
-        i += 1
-    sign = 1
-    if i < n and text[i] in "+-":
-        sign = -1 if text[i] == "-" else 1
-        i += 1
-    j = i
-    while j < n and "0" <= text[j] <= "9":
-        j += 1
-    return sign * int(text[i:j]) if j > i else 0
-
-
-@dataclass(frozen=True)
-class NameFilter:
-    """``NCCL_IB_HCA`` / ``NCCL_SOCKET_IFNAME`` as NCCL reads them: ``[^][=]name[:port],...``.
-    ``tokens``: (name, port) with port None for 'any port'."""
-    text: str
-    exclude: bool
-    exact: bool
-    tokens: tuple[tuple[str, Optional[int]], ...]
-
-    @classmethod
-    def parse(cls, text: str, ports: bool = True, max_entries: Optional[int] = None) -> "NameFilter":
-        rest = text
-        exclude = rest.startswith("^")
-        rest = rest[1:] if exclude else rest
-        exact = rest.startswith("=")
-        rest = rest[1:] if exact else rest
-        limit = max_entries if max_entries is not None else (MAX_IB_DEVS if ports else MAX_IFS)
-        tokens: list[tuple[str, Optional[int]]] = []
-        for entry in rest.split(","):
-            if len(tokens) >= limit:
-                break
-            if entry == "":
-                continue
-            fields = entry.split(":")
-            name = fields[0]
-            if name == "":
-                continue
-            port = None
-            if len(fields) > 1 and fields[1] != "":
-                port = c_atoi(fields[1])
-                port = None if port == -1 else port
-            tokens.append((name[:PREFIX_MAX], port if ports else None))
-        return cls(text, exclude, exact, tuple(tokens))
-
-    def token_matches(self, token: tuple[str, Optional[int]], name: str, port: Optional[int] = None) -> bool:
-        tname, tport = token
-        hit = name == tname if self.exact else name.startswith(tname)
-        return hit and (tport is None or port is None or tport == port)
-
-    def selects(self, name: str, port: Optional[int] = None) -> bool:
-        hit = not self.tokens or any(self.token_matches(t, name, port) for t in self.tokens)
-        return hit != self.exclude
-
-
-def nccl_auto_interfaces(interfaces: Sequence[str]) -> list[str]:
-    """The interfaces NCCL picks when ``NCCL_SOCKET_IFNAME`` is unset (or one character long): ``ib*`` (IPoIB)
-    first, else any but docker/lo/virbr, else docker, lo, virbr (NVIDIA/nccl v2.30.7-1 src/misc/socket.cc
-    ncclFindInterfaces; the NCCL_COMM_ID subnet step between the first two is not modelled). Used for NCCL's
-    bootstrap, the Socket network and the IB plugin's out-of-band address."""
-    for pattern in ("ib", "^docker,lo,virbr", "docker", "lo", "virbr"):
-        flt = NameFilter.parse(pattern, ports=False)
-        found = [i for i in interfaces if flt.selects(i)]
-        if found:
-            return found
-    return []
-
-
-def socket_ifname_value(env: Mapping[str, str]) -> Optional[str]:
-    """NCCL_SOCKET_IFNAME as NCCL uses it: None when unset or at most one character (src/misc/socket.cc reads
-    it only when ``strlen(env) > 1``)."""
-    value = env.get("NCCL_SOCKET_IFNAME")
-    return value if value is not None and len(value) > 1 else None
 
 
 # ---- result ----------------------------------------------------------------------------------------
@@ -790,50 +695,6 @@ def fabric_hints(cluster) -> dict[str, FabricHints]:
         if hints != FabricHints():
             out[n.name] = hints
     return out
-
-
-def render_env(result: Preflight, *, per: str = "node", node: Optional[str] = None) -> str:
-    """``export`` lines: per node (``# node NAME``), per cluster (shared lines, then each node's own), or one node."""
-    def exports(settings: Mapping[str, str]) -> list[str]:
-        return [f"export {k}={_quote(v)}" for k, v in settings.items()]
-    lines: list[str] = []
-    if node is not None:
-        return "\n".join(exports(result.nodes[node].settings)) + "\n"
-    if per == "cluster":
-        for c, info in result.cluster_settings().items():
-            lines.append(f"# cluster {c}: {_names(info['nodes'])}")
-            lines += exports(info["common"])
-            for n, own in info["per_node"].items():
-                lines.append(f"#   node {n} only:")
-                lines += ["#   " + x for x in exports(own)]
-    else:
-        for n, r in result.nodes.items():
-            lines.append(f"# node {n}" + (f" (cluster {r.cluster})" if r.cluster else ""))
-            lines += exports(r.settings)
-    return "\n".join(lines) + "\n"
-
-
-def _quote(value: str) -> str:
-    import shlex
-    return shlex.quote(value)
-
-
-def render_text(result: Preflight) -> str:
-    lines = []
-    for n, r in result.nodes.items():
-        head = f"node {n}" + (f" (cluster {r.cluster}, NICs from {r.source})" if r.cluster else f" ({r.source})")
-        lines.append(head)
-        for t, used in r.uses.items():
-            lines.append(f"  {t:<11} uses {', '.join(used) or 'nothing'}")
-        for k, v in r.settings.items():
-            lines.append(f"  export {k}={_quote(v)}")
-    for w in result.warnings:
-        lines.append(f"warning: {w}")
-    if result.ok:
-        lines.append("pre-flight: ok")
-    else:
-        lines.append(f"pre-flight: {len(result.refusals)} problem(s) would make NCCL hang or fail; refused")
-    return "\n".join(lines) + "\n"
 
 
 # ---- the world group (created by init_process_group before het_plugin runs) ------------------------
