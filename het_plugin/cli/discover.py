@@ -49,7 +49,7 @@ def check_args(args) -> None:
         if not args.gather:
             raise ConfigError("-o writes the cluster file of --gather; without --gather it is not used",
                               field="-o/--output", fix="add --gather (under torchrun), or drop -o")
-        from ..core.inputs.yamlio import check_writable
+        from ..core.files import check_writable
         check_writable(args.output, "-o/--output", "cluster file")
 
 
@@ -78,7 +78,7 @@ def _gather(args) -> int:
     if rank == 0:
         text = format_yaml(found.data, found.notes)
         if args.output:
-            from ..core.inputs.yamlio import write_atomic
+            from ..core.files import write_atomic
             write_atomic(args.output, text, "cluster file")
             print(f"cluster file written to {args.output} ({len(found.cluster.nodes)} nodes, "
                   f"{found.cluster.world_size} ranks)", file=sys.stderr)

@@ -108,7 +108,7 @@ def named_by(option: str):
 
 def check_files(args) -> None:
     """No output may overwrite an input, and every output must be writable: both checked before planning."""
-    from ..core.inputs.yamlio import check_writable, same_file
+    from ..core.files import check_writable, same_file
     inputs = [("CLUSTER", args.cluster), ("--model", args.model), ("--profile", args.profile)]
     for out_flag, out in (("-o/--output", args.output), ("--svg", args.svg),
                           ("--timeline", getattr(args, "timeline", None))):

@@ -38,7 +38,8 @@ def check_args(args) -> None:
 
     from ..core.inputs.cluster import MAX_ACCELERATORS
     from ..core.errors import ConfigError
-    from ..core.inputs.yamlio import check_writable, parse_json, read_text, same_file
+    from ..core.files import check_writable, same_file
+    from ..core.inputs.yamlio import parse_json, read_text
     from .plan import named_by
 
     for name in ("pp", "tp"):
@@ -59,7 +60,7 @@ def check_args(args) -> None:
 
 def run(args) -> int:
     from ..deepspeed.config import SECTION, wrap
-    from ..core.inputs.yamlio import write_atomic
+    from ..core.files import write_atomic
     import json
 
     check_args(args)

@@ -409,7 +409,7 @@ class ProfileRecorder:
     @staticmethod
     def _write_beside(path: str, data: dict, what: str) -> Optional[str]:
         from ..core.errors import ConfigError
-        from ..core.inputs.yamlio import dump_data
+        from ..core.files import dump_data
         try:
             dump_data(data, path)
             return path

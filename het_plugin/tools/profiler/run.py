@@ -188,7 +188,7 @@ def profile_launch(cluster_arg: str, model: ModelSpec, settings: Settings, outpu
 
 def check_output(path: str) -> None:
     """Rank 0 writes the profile: a name whose format it knows, in a folder it can write (checked first)."""
-    from ...core.inputs.yamlio import check_writable
+    from ...core.files import check_writable
     if not str(path).endswith((".yaml", ".yml", ".json")):
         raise ConfigError(f"cannot tell the format of {path!r}", field="-o/--output",
                           fix="use a name ending in .yaml or .json")
