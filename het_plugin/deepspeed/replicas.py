@@ -18,7 +18,9 @@ iteration instead of the even ``num_micro_batches`` (the global batch is unchang
   iteration reads the even split's samples); a data iterator given to
   ``train_batch`` is counted and a dry one stops with :class:`ReplicaDataError` naming the numbers.
 
-Even plans never reach this module: DeepSpeed runs untouched. ZeRO stage >= 2 reduces gradients at
+The engine's methods and instruction map are replaced as layers of :data:`het_plugin.runtime.patches.PATCHES`
+(label ``deepspeed.replicas``, order ``BEHAVIOUR``: inside the measured profile's timers whichever was installed
+first); :func:`remove_replica_split` takes them off. Even plans never reach this module: DeepSpeed runs untouched. ZeRO stage >= 2 reduces gradients at
 every micro-batch, so replicas with different counts would issue different numbers of collectives: refused.
 """
 from __future__ import annotations

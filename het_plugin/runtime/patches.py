@@ -196,7 +196,17 @@ class PatchRegistry:
                     self._compose(stack, at)
                     if not stack.layers:
                         del stacks[name]
+                if not stacks:
+                    self._forget(held_by)
             return removed
+
+    def _forget(self, owner: Any) -> None:
+        """``owner`` has no stacks left: drop its (empty) table."""
+        if _held_by_instance(owner):
+            vars(owner).pop(_INSTANCE_KEY, None)
+            self._instances.pop(id(owner), None)
+        else:
+            self._static.pop(id(owner), None)
 
     @contextlib.contextmanager
     def temporarily(self, label: str, patches: Sequence[tuple[Any, str, Callable[[Any], Any]]]) -> Iterator[None]:

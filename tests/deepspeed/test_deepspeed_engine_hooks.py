@@ -129,7 +129,7 @@ def test_either_hook_comes_off_in_any_order(uneven, tmp_path, undo):
     else:                                                  # still scaled, no longer timed
         assert engine.calls == [("backward", 3.0, False)] * 3 and t.micro_batches == 0
     assert off[undo[1]](engine) > 0
-    assert not set(HOOKED) & set(vars(engine))             # the engine reads DeepSpeed's own methods again
+    assert not (set(HOOKED) | {"_het_plugin_patches"}) & set(vars(engine))   # DeepSpeed's own methods again
     assert all(PATCHES.labels(engine, name) == [] for name in HOOKED)
 
 
