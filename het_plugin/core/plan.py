@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional, Sequence
 from .errors import ConfigError
 from .ranks.dims import DEFAULT_ORDER, ParallelDims
 from .ranks.transport import Member, transport_rule
+from .ranks.batches import ReplicaBatches
+from .inputs.yamlio import dump_data, read_data, read_text
 
 # 2: the plan carries the link kinds between clusters ('links'); 'order' dropped (nothing read it).
 # 3: 'embedding_stages' (untied embeddings and MTP change which stages share the word embedding); 'order'
@@ -182,7 +184,6 @@ class Plan:
     @property
     def replica_split(self):
         """The replica split as one value (:class:`het_plugin.core.ranks.batches.ReplicaBatches`)."""
-        from .ranks.batches import ReplicaBatches
         return ReplicaBatches.of(self.replica_micro_batches, self.dp, self.num_micro_batches, self.micro_batch_size)
 
     @property
@@ -414,12 +415,10 @@ class Plan:
         return json.dumps(self.to_dict(), default=_json_default)
 
     def save(self, path: str | Path) -> None:
-        from .inputs.yamlio import dump_data
         dump_data(json.loads(self.to_json()), path)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        from .inputs.yamlio import read_data
         return cls.from_dict(read_data(path), str(path))
 
 
@@ -488,7 +487,6 @@ def check_replica_split(replica_micro_batches: Sequence[int], dp: int, num_micro
     counts = list(replica_micro_batches)
     if not counts:
         return
-    from .ranks.batches import ReplicaBatches
     ReplicaBatches.of(counts, dp, num_micro_batches, 1, source)      # the split's own rules: count, sum
     if len(set(counts)) > 1 and vpp > 1:
         raise ConfigError(f"replica_micro_batches {counts} are uneven with an interleaved pipeline (vpp={vpp}): "
@@ -524,7 +522,6 @@ def _json_default(o):
 
 def looks_like_plan(path: str | Path) -> bool:
     """Plan files and cluster files share suffixes; a plan has 'rank_of_logical'."""
-    from .inputs.yamlio import read_data, read_text
     if "rank_of_logical" not in read_text(path):
         return False            # a cluster file: not parsed twice (a large one takes seconds to parse)
     data = read_data(path)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -526,7 +527,6 @@ class GroupGuard:
 def _from_peers(exc: BaseException) -> bool:
     """torch's store and network errors (a rendezvous that timed out, a connection a peer closed), also
     gloo's, which arrive as a plain RuntimeError."""
-    import re
     try:
         import torch.distributed as tdist
         kinds = tuple(k for k in (getattr(tdist, "DistError", None),) if k is not None)

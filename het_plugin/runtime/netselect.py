@@ -26,7 +26,7 @@ from ..core.errors import ConfigError
 from ..core.nccl_version import version_text
 # The names per transport are pure data, shared with the pre-flight's rules: core.ranks.transport.
 from ..core.ranks.transport import ENV_GLOO_IFNAMES, RDMA_TRANSPORTS, SHIM_BACKEND, SOCKET_NET, SOCKET_TRANSPORTS, nccl_net_name  # noqa: F401
-from .nccl_version import loaded_nccl_version
+from . import nccl_version      # its loaded_nccl_version is looked up at each call (tests replace it)
 
 # A leaf below both the group policy (runtime.group_policy) and the shim (comm.shim): it imports no other
 # runtime or comm module but nccl_version.
@@ -126,4 +126,4 @@ def _torch_version() -> str:
 
 
 def _nccl_version() -> str:
-    return version_text(loaded_nccl_version())
+    return version_text(nccl_version.loaded_nccl_version())
