@@ -1,5 +1,5 @@
-"""Imports run one way (docs/architecture.md, "The rule of imports"), read from the source with ``ast`` (nothing is
-imported, so every package is covered, torch-only modules too, in a fraction of a second):
+"""Imports run one way (docs/architecture.md, "The rule of imports"), read from the source (nothing is imported, so
+every package is covered, torch-only modules too, in a fraction of a second):
 
 (a) layers: core <- runtime (discovery with it) <- comm <- adapters (megatron, deepspeed) <- cli / tools; views
     beside the core; a module imports its own layer and those below; core never imports views, the adapters never
@@ -42,8 +42,8 @@ ALLOWED = {
         "a .pth imports the hook at interpreter start-up (setup.py); the adapter loads only once Megatron-LM "
         "parses its arguments",
     ("het_plugin.deepspeed", "het_plugin.deepspeed.*"):
-        "the package's names load on first use (PEP 562 __getattr__): `het-plugin wrap-config` and the DeepSpeed "
-        "hook (imported while `deepspeed` itself loads) need only its config module",
+        "the package's names load on first use (PEP 562 __getattr__): `het-plugin wrap-config` imports the "
+        "package for its config module only",
 }
 
 # Left for the coordinator to empty once the start-up restructuring (issue 29, deliverables 1-2) is merged: the
