@@ -29,9 +29,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from ..core.ranks.batches import ReplicaSampler
 from ..core.errors import ConfigError, HetPluginError
-from ..core.plan import Plan
 from ..runtime.replicas import ReplicaShare
-from .config import SECTION, check_batch_settings, zero_stage  # noqa: F401   (the batch checks are the config's)
+from .config import SECTION, check_batch_settings  # noqa: F401   (the batch check is the config's; named here too)
 
 
 class ReplicaDataError(HetPluginError, RuntimeError):

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 from ..core.errors import ConfigError
 from ..core.ranks.transport import Transport
 # The network choice and the NCCL options live in netselect (a leaf the shim imports too); named here as well.
-from .netselect import (OPTIONS_CONFIG_FIX, SHIM_BACKEND, gloo_ifnames, ifname_set,  # noqa: F401
+from .netselect import (SHIM_BACKEND, gloo_ifnames, ifname_set,  # noqa: F401
                         nccl_options, network_of, with_net_name)
 
 
