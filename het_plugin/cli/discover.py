@@ -3,10 +3,13 @@ cluster file every rank of the job would build."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
 import yaml
+
+from ..core.errors import ConfigError
 
 
 def register(sub) -> None:
@@ -35,9 +38,7 @@ def check_timeout_arg(args) -> None:
 
 
 def check_args(args) -> None:
-    import math
 
-    from ..core.errors import ConfigError
     check_timeout_arg(args)
     if args.ethernet_gbps is not None:
         from ..core.inputs.cluster import GBPS_RANGE

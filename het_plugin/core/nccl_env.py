@@ -28,7 +28,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .errors import ConfigError
 from .nccl_names import NameFilter, nccl_auto_interfaces, socket_ifname_value
-from .ranks.transport import ENV_GLOO_IFNAMES, OVER_SOCKETS, Transport, nccl_net_name
+from .ranks.transport import ENV_GLOO_IFNAMES, Member, OVER_SOCKETS, Transport, nccl_net_name, transport_rule
+from .ranks.dims import format_ranks
+from .nccl_version import CONNECT_CHECK, GID_AUTO, MERGE_NICS, NET_MISMATCH_VAR, at_least, normalize, version_text
+from .plan import Plan
 
 RDMA_KINDS = ("ib", "roce")
 KIND_TEXT = {"ib": "InfiniBand", "roce": "RoCE"}
@@ -131,7 +134,6 @@ def groups_from_plan(plan) -> list[GroupUse]:
 
 def groups_from_cluster(cluster) -> list[GroupUse]:
     """Without a plan, every group the planner can make: per domain, per cluster, per pair of clusters, world."""
-    from .ranks.transport import Member, transport_rule
 
     def rule(nodes) -> str:
         return transport_rule((Member(n.name, n.cluster, n.vendor) for n in nodes),
@@ -157,7 +159,6 @@ def groups_from_cluster(cluster) -> list[GroupUse]:
 
 
 def _ranks(ranks: Sequence[int]) -> str:
-    from .ranks.dims import format_ranks
     return format_ranks(list(ranks))
 
 
@@ -317,12 +318,10 @@ def preflight(groups: Iterable[GroupUse], nics: Mapping[str, NodeNics], env: Map
 
 
 def _version(value) -> Optional[tuple[int, int, int]]:
-    from .nccl_version import normalize
     return normalize(value)
 
 
 def _vtext(version) -> str:
-    from .nccl_version import version_text
     return f"NCCL {version_text(version)}"
 
 
@@ -380,7 +379,6 @@ def _check_split_share(groups, order, envs, refuse) -> None:
 
 def _check_hcas(node: NodeNics, rdma: list[str], env, refuse, version=None) -> list[Hca]:
     """The HCAs NCCL will open on ``node`` (NCCL_IB_HCA or every port), checked against its RDMA groups."""
-    from .nccl_version import CONNECT_CHECK, at_least
     text = _set(env, "NCCL_IB_HCA")
     late = at_least(version, CONNECT_CHECK)
     mixing = ({True: f"{_vtext(version)} stops at connect ('Attempted to connect incompatible devices')",
@@ -472,7 +470,6 @@ def nic_count(hcas: Sequence[Hca], env: Mapping[str, str], version=None) -> int:
     """Network devices NCCL counts for these ports: the ports of one NIC are fused into one device
     (NCCL_IB_MERGE_NICS, default 1, from 2.20: NVIDIA/nccl v2.30.7-1 src/graph/topo.cc ncclTopoMakeVNics with
     NCCL_NET_MERGE_LEVEL's default PATH_PORT); each port counts with NCCL_IB_MERGE_NICS=0 or before 2.20."""
-    from .nccl_version import MERGE_NICS, at_least
     merge = (_set(env, "NCCL_IB_MERGE_NICS") or "1").strip() != "0" and at_least(version, MERGE_NICS) is not False
     return len({h.device for h in hcas}) if merge else len(hcas)
 
@@ -481,7 +478,6 @@ def _check_counts(groups, selected, socket_ifs, envs, refuse, warn, versions) ->
     """Members of one communicator with different NIC counts: NCCL 2.30 accepts it by default (its channels use
     the fewest); warned, since the node's NCCL_IB_HCA is per process (cutting it would slow every group there).
     Refused only where NCCL is known to stop: NCCL_IGNORE_NET_MISMATCH=0 on NCCL >= 2.30."""
-    from .nccl_version import NET_MISMATCH_VAR, at_least
     reported: set = set()
     for g in groups:
         if g.transport in RDMA_KINDS:
@@ -517,7 +513,6 @@ def _check_counts(groups, selected, socket_ifs, envs, refuse, warn, versions) ->
 
 
 def _check_mismatch_variable(order, envs, warn, versions) -> None:
-    from .nccl_version import NET_MISMATCH_VAR, at_least
     for n in order:
         value = _set(envs[n], "NCCL_IGNORE_NET_MISMATCH")
         if value is not None and at_least(versions.get(n), NET_MISMATCH_VAR) is False:
@@ -529,7 +524,6 @@ def _check_mismatch_variable(order, envs, warn, versions) -> None:
 def _check_gid_index(groups, nics, selected, envs, refuse, warn, versions) -> None:
     """RoCE GID: NCCL >= 2.21 picks a RoCE v2 GID itself (NCCL_IB_GID_INDEX=-1, its default); before 2.21 the
     default is 0, usually a RoCE v1 / link-local GID, and -1 is no index at all."""
-    from .nccl_version import GID_AUTO, at_least
     done: set[str] = set()
     unknown: list[str] = []
     for g in groups:
@@ -670,7 +664,6 @@ def check_launch(source, env: Mapping[str, str], *, views: Sequence = (), cluste
     """The checks over a Plan or a Cluster (``source``), discovery views (override the file's NICs per node),
     and the environment. ``cluster``: the Cluster whose ``nics`` describe the nodes when ``source`` is a Plan.
     ``nccl_version``: the NCCL/RCCL version the ranks load (None: unknown)."""
-    from .plan import Plan
     if isinstance(source, Plan):
         groups = groups_from_plan(source)
         node_cluster = {n.name: n.cluster for n in source.nodes}

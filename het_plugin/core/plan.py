@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .plan_format import FORMAT_VERSION, looks_like_plan  # noqa: F401  (read from here by the launch, the CLI, tests)
 from .ranks.dims import DEFAULT_ORDER, ParallelDims
 from .ranks.transport import Member, transport_rule
+from .ranks.batches import ReplicaBatches
 
 @dataclass
 class GroupPlan:
@@ -163,7 +164,6 @@ class Plan:
     @property
     def replica_split(self):
         """The replica split as one value (:class:`het_plugin.core.ranks.batches.ReplicaBatches`)."""
-        from .ranks.batches import ReplicaBatches
         return ReplicaBatches.of(self.replica_micro_batches, self.dp, self.num_micro_batches, self.micro_batch_size)
 
     @property
@@ -441,7 +441,6 @@ def check_replica_split(replica_micro_batches: Sequence[int], dp: int, num_micro
     counts = list(replica_micro_batches)
     if not counts:
         return
-    from .ranks.batches import ReplicaBatches
     ReplicaBatches.of(counts, dp, num_micro_batches, 1, source)      # the split's own rules: count, sum
     if len(set(counts)) > 1 and vpp > 1:
         raise ConfigError(f"replica_micro_batches {counts} are uneven with an interleaved pipeline (vpp={vpp}): "

@@ -10,6 +10,7 @@ the plan *is* that default. ``assemble_plan`` and ``make_plan``'s signature are 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -178,7 +179,6 @@ class Candidate:
 
 def replica_split_text(counts: Sequence[int]) -> str:
     """'9 micro-batches on 4 replicas, 5 on 28' (largest count first)."""
-    from collections import Counter
     parts = sorted(Counter(counts).items(), reverse=True)
     return ", ".join(f"{c}{' micro-batches' if i == 0 else ''} on {n} replica{'s' if n > 1 else ''}"
                      for i, (c, n) in enumerate(parts))

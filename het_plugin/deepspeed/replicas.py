@@ -31,50 +31,15 @@ from typing import Any, Iterator, Optional, Sequence
 
 from ..core.ranks.batches import ReplicaSampler
 from ..core.errors import ConfigError, HetPluginError
-from ..core.plan import Plan
 from ..runtime.patches import BEHAVIOUR, PATCHES
 from ..runtime.replicas import ReplicaShare
-from .config import SECTION, BatchSettings
+from .config import SECTION, check_batch_settings  # noqa: F401   (the batch check is the config's; named here too)
 
 PATCH_LABEL = "deepspeed.replicas"   # this module's engine hooks in het_plugin.runtime.patches.PATCHES
-
-FIX_CONFIG = ("give the config the plan's batch: train_batch_size = global batch, train_micro_batch_size_per_gpu = "
-              "the plan's micro-batch size, gradient_accumulation_steps = the plan's even count (or leave them out); "
-              "het_plugin sets each rank's accumulation steps to its replica's count")
 
 
 class ReplicaDataError(HetPluginError, RuntimeError):
     """A replica's data ran out before the iteration it was reading ended."""
-
-
-# ---- checks before any group exists ------------------------------------------------------------------
-
-def check_batch_settings(plan: Plan, config: dict, source: str = "<config>") -> None:
-    """An uneven plan fixes the batch: the config may restate it but not contradict it (even plans: no-op)."""
-    if not plan.uneven_replicas:
-        return
-    batch = BatchSettings.of(config, source)
-    counts = plan.replica_counts
-    expected = {"train_batch_size": (batch.train_batch_size, plan.global_batch_size),
-                "train_micro_batch_size_per_gpu": (batch.micro_batch_size, plan.micro_batch_size),
-                "gradient_accumulation_steps": (batch.grad_accum, plan.num_micro_batches)}
-    for key, (given, wanted) in expected.items():
-        if given is not None and given != wanted:
-            raise ConfigError(f"{key} is {given}, but the plan splits a global batch of {plan.global_batch_size} "
-                              f"samples ({plan.micro_batch_size} per micro-batch) unevenly over {plan.dp} replicas, "
-                              f"micro-batches {counts} (even count {plan.num_micro_batches}); {key} must be {wanted}",
-                              source=source, field=key, fix=FIX_CONFIG)
-    stage = zero_stage(config)
-    if stage >= 2:
-        raise ConfigError(f"ZeRO stage {stage} reduces gradients at every micro-batch, so replicas running "
-                          f"different numbers of micro-batches {counts} would issue different numbers of collectives",
-                          source=source, field="zero_optimization.stage",
-                          fix="use ZeRO stage 0 or 1 with an uneven replica split, or a plan with the even split")
-
-
-def zero_stage(config: dict) -> int:
-    zero = config.get("zero_optimization") or {}
-    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
 
 
 def rank_config(config: dict, share: ReplicaShare) -> dict:

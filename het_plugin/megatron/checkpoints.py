@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..core.errors import ConfigError
+from ..core.checkpoint_fit import MEGATRON, CheckpointShape
 
 FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")   # DistributedOptimizer's own list (0.19)
 SPLIT_FREE_FORMATS = ("torch_dist",)             # weights keyed by global layer index
@@ -209,7 +210,6 @@ def load_optimizer(args: Any, found: CheckpointDir) -> bool:
 def checkpoint_shape(args: Any, load_arg: str = "load"):
     """The checkpoint ``--load`` names as :mod:`het_plugin.core.checkpoint_fit` reads it (what re-planning on
     restart asks before it takes a plan); None without one."""
-    from ..core.checkpoint_fit import MEGATRON, CheckpointShape
     load_dir = getattr(args, load_arg, None)
     found = checkpoint_dir(load_dir, args) if load_dir else None
     if found is None:

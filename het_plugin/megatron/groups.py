@@ -26,6 +26,7 @@ import contextlib
 from typing import Iterator, Optional
 
 from ..runtime.applied import AppliedPlan
+from ..runtime.group_policy import spans_vendors
 from ..runtime.patches import PATCHES
 
 
@@ -39,6 +40,8 @@ def planned_groups(applied: AppliedPlan, *, parallel_state=None, timeout_s: Opti
 
     if parallel_state is None:
         from megatron.core import parallel_state
+    if spans_vendors(applied.plan):
+        from .. import comm  # noqa: F401   registers het_shim, the backend of groups spanning vendors
     plan = applied.plan
     perm = list(plan.rank_of_logical)
     identity = plan.is_identity

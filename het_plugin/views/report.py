@@ -12,6 +12,7 @@ from typing import Any, Iterable, Optional
 
 from ..core.plan import Plan, Prediction
 from ..core.ranks.dims import format_ranks
+from ..core.planner import replica_split_text
 
 
 def spans(values: Iterable[int]) -> str:
@@ -271,7 +272,6 @@ def alt_split(plan: Plan) -> str:
     """The plan's replica split as the alternatives write it."""
     if not plan.uneven_replicas:
         return "even"
-    from ..core.planner import replica_split_text
     return replica_split_text(plan.replica_counts)
 
 

@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
@@ -175,7 +175,6 @@ class NodeGroupSpec(_Strict):
         if self.efficiency is not None:
             changes["efficiency"] = self.efficiency
         if changes:
-            from dataclasses import replace
             base = replace(base, **changes)
         return base
 
@@ -420,7 +419,6 @@ def build_cluster(spec: ClusterFile, source: str = "<memory>") -> Cluster:
                                   "<cluster>-<i> when hostnames are not given (e.g. " + ", ".join(names[:3]) + ")")
         by_name = {n.name: n for n in nodes}
         nodes = [by_name[n] for n in order]
-    from dataclasses import replace
     nodes = [replace(n, index=i) for i, n in enumerate(nodes)]
 
     links: dict[frozenset, Link] = {}
