@@ -35,12 +35,12 @@ FORMAT_VERSION = 3
 
 # Keys added to format 3 after plans were written with it: hashed only when they differ from the default.
 _HASHED_UNLESS_DEFAULT = {"vpp": 1, "layers_per_virtual_stage": [], "overlap_p2p_comm": False,
-                          "replica_micro_batches": [], "nccl_nets": {}}
+                          "replica_micro_batches": [], "nccl_nets": {}, "left_out": {}, "price_per_hour": None}
 
 # What the predictor's numbers and the planner's notes are about, not part of what they were computed from.
 # (nccl_nets: which NCCL network an RDMA group names does not enter the cost model)
 _NOT_PREDICTED_FROM = ("prediction", "baseline", "alternatives", "warnings", "predicted_for", "format_version",
-                       "nccl_nets")
+                       "nccl_nets", "left_out", "price_per_hour")
 
 
 @dataclass
@@ -144,6 +144,11 @@ class Plan:
     # before it): a plan edited afterwards (layers moved, the optimizer switched) no longer matches, and its
     # prediction is reported stale instead of shown as this plan's (issue 21).
     predicted_for: str = ""
+    # Nodes of the cluster file the plan leaves out (it is for the kept nodes in ``nodes``), why, and the best plan
+    # with every node (het_plugin.core.subsets); {} = every node is used. price_per_hour: what the plan's devices
+    # cost per hour at the cluster file's prices (None: no prices). Both written and hashed only when set.
+    left_out: dict[str, Any] = field(default_factory=dict)
+    price_per_hour: Optional[float] = None
     format_version: int = FORMAT_VERSION
 
     # ---- derived --------------------------------------------------------------------------
@@ -357,6 +362,9 @@ class Plan:
     # ---- serialization --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for key in ("left_out", "price_per_hour"):
+            if d[key] == _HASHED_UNLESS_DEFAULT[key]:
+                del d[key]
         d["hash"] = self.hash
         return d
 
