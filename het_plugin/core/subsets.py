@@ -159,7 +159,8 @@ def check_objective(objective: str, min_tokens_per_s: Optional[float], groups: S
         missing = [g.label for g in groups if g.price_per_device_hour is None]
         if missing:
             raise ConfigError(f"the cost objective needs a price for every node group; {', '.join(missing)} "
-                              f"{'has' if len(missing) == 1 else 'have'} none", source=source, field="clusters[*].nodes[*].price_per_device_hour",
+                              f"{'has' if len(missing) == 1 else 'have'} none", source=source,
+                              field="clusters[*].nodes[*].price_per_device_hour",
                               fix="add price_per_device_hour to those node groups of the cluster file, or plan "
                                   "with --objective time")
 
@@ -320,9 +321,11 @@ def node_list(plan: Plan) -> str:
 
 def check_launch_nodes(plan: Plan, launch_nodes: Optional[Sequence[str]] = None,
                        world_size: Optional[int] = None) -> None:
-    """Refuse a launch that includes nodes ``plan`` leaves out (by hostname, ``launch_nodes`` in node_rank order,
-    or, without names, by ``world_size`` equal to the whole cluster's): such ranks would get no place in any group.
-    The error names the left-out nodes and the launch to use."""
+    """Refuse a launch that includes nodes ``plan`` leaves out: by hostname (``launch_nodes``, in node_rank order:
+    a left-out node, or the kept nodes in another order; names the file does not know are no evidence), and by
+    ``world_size`` (any other than the plan's; the whole cluster's names the left-out nodes). Such ranks would
+    get no place in any group. The error names the left-out nodes and the launch to use. Pure: the adapters call
+    it at start-up, before any group."""
     if not plan.left_out:
         return
     left = plan.left_out["nodes"]
@@ -336,8 +339,8 @@ def check_launch_nodes(plan: Plan, launch_nodes: Optional[Sequence[str]] = None,
             raise ConfigError(f"the launch includes {len(extra)} node(s) the plan leaves out: {' '.join(extra)} "
                               f"(the plan is for {plan.world_size} ranks on {len(planned)} nodes)",
                               field="nodes", fix=fix)
-        unknown = [n for n in launch_nodes if n not in set(planned)]
-        if unknown or list(launch_nodes) != planned:
+        # names the file does not know (it gave no hostnames: its nodes are <cluster>-<i>) tell nothing
+        if set(launch_nodes) <= set(planned) and list(launch_nodes) != planned:
             raise ConfigError(f"the launch's nodes ({' '.join(launch_nodes)}) are not the plan's nodes in its launch "
                               f"order ({' '.join(planned)})", field="nodes", fix=fix)
     if world_size is not None and world_size != plan.world_size:

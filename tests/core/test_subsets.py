@@ -113,6 +113,9 @@ def test_the_launch_of_left_out_nodes_is_refused(searched):
     assert "annex-0 annex-1" in exc.value.problem and "--use-all-nodes" in exc.value.fix
     with pytest.raises(ConfigError, match="not the plan's nodes"):
         subsets.check_launch_nodes(plan, list(reversed(kept)))
+    subsets.check_launch_nodes(plan, [f"gpu{i}.example" for i in range(8)])     # names the file does not give
+    with pytest.raises(ConfigError, match="the plan is for 64 ranks"):
+        subsets.check_launch_nodes(plan, [f"gpu{i}.example" for i in range(10)], world_size=80)
 
 
 def test_a_plan_with_every_node_passes_any_launch_check(gpt):
@@ -153,7 +156,7 @@ def test_prices_change_nothing_when_absent_and_are_checked():
     plain, none = load_cluster(CLUSTERS / "h100-a100.yaml"), priced([None, None])
     assert plain.digest == none.digest
     assert priced([4.0, 2.0]).digest != plain.digest
-    for bad, what in ((-1, "greater than or equal to 0"), (True, "boolean"), ("cheap", "number")):
+    for bad, what in ((-1, "outside the range het_plugin takes"), (True, "boolean"), ("cheap", "number")):
         with pytest.raises(ConfigError) as exc:
             priced([bad, 2.0])
         assert "price_per_device_hour" in str(exc.value) and what in str(exc.value)

@@ -146,7 +146,7 @@ class NodeGroupSpec(_Strict):
     hostnames: Optional[list[str]] = None
     # What one device of this group costs per hour (any currency, the same in the whole file); the catalog has no
     # prices. Unset: the report shows no cost and ``--objective cost`` refuses the file.
-    price_per_device_hour: Optional[Annotated[float, BeforeValidator(not_bool), Field(ge=0, allow_inf_nan=False),
+    price_per_device_hour: Optional[Annotated[float, BeforeValidator(not_bool), Field(allow_inf_nan=False),
                                               in_range(0, PRICE_MAX, "per device-hour",
                                                        "give what one device of this group costs per hour, e.g. "
                                                        "2.5 (one currency for the whole file)")]] = None
