@@ -78,3 +78,11 @@ def test_cost_objective_from_the_command_line(capsys, tmp_path):
     assert cost <= every["price_per_hour"] * every["prediction"]["iteration_s"]
     rc, out, err = run(capsys, priced)
     assert "cost: " in out and "per million tokens" in out
+
+
+def test_pictures_of_a_plan_that_leaves_nodes_out(capsys, tmp_path):
+    """The schedule is re-predicted on the kept nodes' cluster (the whole file's digest is another)."""
+    rc, text, err = run(capsys, EXAMPLE, "--timeline", tmp_path / "t.svg", "--svg", tmp_path / "p.svg")
+    assert rc == 0, err
+    assert "stage 0" in (tmp_path / "t.svg").read_text()
+    assert "annex" not in (tmp_path / "p.svg").read_text()
