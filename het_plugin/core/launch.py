@@ -106,11 +106,14 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
                    names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
                    overlap_p2p_comm: Optional[bool] = None,
                    discover: Callable[[], Cluster] = no_discovery, profile: Any = None,
-                   share_plan: Optional[SharePlan] = None) -> Resolved:
+                   share_plan: Optional[SharePlan] = None, use_all_nodes: bool = True) -> Resolved:
     """:func:`resolve_plan`, with the cluster the plan was made from. ``discover``: what finds the cluster when
     the source names none (on ranks: ``het_plugin.discovery.discover_cluster``). ``profile``: a measured profile
     the planner uses (re-planning on restart, :mod:`het_plugin.runtime.restart_replan`; not for a plan file).
-    ``share_plan(digest, plan)``: where the search runs (None: here), see the module docstring."""
+    ``share_plan(digest, plan)``: where the search runs (None: here), see the module docstring.
+    ``use_all_nodes``: plan for every node of the cluster (True, what a launch of all of them needs); False: the
+    planner may leave out node groups (:mod:`het_plugin.core.subsets`) -- the caller then checks the launch with
+    :func:`subsets.check_launch_nodes` (a re-plan on restart plans for the nodes that came back)."""
     degrees = degrees or Degrees(launch.world_size)
     names = names or {}
     loaded = load_source(source)
@@ -127,17 +130,20 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
         raise ConfigError("a cluster needs a model to plan for", field="model",
                           fix="pass a model (ModelSpec, model file or preset name), or a plan file")
     from .planner import make_plan, placeable_degrees
+    from .subsets import plan_nodes
     fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
     def search() -> Plan:
-        return make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
-                         ep=degrees.ep, etp=degrees.etp, order=degrees.order, micro_batch_size=micro_batch_size,
-                         vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm, profile=profile)
+        return plan_nodes(cluster, spec, use_all_nodes=use_all_nodes, plan_fn=make_plan, tp=fixed["tp"],
+                          pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp, ep=degrees.ep, etp=degrees.etp,
+                          order=degrees.order, micro_batch_size=micro_batch_size, vpp=vpp or 1,
+                          overlap_p2p_comm=overlap_p2p_comm, profile=profile)
 
     try:
         if share_plan is None:
             return Resolved(search(), cluster)
         digest = planning_digest(cluster, spec, degrees, micro_batch_size=micro_batch_size, vpp=vpp,
-                                 overlap_p2p_comm=overlap_p2p_comm, profile=profile)
+                                 overlap_p2p_comm=overlap_p2p_comm, profile=profile,
+                                 **({} if use_all_nodes else {"use_all_nodes": False}))
         return Resolved(share_plan(digest, search), cluster)
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):

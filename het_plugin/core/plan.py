@@ -126,6 +126,11 @@ class Plan:
     # before it): a plan edited afterwards (layers moved, the optimizer switched) no longer matches, and its
     # prediction is reported stale instead of shown as this plan's (issue 21).
     predicted_for: str = ""
+    # Nodes of the cluster file the plan leaves out (it is for the kept nodes in ``nodes``), why, and the best plan
+    # with every node (het_plugin.core.subsets); {} = every node is used. price_per_hour: what the plan's devices
+    # cost per hour at the cluster file's prices (None: no prices). Both written and hashed only when set.
+    left_out: dict[str, Any] = field(default_factory=dict)
+    price_per_hour: Optional[float] = None
     format_version: int = FORMAT_VERSION
 
     # ---- derived --------------------------------------------------------------------------
@@ -334,6 +339,9 @@ class Plan:
     # ---- serialization (the file format: het_plugin.core.plan_format) ------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for key, unset in plan_format.WRITTEN_ONLY_WHEN_SET.items():
+            if d[key] == unset:
+                del d[key]
         d["hash"] = self.hash
         return d
 

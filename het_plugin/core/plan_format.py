@@ -19,17 +19,23 @@ from .inputs.yamlio import read_data, read_text
 #    'vpp', 'layers_per_virtual_stage' and 'overlap_p2p_comm' (interleaved pipelines), which the hash leaves out
 #    at their defaults (a plan written before them keeps its hash); 'replica_micro_batches' (heterogeneous data
 #    parallelism), hashed likewise only when set; 'nccl_nets' (the NCCL network an RDMA fabric declares),
-#    hashed only when set.
+#    hashed only when set; 'left_out' and 'price_per_hour' (a plan over a subset of the nodes, prices), written
+#    and hashed only when set.
 FORMAT_VERSION = 3
+
+# Keys a plan file holds only when set (a plan that uses every node, without prices, is written as before).
+WRITTEN_ONLY_WHEN_SET = {"left_out": {}, "price_per_hour": None}
 
 # Keys added to format 3 after plans were written with it: hashed only when they differ from the default.
 _HASHED_UNLESS_DEFAULT = {"vpp": 1, "layers_per_virtual_stage": [], "overlap_p2p_comm": False,
-                          "replica_micro_batches": [], "nccl_nets": {}}
+                          "replica_micro_batches": [], "nccl_nets": {},
+                          **WRITTEN_ONLY_WHEN_SET}
 
 # What the predictor's numbers and the planner's notes are about, not part of what they were computed from.
-# (nccl_nets: which NCCL network an RDMA group names does not enter the cost model)
+# (nccl_nets: which NCCL network an RDMA group names does not enter the cost model; left_out and price_per_hour
+# describe the choice of nodes and its price, the prediction is of the kept nodes)
 _NOT_PREDICTED_FROM = ("prediction", "baseline", "alternatives", "warnings", "predicted_for", "format_version",
-                       "nccl_nets")
+                       "nccl_nets", "left_out", "price_per_hour")
 
 
 def plan_fields(data: Any, known: set[str], source: str) -> tuple[dict[str, Any], Optional[str]]:
