@@ -147,8 +147,9 @@ OPTIONS_CONFIG_FIX = ("use torch >= 2.1 built with NCCL >= 2.17 (RCCL of ROCm >=
 
 
 def nccl_options(net_name: Optional[str], options: Any = None, *, timeout: Optional[timedelta] = None) -> Any:
-    """Every NCCL options object het_plugin builds or changes: the framework's own (Megatron passes its
-    per-group config) or new ones, ``config.net_name`` = ``net_name`` when given; None where this torch has
+    """Every NCCL options object het_plugin builds or changes: a copy of the framework's own (Megatron passes its
+    per-group config, one object to several groups: runtime.nccl_options) or new ones, ``config.net_name`` =
+    ``net_name`` when given; None where this torch has
     no NCCL (a CPU build: nothing to select). A build whose Options has no ``config`` is refused."""
     if options is None:
         import torch.distributed as tdist
@@ -156,6 +157,9 @@ def nccl_options(net_name: Optional[str], options: Any = None, *, timeout: Optio
         if pg_nccl is None:
             return None
         options = pg_nccl.Options()
+    elif timeout is not None or net_name is not None:
+        from .nccl_options import copied
+        options = copied(options)     # never write on the caller's object: frameworks share one among groups
     if timeout is not None:
         options._timeout = timeout
     if net_name is not None:
