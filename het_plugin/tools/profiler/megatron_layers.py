@@ -60,6 +60,7 @@ def _gpt(model: ModelSpec, tp: int, moe: bool, dtype, on_cuda: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    from ...megatron.collection import collection_kwargs     # explicit process groups where GPTModel takes them
     swiglu = model.activation == "swiglu"
     kwargs = dict(num_layers=1, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
                   num_query_groups=model.kv_heads, ffn_hidden_size=model.ffn, hidden_dropout=0.0,
@@ -76,7 +77,7 @@ def _gpt(model: ModelSpec, tp: int, moe: bool, dtype, on_cuda: bool):
     spec = get_gpt_layer_local_spec(num_experts=model.num_moe_experts if moe else None, moe_grouped_gemm=False)
     gpt = GPTModel(TransformerConfig(**kwargs), spec, vocab_size=model.vocab_size,
                    max_sequence_length=model.seq_length, pre_process=True, post_process=True,
-                   share_embeddings_and_output_weights=model.tie_embeddings)
+                   share_embeddings_and_output_weights=model.tie_embeddings, **collection_kwargs(GPTModel))
     return gpt.to(dtype)
 
 
