@@ -104,3 +104,37 @@ def test_the_issues_two_counts():
     assert ck.layers_of_args(argparse.Namespace(num_layers=22, pipeline_model_parallel_size=4, **both,
                                                 **base)) == (5, 6, 6, 5)
     assert list(itertools.accumulate((5, 6, 6, 5)))[-1] == 22
+
+
+def test_megatron_lms_validate_args_takes_the_users_account_flag_on_a_homogeneous_plan(monkeypatch):
+    """The issue's case: on a homogeneous cluster, --account-for-loss-in-pipeline-split with 15 layers at pp=2 made
+    Megatron-LM refuse a layout the user never set; now the plan writes none, Megatron validates the user's split,
+    and it builds 8 + 7 layers, what the checkpoint reader counts."""
+    pytest.importorskip("megatron.training.arguments", reason="megatron-core 0.16.1's wheel has no megatron.training")
+    import sys
+
+    import megatron.training.arguments as margs
+    from het_plugin.megatron import hook, lm
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    monkeypatch.setattr(sys, "argv", [
+        "pretrain_gpt.py", "--num-layers", "15", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--vocab-size", "128",
+        "--tokenizer-type", "NullTokenizer", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--pipeline-model-parallel-size", "2", "--account-for-loss-in-pipeline-split",
+        "--heterogeneous-nic", str(DATA / "megatron-homogeneous-4.yaml")])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(lm, "install_initialize_wrapper", lambda: None)
+    monkeypatch.setattr(lm, "state", lm.LaunchState())
+    monkeypatch.setattr(margs, "parse_args", margs.parse_args)      # the wrapper goes again after the test
+    hook.patch_arguments_module(margs)
+    args = margs.parse_args()
+    plan = lm.state.plan
+    assert lm.state.error is None and plan.homogeneous and len(set(plan.layers_per_stage)) > 1, \
+        "an uneven plan: it would have written a layout"
+    assert args.pipeline_model_parallel_layout is None and args.account_for_loss_in_pipeline_split
+    margs.validate_args(args)
+    config = margs.core_transformer_config_from_args(args)
+    built = tuple(get_num_layers_to_build(config, pp_rank=r) for r in range(2))
+    assert built == (8, 7) == ck.layers_of_args(args)
