@@ -10,7 +10,9 @@ main's RL inference shards) numbers ranks with ``np.arange`` and creates its gro
 
 * ``RankGenerator.get_ranks`` maps Megatron's numbering through the plan (non-identity plans);
 * ``parallel_state.create_group`` goes through the one group policy (backend, network, member order);
-* ``HyperCommGrid.create_pg`` maps its enumeration through the plan and creates each group through the policy;
+* ``HyperCommGrid.create_pg`` maps its enumeration through the plan and creates each group through the policy,
+  and ``HyperCommGrid.get_rank_enum`` answers in launch ranks (groups a caller makes from it with
+  ``dist.new_group`` get the plan's members, with NCCL's own network choice);
 * ``parallel_state.destroy_model_parallel`` ends all of this with Megatron's groups.
 
 On a homogeneous identity plan nothing is patched: Megatron's own groups and options.
@@ -45,6 +47,8 @@ def install(applied: AppliedPlan, *, parallel_state=None, hyper_comm_grid: Any =
     grid = getattr(hyper_comm_grid, "HyperCommGrid", None)
     if grid is not None:
         PATCHES.apply(grid, "create_pg", planned_create_pg(applied, hyper_comm_grid.dist), label=LABEL)
+        if not applied.plan.is_identity and hasattr(grid, "get_rank_enum"):
+            PATCHES.apply(grid, "get_rank_enum", planned_rank_enum(applied), label=LABEL)
     return True
 
 
@@ -71,6 +75,18 @@ def planned_create_pg(applied: AppliedPlan, dist_module):
                                                                  lambda orig: planned_subgroups(applied))]):
                 return orig_create_pg(self, dims, *args, **kwargs)
         return create_pg
+    return make
+
+
+def planned_rank_enum(applied: AppliedPlan):
+    """``make`` for HyperCommGrid.get_rank_enum: the lists callers build their own groups from (Megatron-LM main's
+    inference shards make the embedding groups from the pp enumeration with ``dist.new_group``) in launch ranks."""
+    perm = applied.plan.rank_of_logical
+
+    def make(orig):
+        def get_rank_enum(self, *args, **kwargs):
+            return [[perm[r] for r in ranks] for ranks in orig(self, *args, **kwargs)]
+        return get_rank_enum
     return make
 
 

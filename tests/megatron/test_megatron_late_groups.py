@@ -74,6 +74,8 @@ def test_a_hyper_comm_grid_is_numbered_by_the_plan(plan8, started):
         group = grid.create_pg(dims)
         assert sorted(ranks(group)) == sorted(next(g.ranks for g in plan8.groups[kind] if 1 in g.ranks)), kind
     assert any(r.desc == "HYPER_COMM_GRID" and r.transport == "socket" for r in started.records)
+    # the enumeration a caller builds its own groups from (Megatron-LM main's inference embedding groups)
+    assert grid.get_rank_enum("pp") == [g.ranks for g in plan8.groups["pp"]]
 
 
 def test_destroying_megatrons_groups_ends_the_run_long_patches(plan8, started):
