@@ -138,9 +138,22 @@ def check_groups(pg_collection: Any = None, *, applied=None, extras: Optional[di
 
 
 def install(training_module) -> None:
-    """Megatron-LM: check after ``setup_model_and_optimizer`` (its ``pg_collection`` where the caller passes one)."""
+    """Megatron-LM: refuse ``skip_model_parallel_init`` at ``initialize_megatron`` (pretrain's call, before any
+    model), and check after ``setup_model_and_optimizer`` (its ``pg_collection`` where the caller passes one)."""
+    if getattr(training_module, "initialize_megatron", None) is not None:
+        PATCHES.apply(training_module, "initialize_megatron", _refusing_skip, label=LABEL)
     if getattr(training_module, "setup_model_and_optimizer", None) is not None:
         PATCHES.apply(training_module, "setup_model_and_optimizer", _checked_setup, label=LABEL)
+
+
+def _refusing_skip(initialize):
+    def initialize_megatron(*args, **kwargs):
+        if kwargs.get("skip_model_parallel_init"):
+            raise ConfigError("skip_model_parallel_init=True with --heterogeneous-nic: Megatron would build no groups "
+                              "through the plan, and the script's own process groups keep Megatron's numbering",
+                              field="skip_model_parallel_init", fix=FIX_ORDER)
+        return initialize(*args, **kwargs)
+    return functools.update_wrapper(initialize_megatron, initialize)
 
 
 def _checked_setup(setup):
