@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Optional
+from typing import Any
 
 from ..core.errors import ConfigError
 
