@@ -22,6 +22,7 @@ import os
 from datetime import timedelta
 from typing import Any, Iterator, Optional, Sequence
 
+from .nccl_options import copied
 from ..core.errors import ConfigError
 from ..core.nccl_version import version_text
 # The names per transport are pure data, shared with the pre-flight's rules: core.ranks.transport.
@@ -29,7 +30,7 @@ from ..core.ranks.transport import ENV_GLOO_IFNAMES, RDMA_TRANSPORTS, SHIM_BACKE
 from . import nccl_version      # its loaded_nccl_version is looked up at each call (tests replace it)
 
 # A leaf below both the group policy (runtime.group_policy) and the shim (comm.shim): it imports no other
-# runtime or comm module but nccl_version.
+# runtime or comm module but nccl_version and nccl_options (leaves too).
 
 
 def gloo_ifnames(env: Optional[dict] = None) -> dict[str, str]:
@@ -91,15 +92,18 @@ OPTIONS_CONFIG_FIX = ("use torch >= 2.1 built with NCCL >= 2.17 (RCCL of ROCm >=
 
 
 def nccl_options(net_name: Optional[str], options: Any = None, *, timeout: Optional[timedelta] = None) -> Any:
-    """Every NCCL options object het_plugin builds or changes: the framework's own (Megatron passes its
-    per-group config) or new ones, ``config.net_name`` = ``net_name`` when given; None where this torch has
-    no NCCL (a CPU build: nothing to select). A build whose Options has no ``config`` is refused."""
+    """Every NCCL options object het_plugin builds or changes: a copy of the framework's own (Megatron passes its
+    per-group config, one object to several groups: runtime.nccl_options) or new ones, ``config.net_name`` =
+    ``net_name`` when given; None where this torch has no NCCL (a CPU build: nothing to select). A build whose
+    Options has no ``config`` is refused."""
     if options is None:
         import torch.distributed as tdist
         pg_nccl = getattr(tdist, "ProcessGroupNCCL", None)
         if pg_nccl is None:
             return None
         options = pg_nccl.Options()
+    elif timeout is not None or net_name is not None:
+        options = copied(options)     # never write on the caller's object: frameworks share one among groups
     if timeout is not None:
         options._timeout = timeout
     if net_name is not None:
