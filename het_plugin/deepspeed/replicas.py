@@ -125,6 +125,8 @@ def apply_replica_split(engine, share: ReplicaShare, training_data: Any = None) 
         _guard_data_iterator(engine, share)
     if training_data is not None:
         _read_replica_range(engine, share, training_data)
+    from .samplers import guard_loaders
+    guard_loaders(engine, share)          # deepspeed_io / set_dataloader read the replica's range (samplers.py)
 
 
 def _weight_pipeline_backward(engine, share: ReplicaShare) -> None:
@@ -282,13 +284,9 @@ def _guard_data_iterator(engine, share: ReplicaShare) -> None:
 
 
 def _refuse_even_sampler(iterator, share: ReplicaShare) -> None:
-    """A loader over torch's DistributedSampler splits every batch evenly: wrong samples, early exhaustion."""
-    sampler = _sampler_of(iterator)
-    if sampler is not None and type(sampler).__name__ == "DistributedSampler":
-        raise ConfigError(f"the data iterator reads a DistributedSampler (the even split over "
-                          f"{getattr(sampler, 'num_replicas', '?')} replicas), but {share.describe()}",
-                          field="data_iter", fix="build the loader with batch_sampler=hds.replica_batch_sampler("
-                                                 "engine, len(dataset)), or pass training_data= to initialize")
+    """A loader whose sampler is not this replica's range (any class: samplers.refuse_unranged) is refused."""
+    from .samplers import refuse_unranged
+    refuse_unranged(iterator, share, field="data_iter")
 
 
 def _sampler_of(obj, depth: int = 0):

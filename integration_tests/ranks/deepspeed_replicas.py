@@ -31,6 +31,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--dry", type=int, default=None)
+    p.add_argument("--loader", choices=["training_data", "strided", "replica"], default="training_data",
+                   help="pipe mode: training_data= to initialize; or the script's own RepeatingLoader handed to "
+                        "train_batch over a strided even split (sample i on data rank i %% dp), or over "
+                        "hds.replica_sampler")
     args = p.parse_args()
 
     import torch
@@ -74,7 +78,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = torch.nn.Sequential(InProj(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    training_data = data if args.dry is None else None
+    training_data = data if args.dry is None and args.loader == "training_data" else None
     engine, _, loader, _ = hds.initialize(model=model, optimizer=optimizer, config=config,
                                           training_data=training_data)
     plan = engine.het_plan
@@ -84,6 +88,13 @@ def main() -> None:
     losses, consumed = [], []
     if args.mode == "pipe":
         it = None
+        if args.loader != "training_data":
+            from deepspeed.utils import RepeatingLoader
+            dp_rank, dp = engine.grid.get_data_parallel_rank(), plan.dp
+            sampler = list(range(dp_rank, len(data), dp)) if args.loader == "strided" else \
+                hds.replica_sampler(engine, len(data))
+            it = iter(RepeatingLoader(torch.utils.data.DataLoader(data, batch_size=plan.micro_batch_size,
+                                                                  sampler=sampler)))
         if args.dry is not None:
             # Replica 0 gets a finite iterator of --dry micro-batches (its share is count per step).
             micro = plan.micro_batch_size
