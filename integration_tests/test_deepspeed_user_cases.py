@@ -10,11 +10,13 @@ split forced), the replica runs ranks/deepspeed_replicas.py and test_deepspeed_r
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("deepspeed")
+import torch  # noqa: E402
 
 from het_plugin.core.inputs.cluster import load_cluster  # noqa: E402
 from het_plugin.core.planner import assemble_plan  # noqa: E402
@@ -79,3 +81,42 @@ def test_a_scripts_own_loader_under_uneven_shares_reads_the_replica_range_or_sto
     mine = replicas.launch(tmp_path, "replica", replicas.PIPE_CONFIG, uneven_plan, "pipe", "--loader", "replica")
     replicas.assert_same_training(even, mine)
     replicas.assert_each_sample_once(mine, uneven_plan, 8, list(range(64)))
+
+
+def test_deepspeed_io_under_uneven_shares_reads_the_replica_range_of_its_order(tmp_path):
+    """engine.deepspeed_io(dataset) (DeepSpeed's shuffling DistributedSampler, seed 0) in the script's own
+    RepeatingLoader: on the uneven split each replica reads its range of the same global batches."""
+    even_plan, uneven_plan = replicas.plans(ParallelDims(pp=2, dp=2), [3, 1], 8, [3, 1])
+    even = replicas.launch(tmp_path, "even_io", replicas.PIPE_CONFIG, even_plan, "pipe", "--loader", "deepspeed_io")
+    mine = replicas.launch(tmp_path, "uneven_io", replicas.PIPE_CONFIG, uneven_plan, "pipe", "--loader",
+                           "deepspeed_io")
+    replicas.assert_same_training(even, mine)
+    shuffled = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
+    replicas.assert_each_sample_once(even, even_plan, 8, shuffled)
+    replicas.assert_each_sample_once(mine, uneven_plan, 8, shuffled)
+
+
+def bf16_step(x: float) -> float:
+    """The spacing of bf16 numbers at |x| (7 stored significand bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0 ** -126))) - 7)
+
+
+def test_bf16_under_uneven_shares_stays_within_one_bf16_step_of_the_even_split(tmp_path):
+    """docs/deepspeed.md's bound: each micro-batch's bf16 gradient is the even split's (loss_weight), DeepSpeed's
+    BF16_Optimizer accumulates them in fp32 in another grouping, so after a step every bf16 parameter is within
+    one bf16 step of the even split's; the reported loss, a bf16 sum in another grouping, within
+    (max count + dp) bf16 roundings."""
+    even_plan, uneven_plan = replicas.plans(ParallelDims(pp=2, dp=2), [3, 1], 8, [3, 1])
+    bf16 = ["--bf16", "--steps", 1]
+    even = replicas.launch(tmp_path, "even_bf16", replicas.PIPE_CONFIG, even_plan, "pipe", *bf16)
+    uneven = replicas.launch(tmp_path, "uneven_bf16", replicas.PIPE_CONFIG, uneven_plan, "pipe", *bf16)
+    differing = 0
+    for e, u in zip(even, uneven):
+        for name in e["params"]:
+            for a, b in zip(e["params"][name], u["params"][name]):
+                assert abs(a - b) <= max(bf16_step(a), bf16_step(b)), name
+                differing += a != b
+    assert differing < 0.05 * sum(len(p) for r in even for p in r["params"].values())
+    rounding = (max(uneven_plan.replica_counts) + uneven_plan.dp) * 2.0 ** -8
+    for e, u in zip(even, uneven):
+        assert abs(u["losses"][0] - e["losses"][0]) <= rounding * abs(e["losses"][0])

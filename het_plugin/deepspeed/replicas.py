@@ -135,12 +135,14 @@ def _weight_pipeline_backward(engine, share: ReplicaShare) -> None:
     step scales the loss by count / n first, so DeepSpeed's division by gas (= count) leaves loss / n."""
     import torch
     from deepspeed.runtime.pipe import schedule
+
+    from .loss_weight import weighted_loss
     pipeline_backward = engine._INSTRUCTION_MAP[schedule.BackwardPass]
     factor = share.count / share.even_count
 
     def exec_backward_pass(self, buffer_id):
         if self.is_last_stage() and isinstance(self.loss, torch.Tensor):
-            self.loss = self.loss * factor
+            self.loss = weighted_loss(self.loss, factor)     # in fp32: bf16 seeds stay the even split's
         return pipeline_backward(self, buffer_id)
 
     engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.BackwardPass: exec_backward_pass}

@@ -185,3 +185,25 @@ def test_replica_sampler_is_one_call(plan):
     assert list(sampler) == list(range(start, stop)) + list(range(8 + start, 8 + stop))
     with pytest.raises(ConfigError, match="not built under a heterogeneous section"):
         samplers.replica_sampler(types.SimpleNamespace(), 16)
+
+
+# ---- bf16 under uneven shares ----------------------------------------------------------------------------
+
+def backward_seed(loss_fn) -> torch.Tensor:
+    """The gradient that reaches a bf16 loss through ``loss_fn`` (what scales every gradient of the micro-batch)."""
+    loss = torch.tensor(0.71875, dtype=torch.bfloat16, requires_grad=True)
+    loss_fn(loss).backward()
+    return loss.grad
+
+
+def test_the_pipeline_loss_weight_gives_the_even_splits_bf16_seed():
+    """DeepSpeed divides by gas: the even split's seed is bf16(1/n); replica d's is (loss * c/n) / c."""
+    from het_plugin.deepspeed.loss_weight import weighted_loss
+    off_in_bf16 = []
+    for n in range(1, 17):
+        even = backward_seed(lambda loss: loss / n)
+        for c in range(1, 17):
+            assert backward_seed(lambda loss: weighted_loss(loss, c / n) / c) == even, (c, n)
+            if backward_seed(lambda loss: (loss * (c / n)) / c) != even:
+                off_in_bf16.append((c, n))
+    assert (7, 3) in off_in_bf16            # weighting in bf16 itself is one bf16 step off for such counts
