@@ -58,6 +58,19 @@ def test_tied_layers_start_from_the_first_stage_as_deepspeeds(tmp_path):
     assert len(set(base[0]["losses"])) > 1
 
 
+def test_activation_checkpointing_and_unseeded_tied_layers_are_deepspeeds(tmp_path):
+    """activation_checkpoint_interval=1 and seed_layers=False (each stage builds its layers from torch's own RNG:
+    the tied layer's copies start different) under the permuting plan: losses bit-equal to DeepSpeed's."""
+    plan, cfg = stage0_on_odd_ranks(tmp_path)
+    options = ["--tied", "--checkpoint-interval", 1, "--no-seed-layers"]
+    res = results(launch(PIPE, 4, ["--config", cfg, *options, *SAME_SPLIT[2:]]))
+    base = results(launch(PIPE, 4, ["--baseline", *options, *SAME_SPLIT]))
+    assert_follows_plan(res, plan)
+    for r in res:
+        assert r["tied"] == base[plan.logical_of_physical[r["rank"]]]["tied"]
+    assert all(r["losses"] == base[0]["losses"] for r in res)
+
+
 def test_a_data_rank_read_from_the_scripts_topology_is_the_plans(tmp_path):
     """The script builds PipeModelDataParallelTopology, hands it to PipelineModule and picks its samples by
     topo.get_coord(rank).data: both stages of a pipeline read the same samples, as with DeepSpeed alone."""
@@ -65,6 +78,7 @@ def test_a_data_rank_read_from_the_scripts_topology_is_the_plans(tmp_path):
     res = results(launch(PIPE, 4, ["--config", cfg, "--data-rank", "topology", *SAME_SPLIT[2:]]))
     base = results(launch(PIPE, 4, ["--baseline", "--data-rank", "topology", *SAME_SPLIT]))
     assert_follows_plan(res, plan)            # data_id (read from the script's topology) is the plan's dp coordinate
+    assert [r["groups_data_rank"] for r in res] == [plan.coord(r["rank"])["dp"] for r in res]   # deepspeed.utils.groups
     assert all(r["losses"] == base[0]["losses"] for r in res)
 
 

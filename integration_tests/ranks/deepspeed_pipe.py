@@ -42,6 +42,8 @@ def main() -> None:
                                                            "InProj) (as GPT pipelines tie embedding and output layer)")
     p.add_argument("--data-rank", choices=["grid", "topology"], default="grid",
                    help="where the script reads its data rank: DeepSpeed's grid, or the topology object it built")
+    p.add_argument("--checkpoint-interval", type=int, default=0, help="activation_checkpoint_interval")
+    p.add_argument("--no-seed-layers", action="store_true", help="seed_layers=False (layers from torch's own RNG)")
     p.add_argument("--parts", help="baseline only: force DeepSpeed's layer boundaries, e.g. 0,6,10 (what the plan "
                                    "splits), instead of partition_method='uniform'")
     args = p.parse_args()
@@ -66,7 +68,10 @@ def main() -> None:
     topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.mp, num_dp=dp)
     # partition_method as the baseline's: a homogeneous plan keeps the script's own (DeepSpeed 0.19.8's default,
     # 'parameters', gives numpy boundaries, which seed_layers=True hands to random.seed: a TypeError).
-    common = dict(loss_fn=torch.nn.MSELoss(), seed_layers=True, base_seed=1234, partition_method="uniform")
+    common = dict(loss_fn=torch.nn.MSELoss(), seed_layers=not args.no_seed_layers, base_seed=1234,
+                  partition_method="uniform", activation_checkpoint_interval=args.checkpoint_interval)
+    if args.no_seed_layers:
+        torch.manual_seed(1234)          # as scripts do: one seed on every rank, then each builds its own stage
     if args.baseline:
         config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": ACCUM,
                   "train_batch_size": micro * ACCUM * dp, "steps_per_print": 10 ** 6}
@@ -126,6 +131,7 @@ def main() -> None:
         "gloo_ifname_after": os.environ.get("GLOO_SOCKET_IFNAME"),
         "tx": {k: after[k] - before[k] for k in after},
         "tied": [tied_before, tied_weight(model)],
+        "groups_data_rank": deepspeed.utils.groups._get_data_parallel_rank(),     # what deepspeed.utils.groups says
     })
 
 
