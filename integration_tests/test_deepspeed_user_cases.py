@@ -116,8 +116,9 @@ def bf16_step(x: float) -> float:
 
 
 def test_bf16_under_uneven_shares_stays_within_one_bf16_step_of_the_even_split(tmp_path):
-    """docs/deepspeed.md's bound: each micro-batch's bf16 gradient is the even split's (loss_weight), DeepSpeed's
-    BF16_Optimizer accumulates them in fp32 in another grouping, so after a step every bf16 parameter is within
+    """docs/deepspeed.md's bound: each micro-batch's bf16 gradient is the even split's (loss_weight); DeepSpeed's
+    BF16_Optimizer sums them in another grouping (bf16 accumulation, its default) into fp32 master weights, so after
+    a plain-SGD step (lr 0.1: lr times the summation bound is far below a bf16 step) every bf16 parameter is within
     one bf16 step of the even split's; the reported loss, a bf16 sum in another grouping, within
     (max count + dp) bf16 roundings."""
     even_plan, uneven_plan = replicas.plans(ParallelDims(pp=2, dp=2), [3, 1], 8, [3, 1])
