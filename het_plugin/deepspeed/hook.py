@@ -10,6 +10,8 @@ module, which lets DeepSpeed load and patches it (:func:`install`):
   module is built as :class:`het_plugin.deepspeed.PipelineModule` builds it (the plan's topology, split,
   groups and pipeline hops, :func:`het_plugin.deepspeed.pipe.build_with_plan`); otherwise untouched;
 * ``PipelineModule._partition_layers``: the plan's split where one was applied;
+* ``deepspeed.runtime.pipe.topology.ProcessTopology.__init__``: remembers the topologies the script builds
+  (:mod:`het_plugin.deepspeed.script_topology`), so they answer with the plan's coordinates;
 * ``deepspeed.initialize``: :func:`het_plugin.deepspeed.engine.initialize_with_plan` (the config passed, the
   module's plan, or the process's section; none: DeepSpeed's own call).
 
@@ -31,6 +33,7 @@ from ..runtime.import_patch import PatchOnLoad
 from ..runtime.patches import PATCHES
 from .config import SECTION, load_ds_config, section_of
 from .engine import initialize_with_plan
+from .script_topology import remembering
 
 TARGET = "deepspeed"
 ENV_CONFIG = "HET_PLUGIN_DEEPSPEED_CONFIG"
@@ -177,6 +180,8 @@ def patch_deepspeed(module=None) -> None:
         cls = pipe_module.PipelineModule
         _patch(cls, "__init__", _wrap_init)
         _patch(cls, "_partition_layers", _wrap_partition)
+        from deepspeed.runtime.pipe.topology import ProcessTopology
+        _patch(ProcessTopology, "__init__", remembering)     # the script's own topologies (script_topology)
 
 
 # ---- finding deepspeed ---------------------------------------------------------------------------

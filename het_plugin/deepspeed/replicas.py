@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 from ..core.ranks.batches import ReplicaSampler
 from ..core.errors import ConfigError, HetPluginError
 from ..runtime.patches import BEHAVIOUR, PATCHES
 from ..runtime.replicas import ReplicaShare
 from .config import SECTION, check_batch_settings  # noqa: F401   (the batch check is the config's; named here too)
+from .loss_weight import weighted_loss
+from .samplers import LABEL as SAMPLERS_LABEL, ReplicaSampleOrder, guard_loaders, refuse_unranged, shuffled_order  # noqa: F401 (named here too)
 
 PATCH_LABEL = "deepspeed.replicas"   # this module's engine hooks in het_plugin.runtime.patches.PATCHES
 
@@ -70,11 +72,13 @@ def apply_replica_split(engine, share: ReplicaShare, training_data: Any = None) 
         _guard_data_iterator(engine, share)
     if training_data is not None:
         _read_replica_range(engine, share, training_data)
+    guard_loaders(engine, share)          # deepspeed_io / set_dataloader read the replica's range (samplers.py)
 
 
 def remove_replica_split(engine) -> int:
-    """Take this module's hooks off ``engine`` (the other labels' hooks stay, re-made over DeepSpeed's own)."""
-    return PATCHES.undo(PATCH_LABEL, owner=engine)
+    """Take this module's hooks, and the loader checks it installed, off ``engine`` (the other labels' hooks stay,
+    re-made over DeepSpeed's own)."""
+    return PATCHES.undo(PATCH_LABEL, owner=engine) + PATCHES.undo(SAMPLERS_LABEL, owner=engine)
 
 
 def _weights(n: int):
@@ -123,7 +127,7 @@ def _weight_pipeline_backward(engine, share: ReplicaShare) -> None:
 
         def exec_backward_pass(self, buffer_id):
             if self.is_last_stage() and isinstance(self.loss, torch.Tensor):
-                self.loss = self.loss * factor
+                self.loss = weighted_loss(self.loss, factor)     # in fp32: bf16 seeds stay the even split's
             return pipeline_backward(self, buffer_id)
 
         return {**table, schedule.BackwardPass: exec_backward_pass}
@@ -148,43 +152,6 @@ def _count_true_global_batch(engine, share: ReplicaShare) -> None:
 
 
 # ---- data -------------------------------------------------------------------------------------------------
-
-class ReplicaSampleOrder:
-    """Sample indices (a ``sampler`` for DeepSpeed's loader, batch size = micro): the replica's micro-batches
-    of every complete global batch of ``total_samples`` (:class:`het_plugin.core.ranks.batches.ReplicaSampler`), as
-    positions in the data order: ``order`` (None: 0, 1, 2, ...), or with ``shuffle_seed`` the permutation a
-    shuffling DistributedSampler deals out, redrawn by :meth:`set_epoch` as DistributedSampler's is (so each
-    epoch's global batches hold the samples the even split's would)."""
-
-    def __init__(self, total_samples: int, share: ReplicaShare, consumed_samples: int = 0,
-                 order: Optional[Sequence[int]] = None, shuffle_seed: Optional[int] = None, epoch: int = 0):
-        self.batch_sampler = ReplicaSampler(total_samples, consumed_samples, share.batches, share.replica)
-        self.total_samples = total_samples
-        self.shuffle_seed = shuffle_seed
-        self.order = order
-        self.set_epoch(epoch)
-
-    def set_epoch(self, epoch: int) -> None:
-        """DistributedSampler's ``set_epoch``: a shuffled order is redrawn with seed + epoch."""
-        self.epoch = epoch
-        if self.shuffle_seed is not None:
-            self.order = shuffled_order(self.shuffle_seed + epoch, self.total_samples)
-
-    def __iter__(self) -> Iterator[int]:
-        for micro_batch in self.batch_sampler:
-            yield from (micro_batch if self.order is None else (self.order[i] for i in micro_batch))
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler) * self.batch_sampler.batches.micro_batch_size
-
-
-def shuffled_order(seed: int, total_samples: int) -> list[int]:
-    """The permutation DistributedSampler(shuffle=True) draws for ``seed`` (its seed + epoch)."""
-    import torch
-    gen = torch.Generator()
-    gen.manual_seed(seed)
-    return torch.randperm(total_samples, generator=gen).tolist()
-
 
 def replica_batch_sampler(engine, total_samples: int, consumed_samples: int = 0) -> ReplicaSampler:
     """For users who build their own loader: ``DataLoader(dataset, batch_sampler=replica_batch_sampler(engine,
@@ -270,13 +237,8 @@ def _guard_data_iterator(engine, share: ReplicaShare) -> None:
 
 
 def _refuse_even_sampler(iterator, share: ReplicaShare) -> None:
-    """A loader over torch's DistributedSampler splits every batch evenly: wrong samples, early exhaustion."""
-    sampler = _sampler_of(iterator)
-    if sampler is not None and type(sampler).__name__ == "DistributedSampler":
-        raise ConfigError(f"the data iterator reads a DistributedSampler (the even split over "
-                          f"{getattr(sampler, 'num_replicas', '?')} replicas), but {share.describe()}",
-                          field="data_iter", fix="build the loader with batch_sampler=hds.replica_batch_sampler("
-                                                 "engine, len(dataset)), or pass training_data= to initialize")
+    """A loader whose sampler is not this replica's range (any class: samplers.refuse_unranged) is refused."""
+    refuse_unranged(iterator, share, field="data_iter")
 
 
 def _sampler_of(obj, depth: int = 0):
