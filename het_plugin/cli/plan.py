@@ -47,6 +47,10 @@ def register(sub) -> None:
     p.add_argument("--profile", metavar="FILE",
                    help="measured profile (layer times, link bandwidths) overriding the analytic estimates; "
                         "format in docs/planner.md")
+    p.add_argument("--nccl-version", metavar="VERSION", default=None,
+                   help="the NCCL the job loads: a release (2.30.7, the default: the newest read), 2.26.2+cross-dc "
+                        "(a build of NVIDIA/nccl's cross-dc branch: groups across fabrics on its multi-network "
+                        "communicators, and the baseline with them) or rccl:VERSION")
     p.add_argument("-o", "--output", help="write the plan to this file (.json or .yaml)")
     p.add_argument("--format", choices=["text", "json"], default="text",
                    help="text: a readable report; json: the plan itself on stdout")
@@ -223,6 +227,18 @@ class ProgressLine:
             self.stream.flush()
 
 
+def nccl_build_arg(args):
+    """``--nccl-version`` as an NcclBuild (None: the planner's default, the newest release)."""
+    from ..core.nccl_version import parse_build
+    text = getattr(args, "nccl_version", None)
+    if text is None:
+        return None
+    try:
+        return parse_build(text)
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="--nccl-version", fix="e.g. 2.30.7, 2.26.2+cross-dc or rccl:2.21.5") from None
+
+
 def run(args) -> int:
     from ..core.plan import Plan
     from ..core.launch import load_source, model_from_arg
@@ -260,7 +276,7 @@ def run(args) -> int:
             plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
                              etp=args.etp, micro_batch_size=args.micro_batch_size, progress=show, profile=profile,
                              vpp=args.vpp, replica_split=replica_split, order=args.order or DEFAULT_ORDER,
-                             overlap_p2p_comm=args.overlap_p2p_comm)
+                             overlap_p2p_comm=args.overlap_p2p_comm, nccl=nccl_build_arg(args))
         except ConfigError as exc:
             if exc.field != "replica_split":
                 raise
