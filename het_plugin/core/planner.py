@@ -307,7 +307,7 @@ def _spans_domains(analysis: cost.Analysis) -> bool:
     """Some stage's data-parallel groups span domains: two device types in a stage, or a DP group that leaves a
     fabric or a vendor (sockets, the shim)."""
     return (any(len(st.accelerators) > 1 for st in analysis.stages)
-            or bool(analysis.transports.get("dp", set()) & OVER_SOCKETS))
+            or bool(analysis.transports.get("dp", set()) & SPANNING))
 
 
 def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDims, mb: int,
@@ -746,7 +746,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     het = not cluster.is_homogeneous
     stock_wins = het and base_best is not None and base_best.prediction.iteration_s < best.prediction.iteration_s
     if stock_wins:          # never a plan predicted slower than what the frameworks do by themselves
-        best = base_best
+        best = replace(base_best, prediction=_own_prediction(cluster, model, base_best, plan_fn, overlap, profile,
+                                                             sched))
+    stock_wins = stock_wins or (het and base_best is not None and _same_run(best, base_best))
     best.prediction.description = _describe(best, STOCK_IS_BEST if stock_wins else "planned" if het else
                                             "framework default (homogeneous cluster: het_plugin changes nothing)",
                                             shape=het and not stock_wins)
@@ -797,6 +799,23 @@ STOCK_SOCKETS_OLD = ("previous baseline = framework default placement, uniform l
                      "once one crosses fabrics, one distributed-optimizer instance, best degrees for that default")
 STOCK_IS_BEST = ("stock = framework default placement and uniform layers: predicted no slower than anything "
                  "het_plugin plans here, so the plan is the frameworks' own")
+
+
+def _own_prediction(cluster: Cluster, model: ModelSpec, cand: "Candidate", transport_fn, overlap: bool,
+                    profile: Optional[Profile], sched: tuple) -> Prediction:
+    """A stock candidate predicted as the plan it becomes will run (its groups on ``transport_fn``, which is never
+    slower than the stock baseline's: per-group RDMA where the baseline put everything on sockets)."""
+    return cost.predict(cluster, model, cand.placement, cand.layers, cand.micro_batch_size, transport_fn=transport_fn,
+                        overlap_grad_reduce=overlap, distributed_optimizer=cand.distributed_optimizer,
+                        profile=profile, vpp=sched[0], overlap_p2p_comm=sched[1], instances=cand.instances)
+
+
+def _same_run(a: "Candidate", b: "Candidate") -> bool:
+    """The same placement, layers, micro-batch and optimizer: the plan is the frameworks' own run."""
+    return (a.placement.rank_of_canonical == b.placement.rank_of_canonical and a.placement.dims == b.placement.dims
+            and list(a.layers) == list(b.layers) and a.micro_batch_size == b.micro_batch_size
+            and (a.distributed_optimizer, a.instances, a.replica_counts) == (b.distributed_optimizer, b.instances,
+                                                                             b.replica_counts))
 
 
 def _best_default(cluster: Cluster, model: ModelSpec, options, fixed_mb, fixed_pp: bool, overlap: bool,
