@@ -395,7 +395,7 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
 def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
                     overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None,
                     sched: tuple = (1, None), replica_split: "str | list[int]" = "auto",
-                    transport_fn=cluster_transport) -> _Search:
+                    transport_fn=cluster_transport, optimizer_instances: bool = True) -> _Search:
     """Het-aware search (groups on ``transport_fn``: :func:`placement.multinet_transport` where the NCCL build
     joins networks): every domain order, the exact partition, with and without the distributed
     optimizer, for each degree combination. Where devices differ in speed (:func:`_replica_dealing`: on one
@@ -450,7 +450,7 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                 found.expert_spans.append(f"{_label(dims)}, order {' > '.join(f'{c}/{a}' for c, a in dense.placement.domain_order)}: "
                                           f"{analysis.expert_span}")
                 continue
-            variants = _instance_variants(cluster, model, dims, analysis, net)
+            variants = _instance_variants(cluster, model, dims, analysis, net) if optimizer_instances else [analysis]
             for mb in _micro_batches(model, dims, fixed_mb, sched[0], replica_split):
                 for dist_opt in dist_opts:
                     for an in (variants if dist_opt else variants[:1]):
@@ -664,7 +664,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
               progress: Optional[Progress] = None, profile: Optional[Profile] = None, ep: Optional[int] = 1,
               etp: Optional[int] = None, order: str = DEFAULT_ORDER, vpp: int = 1,
               overlap_p2p_comm: Optional[bool] = None, replica_split: "str | Sequence[int]" = "auto",
-              nccl: Optional[NcclBuild] = None) -> Plan:
+              nccl: Optional[NcclBuild] = None, optimizer_instances: bool = True) -> Plan:
     """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected.
 
     ``ep``/``etp`` (expert parallel sizes) and ``order`` (Megatron's rank order) are the framework's, taken
@@ -694,7 +694,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     joins networks in one communicator (:attr:`NcclBuild.multinet`) a one-vendor group across fabrics gets the
     'multinet' transport, and the baseline is today's stock stack on it (:func:`placement.stock_transport`), the
     sockets-everywhere baseline kept as ``Plan.baseline_previous``. The plan is never predicted slower than the
-    baseline: where the frameworks' default is best, it is the plan.
+    baseline: where the frameworks' default is best, it is the plan. ``optimizer_instances``: the planner (and the
+    baseline) may use Megatron's partial distributed optimizer; False for DeepSpeed, whose pipeline engine has no
+    such mode (ZeRO-1 shards over the whole data-parallel group; docs/deepspeed.md).
     """
     multinet = (nccl or NcclBuild()).multinet
     plan_fn = multinet_transport if multinet else cluster_transport
@@ -719,7 +721,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
                                       replica_split)
     else:
         planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched, replica_split,
-                                  plan_fn)
+                                  plan_fn, optimizer_instances)
     if not planned.best and replica_split == "uneven":
         devices = ", ".join(sorted({n.accelerator.name for n in cluster.nodes}))
         raise ConfigError(f"replica_split=uneven cannot be honoured: of {len(options)} degree combinations on "
@@ -735,7 +737,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     if not cluster.is_homogeneous:
         # What a user gets today, at its best: either optimizer setting, the best degrees for it.
         base_best = _best_default(cluster, model, options, fixed_mb, pp is not None, overlap, profile, sched,
-                                  stock_transport(multinet), instances=True)
+                                  stock_transport(multinet), instances=optimizer_instances)
         # the line before today's stack (sockets everywhere, one optimizer instance), kept where it differs
         previous_best = _best_default(cluster, model, options, fixed_mb, pp is not None, overlap, profile, sched,
                                       baseline_transport, instances=False)
@@ -797,8 +799,8 @@ STOCK_MULTINET = ("baseline = today's stock stack: framework default placement (
                   "that default")
 STOCK_SOCKETS_OLD = ("previous baseline = framework default placement, uniform layers, every communicator on sockets "
                      "once one crosses fabrics, one distributed-optimizer instance, best degrees for that default")
-STOCK_IS_BEST = ("stock = framework default placement and uniform layers: predicted no slower than anything "
-                 "het_plugin plans here, so the plan is the frameworks' own")
+STOCK_IS_BEST = ("stock = framework default placement and uniform layers: no placement or split het_plugin "
+                 "searched predicts faster, so the plan keeps the frameworks' own")
 
 
 def _own_prediction(cluster: Cluster, model: ModelSpec, cand: "Candidate", transport_fn, overlap: bool,
@@ -811,8 +813,10 @@ def _own_prediction(cluster: Cluster, model: ModelSpec, cand: "Candidate", trans
 
 
 def _same_run(a: "Candidate", b: "Candidate") -> bool:
-    """The same placement, layers, micro-batch and optimizer: the plan is the frameworks' own run."""
-    return (a.placement.rank_of_canonical == b.placement.rank_of_canonical and a.placement.dims == b.placement.dims
+    """The same placement, layers, micro-batch, optimizer and predicted time (so the same transports too): the plan
+    is the frameworks' own run."""
+    return (a.prediction.iteration_s == b.prediction.iteration_s
+            and a.placement.rank_of_canonical == b.placement.rank_of_canonical and a.placement.dims == b.placement.dims
             and list(a.layers) == list(b.layers) and a.micro_batch_size == b.micro_batch_size
             and (a.distributed_optimizer, a.instances, a.replica_counts) == (b.distributed_optimizer, b.instances,
                                                                              b.replica_counts))

@@ -135,8 +135,12 @@ def _stock_lines(plan) -> list[str]:
     optimizer instance) as a second, labelled line where it differs."""
     lines = []
     if plan.prediction is not None and plan.prediction.description.startswith("stock = "):
-        lines.append("today's stock stack is predicted best here: the plan is the frameworks' own (het_plugin "
-                     "adds nothing on this cluster)")
+        if plan.baseline is not None and plan.prediction.iteration_s < plan.baseline.iteration_s:
+            lines.append("the frameworks' own placement and split are predicted best here: het_plugin adds only "
+                         "each communicator's own network")
+        else:
+            lines.append("today's stock stack is predicted best here: the plan is the frameworks' own (het_plugin "
+                         "adds nothing on this cluster)")
     old = getattr(plan, "baseline_previous", None)
     if old is not None and plan.prediction is not None:
         lines.append(f"previous baseline (sockets everywhere, one optimizer instance): {_fmt_s(old.iteration_s)}, "

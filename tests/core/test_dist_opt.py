@@ -77,3 +77,10 @@ def test_the_planner_chooses_an_instance_per_fabric_where_data_parallelism_spans
     assert "in 2 instances" in plan.prediction.description
     plain = make_plan(holmes(), MODEL, tp=8, pp=2)     # DP inside each fabric: nothing to gain
     assert plain.distributed_optimizer_instances == 1
+
+
+def test_deepspeed_plans_without_optimizer_instances():
+    """DeepSpeed's pipeline engine has no partial ZeRO: its plans (and their baseline) never use instances."""
+    plan = make_plan(holmes(), MODEL, tp=8, pp=1, optimizer_instances=False)
+    assert plan.distributed_optimizer_instances == 1
+    assert all(a.get("distributed_optimizer_instances", 1) == 1 for a in plan.alternatives)
