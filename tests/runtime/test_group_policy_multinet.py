@@ -41,3 +41,23 @@ def test_the_same_group_for_a_release_is_forced_onto_sockets():
     dp = p.groups["dp"][0].ranks
     spec = spec_for(p, dp, Policy("nccl"), pg_options=opts())
     assert spec.transport == "socket" and spec.net_name == "Socket"
+
+
+def test_the_runtime_preflight_refuses_a_multinet_plan_under_a_release_and_without_allnet():
+    """Rank 0's verdict (runtime.preflight.judge) over every rank's NCCL settings and loaded version."""
+    from het_plugin.runtime.preflight import VERSION_KEY, judge
+    p = plan("cross-dc")
+    c = cluster_from_dict({"name": "ib-roce", "clusters": [
+        {"name": n, "fabric": {"type": n, "gbps": 400},
+         "nodes": [{"count": 2, "accelerator": "H100", "accelerators_per_node": 2}]} for n in ("ib", "roce")],
+        "links": [{"between": ["ib", "roce"], "type": "ethernet", "gbps": 25}]})
+
+    def verdict(version, allnet):
+        env = {"NCCL_ALLNET_ENABLE": "1"} if allnet else {}
+        settings = {r: {**env, VERSION_KEY: list(version)} for r in range(p.world_size)}
+        return judge(p, c, settings, "nccl", "Socket")
+    fields = lambda v: [r["field"] for r in v["refusals"]]      # noqa: E731
+    assert "NCCL version" in fields(verdict((2, 30, 7), True))
+    assert "NCCL_ALLNET_ENABLE" in fields(verdict((2, 26, 2), False))
+    ok = verdict((2, 26, 2), True)
+    assert not ok["refusals"] and any("NCCL version" in w for w in ok["warnings"])
