@@ -378,6 +378,9 @@ class Plan:
     # ---- serialization --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for key in ("distributed_optimizer_instances", "baseline_previous"):     # issue 30's keys: written when set
+            if d[key] == _HASHED_UNLESS_DEFAULT[key]:
+                del d[key]
         d["hash"] = self.hash
         return d
 

@@ -84,3 +84,13 @@ def test_deepspeed_plans_without_optimizer_instances():
     plan = make_plan(holmes(), MODEL, tp=8, pp=1, optimizer_instances=False)
     assert plan.distributed_optimizer_instances == 1
     assert all(a.get("distributed_optimizer_instances", 1) == 1 for a in plan.alternatives)
+
+
+def test_the_plan_field_is_written_only_when_set():
+    from het_plugin.core.plan import Plan
+    plain = make_plan(holmes(), MODEL, tp=8, pp=2)
+    assert "distributed_optimizer_instances" not in plain.to_dict() and "baseline_previous" not in plain.to_dict()
+    two = make_plan(holmes(), MODEL, tp=8, pp=1)
+    d = two.to_dict()
+    assert d["distributed_optimizer_instances"] == 2
+    assert Plan.from_dict(d).hash == two.hash and Plan.from_dict(plain.to_dict()).hash == plain.hash
