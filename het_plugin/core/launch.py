@@ -106,7 +106,7 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
                    names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
                    overlap_p2p_comm: Optional[bool] = None,
                    discover: Callable[[], Cluster] = no_discovery, profile: Any = None,
-                   share_plan: Optional[SharePlan] = None) -> Resolved:
+                   share_plan: Optional[SharePlan] = None, optimizer_instances: bool = True) -> Resolved:
     """:func:`resolve_plan`, with the cluster the plan was made from. ``discover``: what finds the cluster when
     the source names none (on ranks: ``het_plugin.discovery.discover_cluster``). ``profile``: a measured profile
     the planner uses (re-planning on restart, :mod:`het_plugin.runtime.restart_replan`; not for a plan file).
@@ -131,13 +131,15 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
     def search() -> Plan:
         return make_plan(cluster, spec, tp=fixed["tp"], pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp,
                          ep=degrees.ep, etp=degrees.etp, order=degrees.order, micro_batch_size=micro_batch_size,
-                         vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm, profile=profile)
+                         vpp=vpp or 1, overlap_p2p_comm=overlap_p2p_comm, profile=profile,
+                         optimizer_instances=optimizer_instances)     # False: DeepSpeed (no partial ZeRO)
 
     try:
         if share_plan is None:
             return Resolved(search(), cluster)
         digest = planning_digest(cluster, spec, degrees, micro_batch_size=micro_batch_size, vpp=vpp,
-                                 overlap_p2p_comm=overlap_p2p_comm, profile=profile)
+                                 overlap_p2p_comm=overlap_p2p_comm, profile=profile,
+                                 optimizer_instances=optimizer_instances)
         return Resolved(share_plan(digest, search), cluster)
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):
