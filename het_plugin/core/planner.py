@@ -19,7 +19,7 @@ from .inputs.compute_curve import extrapolation_advice
 from .errors import ConfigError
 from .inputs.model import ModelSpec
 from .layer_split import bottleneck, exact_partition, virtual_split
-from .cost.dist_opt import instance_options, with_instances
+from .cost.dist_opt import instance_options, instance_span, with_instances
 from .ranks.transport import OVER_SOCKETS, Transport
 
 SPANNING = OVER_SOCKETS | {Transport.MULTINET}      # transports of groups that leave one fabric
@@ -86,10 +86,20 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
                         f"(transport {', '.join(sorted({g.transport for g in groups['dp']}))}; the gradient "
                         "reduction runs inside each fabric, then between them)")
         spanning = []
+    instances = distributed_optimizer_instances
+    spans_instance = None
+    if instances > 1:
+        nodes_of = [rank_node[r] for r in placement.rank_of_canonical]
+        spans_instance = instance_span(cluster, nodes_of, instances, dims)
+        if spans_instance:
+            warnings.append(f"{spans_instance} (an instance per fabric keeps them inside; where the degrees do not "
+                            "allow it, fewer instances or a pipeline across the fabrics)")
     for s, doms in spanning:
         names = ", ".join(f"{c}/{a}" for c, a in doms)
+        shards = (f"; with {instances} distributed-optimizer instances, one per fabric, only each rank's shard "
+                  "crosses it" if instances > 1 and not spans_instance else "")
         warnings.append(f"stage {s} spans {names}: its data-parallel groups cross a slow boundary "
-                        f"(transport {groups['dp'][0].transport if dims.pp == 1 else 'see dp groups'})")
+                        f"(transport {groups['dp'][0].transport if dims.pp == 1 else 'see dp groups'}){shards}")
     per_mb = dims.dp * micro_batch_size
     if model.global_batch_size % per_mb:
         raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of dp*micro_batch "

@@ -94,3 +94,19 @@ def test_the_plan_field_is_written_only_when_set():
     d = two.to_dict()
     assert d["distributed_optimizer_instances"] == 2
     assert Plan.from_dict(d).hash == two.hash and Plan.from_dict(plain.to_dict()).hash == plain.hash
+
+
+def test_a_plan_whose_instance_spans_fabrics_says_so():
+    """Three IB nodes and one RoCE node, two instances: the second holds the IB node left over and the RoCE one."""
+    from het_plugin.core.planner import assemble_plan
+    spec = lambda name, kind, n: {"name": name, "fabric": {"type": kind, "gbps": 400},      # noqa: E731
+                                  "nodes": [{"count": n, "accelerator": "A100-80", "accelerators_per_node": 8}]}
+    c = cluster_from_dict({"name": "3-1", "clusters": [spec("ib", "ib", 3), spec("roce", "roce", 1)],
+                           "links": [{"between": ["ib", "roce"], "type": "ethernet", "gbps": 25}]})
+    place = default_placement(c, ParallelDims(tp=8, pp=1, dp=4))
+    plan = assemble_plan(c, MODEL, place, uniform_layers(MODEL.num_layers, 1), 1, distributed_optimizer=True,
+                         distributed_optimizer_instances=2)
+    assert any("instance 1" in w and "ib and roce" in w for w in plan.warnings)
+    fine = assemble_plan(c, MODEL, place, uniform_layers(MODEL.num_layers, 1), 1, distributed_optimizer=True,
+                         distributed_optimizer_instances=4)
+    assert not any("instance" in w and "spans clusters" in w for w in fine.warnings)
