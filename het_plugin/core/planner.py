@@ -746,11 +746,13 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     previous_best = None
     if not cluster.is_homogeneous:
         # What a user gets today, at its best: either optimizer setting, the best degrees for it.
-        base_best = _best_default(cluster, model, options, fixed_mb, pp is not None, overlap, profile, sched,
-                                  stock_transport(multinet), instances=optimizer_instances)
-        # the line before today's stack (sockets everywhere, one optimizer instance), kept where it differs
-        previous_best = _best_default(cluster, model, options, fixed_mb, pp is not None, overlap, profile, sched,
-                                      baseline_transport, instances=False)
+        base_best, plain_best = _best_default(cluster, model, options, fixed_mb, pp is not None, overlap, profile,
+                                              sched, stock_transport(multinet), instances=optimizer_instances)
+        # the line before today's stack (sockets everywhere, one optimizer instance), kept where it differs; on a
+        # released NCCL it is the stock search's best without instances (no second search)
+        previous_best = plain_best if not multinet else _best_default(
+            cluster, model, options, fixed_mb, pp is not None, overlap, profile, sched, baseline_transport,
+            instances=False)[0]
         if previous_best is not None and base_best is not None and \
                 previous_best.prediction.iteration_s == base_best.prediction.iteration_s:
             previous_best = None
@@ -833,16 +835,21 @@ def _same_run(a: "Candidate", b: "Candidate") -> bool:
 
 
 def _best_default(cluster: Cluster, model: ModelSpec, options, fixed_mb, fixed_pp: bool, overlap: bool,
-                  profile: Optional[Profile], sched: tuple, transport_fn, instances: bool) -> "Optional[Candidate]":
+                  profile: Optional[Profile], sched: tuple, transport_fn,
+                  instances: bool) -> "tuple[Optional[Candidate], Optional[Candidate]]":
     """The frameworks' default on ``transport_fn`` at its best: either optimizer setting (``instances``: also
-    Megatron's distributed-optimizer instances where data parallelism leaves a fabric), the best degrees."""
-    best = None
+    Megatron's distributed-optimizer instances where data parallelism leaves a fabric), the best degrees; and the
+    best of those with one optimizer instance (the same where none is better)."""
+    best = plain = None
     for dist_opt in (False, True):
         found = _search_default(cluster, model, options, fixed_mb, fixed_pp, dist_opt, overlap, profile,
                                 transport_fn, sched=sched, instances=instances)
         if found.best and (best is None or found.best[0].key < best.key):
             best = found.best[0]
-    return best
+        one = next((c for c in found.best if c.instances == 1), None)
+        if one is not None and (plain is None or one.key < plain.key):
+            plain = one
+    return best, plain
 
 
 def _expert_span_error(cluster: Cluster, found: _Search, ep: Optional[int]) -> ConfigError:
