@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 import e2e_compute  # noqa: E402
-from e2e_plans import (ALL_CONFIGS, CONFIGS, DS_CONFIGS, FAST_LINKS, LINKS, VPP_CONFIGS, calibrate_pipeline_overhead,  # noqa: E402
+from e2e_plans import (ALL_CONFIGS, CONFIGS, DS_CONFIGS, FAST_LINKS, LINKS, STOCK_CONFIGS, VPP_CONFIGS, calibrate_pipeline_overhead,  # noqa: E402
                        predict_configs, setup_ratio, with_pipeline_overhead)
 from e2e_drift import DRIFT_MARGIN, drift_verdict, round_to_repeat, run_verdict  # noqa: E402
 from e2e_setup import ETH_GBPS, REAL_JOB, TinyShape, derive_scale, mixed_cluster  # noqa: E402
@@ -50,10 +50,15 @@ PAIRS = {"4/3": ("4-het_plugin", "3-mixed-today"), "4/1": ("4-het_plugin", "1-al
          # interleaved: het_plugin with vpp against the all-fast reference (the goal), against the all-fast
          # reference with the same interleaving (what the slow hop still costs), and against 1F1B
          "5v/1": ("5-het_plugin+vpp", "1-all-fast"), "5v/1v": ("5-het_plugin+vpp", "1v-all-fast+vpp"),
-         "5v/4": ("5-het_plugin+vpp", "4-het_plugin"), "1v/1": ("1v-all-fast+vpp", "1-all-fast")}
+         "5v/4": ("5-het_plugin+vpp", "4-het_plugin"), "1v/1": ("1v-all-fast+vpp", "1-all-fast"),
+         # issue 30: against today's stock stack (multi-network communicators' routing), and what it gains over 3
+         "4/3s": ("4-het_plugin", "3s-stock-today"), "4-ds/3s-ds": ("4-ds", "3s-ds-stock-today"),
+         "3s/3": ("3s-stock-today", "3-mixed-today")}
 FRAMEWORK_CONFIGS = {"megatron": list(CONFIGS), "deepspeed": list(DS_CONFIGS),
                      "both": ["3-mixed-today", "4-het_plugin", "3-ds", "4-ds"],
-                     "interleaved": ["1-all-fast", "4-het_plugin", *VPP_CONFIGS]}
+                     "interleaved": ["1-all-fast", "4-het_plugin", *VPP_CONFIGS],
+                     # issue 30: het_plugin against today's stock stack, Megatron and DeepSpeed (not yet run)
+                     "stock": ["3-mixed-today", "3s-stock-today", "4-het_plugin", "3-ds", "3s-ds-stock-today", "4-ds"]}
 
 
 def log(msg: str) -> None:
@@ -366,7 +371,7 @@ def record(out: dict, args) -> str:
     benchmarks/results/fixed/<time>/ (for comparing code changes, not a headline). Returns the printed text."""
     from e2e_report import side_by_side, write_chart, write_markdown, write_unreliable
     staging = Path(args.results)
-    if any(c in DS_CONFIGS or c in VPP_CONFIGS for c in args.configs):
+    if any(c in DS_CONFIGS or c in VPP_CONFIGS or c in STOCK_CONFIGS for c in args.configs):
         return side_by_side(out)
     reliable = out["reliability"]["reliable"]
     recorded = reliable and out["scale"].get("mode") == "proportions" and out["scale"]["matched"] and not args.quick
@@ -437,7 +442,7 @@ def main(argv=None) -> int:
         args.ratios, args.rounds, args.warmup, args.steps, args.compute_rounds = [10], 1, 1, 2, 1
         args.calibration_rounds = 1
     quick_dir = Path(tempfile.gettempdir()) / "het_e2e_quick"
-    side = any(c in DS_CONFIGS or c in VPP_CONFIGS for c in args.configs)
+    side = any(c in DS_CONFIGS or c in VPP_CONFIGS or c in STOCK_CONFIGS for c in args.configs)
     args.default_results = not args.results and not args.quick
     if args.quick and not args.results:
         args.results = str(quick_dir)

@@ -26,6 +26,10 @@ Parts (docs/device-check.md says what each can and cannot demonstrate):
     to the one het_plugin's port of NCCL's choice (core.nccl_env.nccl_auto_interfaces) predicts.
 4c  The shim under CUDA_DEVICE_MAX_CONNECTIONS=1 beside a main-thread NCCL all-reduce loop: async het_shim
     all-reduces interleaved with all-reduces on a 1-rank NCCL group, every value checked, within the limit.
+5   NCCL's multi-network communicators (issue 30): a group spanning an IB and a RoCE cluster planned for the
+    cross-dc build ('multinet': no net_name forced) created under NCCL_ALLNET_ENABLE=1; NCCL_DEBUG=INFO says which
+    networks the communicator loaded and whether this NCCL knows ALLNET, next to het_plugin's verdict for the
+    loaded version (a release: no multi-network communicators, so one network per communicator).
 
 Without CUDA every part prints SKIP (no CUDA). ``--cpu-dry-run`` runs the same workers with gloo and CPU
 tensors (part 1 through integration_tests/support/megatron_training_cpu.py, the test-only CPU runner), so the
@@ -63,7 +67,8 @@ HET_PLUGIN_FIX = ("pip install --no-deps --no-build-isolation -e .  plus pyyaml 
                   "pydantic-core, annotated-types, typing-inspection; offline: carried wheels)")
 
 # Part time limits (s); every part also stops at the global --budget.
-LIMITS = {"1": 240.0, "2a": 60.0, "2b": 50.0, "2c": 45.0, "3": 75.0, "4a": 45.0, "4b": 40.0, "4c": 60.0}
+LIMITS = {"1": 240.0, "2a": 60.0, "2b": 50.0, "2c": 45.0, "3": 75.0, "4a": 45.0, "4b": 40.0, "4c": 60.0,
+          "5": 50.0}
 TITLES = {
     "1": "Megatron-LM training (megatron.training, torchrun, 1 GPU) with --heterogeneous-nic",
     "2a": "NCCL net_name from het_plugin's group policy: 'Socket' and 'IB' communicators",
@@ -73,6 +78,7 @@ TITLES = {
     "4a": "NCCL_COMM_SPLIT_SHARE_RESOURCES=1 with groups on different networks: refused before any group",
     "4b": "NCCL_SOCKET_IFNAME unset: the interface NCCL picks, next to het_plugin's prediction",
     "4c": "het_shim under CUDA_DEVICE_MAX_CONNECTIONS=1 beside a main-thread NCCL all-reduce loop",
+    "5": "NCCL multi-network communicator: a 'multinet' group under NCCL_ALLNET_ENABLE=1",
 }
 
 
@@ -369,6 +375,22 @@ clusters:
     fabric: {type: ib, gbps: 400, latency_us: 2}
     nodes:
       - {count: 1, accelerator: H200, accelerators_per_node: 1}
+""",
+    # Part 5: two IB nodes and two RoCE nodes joined by 25 GbE; for the cross-dc build a group of both IB nodes and
+    # a RoCE node is 'multinet' (the IB hop stays RDMA).
+    "multinet": """# device_check part 5: two InfiniBand and two RoCE nodes joined by 25 GbE (transport 'multinet')
+name: device-check-multinet
+clusters:
+  - name: ib
+    fabric: {type: ib, gbps: 400, latency_us: 2}
+    nodes:
+      - {count: 2, accelerator: H200, accelerators_per_node: 1}
+  - name: roce
+    fabric: {type: roce, gbps: 200, latency_us: 6}
+    nodes:
+      - {count: 2, accelerator: H100, accelerators_per_node: 1}
+links:
+  - {between: [ib, roce], type: ethernet, gbps: 25, latency_us: 50}
 """,
     # Part 2 'socket': two clusters joined only by Ethernet -> the group of both nodes is 'socket'.
     "socket": """# device_check part 2: an InfiniBand node and a RoCE node joined by 25 GbE (transport 'socket')
@@ -749,8 +771,9 @@ def worker_nccl(spec: dict) -> dict:
     out: dict = {"rank": rank, "ok": False}
     model = ModelSpec(name="device-check", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128,
                       seq_length=64, global_batch_size=4, micro_batch_size=1)
-    plan = make_plan(load_cluster(spec["cluster"]), model, tp=1, pp=1)
-    two_nodes = [0, 1]
+    from het_plugin.core.nccl_version import parse_build
+    plan = make_plan(load_cluster(spec["cluster"]), model, tp=1, pp=1, nccl=parse_build(spec.get("nccl")))
+    two_nodes = list(spec.get("members", [0, 1]))
     out["transport"] = plan.transport_of(two_nodes)
     out["would_be_net_name"] = nccl_net_name(out["transport"])
     if not dry:
@@ -791,7 +814,7 @@ def worker_nccl(spec: dict) -> dict:
     out["policy_net_name"] = spec_2.net_name
     opts = spec_2.pg_options
     out["options_net_name"] = getattr(getattr(opts, "config", None), "net_name", None) if opts is not None else None
-    members = two_nodes if spec["group"] == "both" else [rank]
+    members = two_nodes[:world] if spec["group"] == "both" else [rank]
     if dry:
         opts, wanted_backend = None, None          # the groups themselves are gloo in the dry run
     try:
@@ -1102,6 +1125,59 @@ def part4c(args, tmp, clusters, limit) -> PartResult:
                       details, seconds)
 
 
+NCCL_ALLNET_RE = re.compile(r"ALLNET", re.IGNORECASE)
+
+
+def part5(args, tmp, clusters, limit) -> PartResult:
+    """The multi-network communicator: het_plugin's policy side (transport 'multinet', no net_name) and what this
+    NCCL does with NCCL_ALLNET_ENABLE=1 (its log), against het_plugin's verdict for the loaded version."""
+    started = time.monotonic()
+    spec = {"cluster": str(clusters["multinet"]), "bind": False, "group": "one", "members": [0, 1, 2],
+            "nccl": "2.26.2+cross-dc"}
+    port = free_port()
+    log = tmp / "part5-0.nccl.log"
+    extra = dist_env(0, 1, port)
+    extra["NCCL_ALLNET_ENABLE"] = "1"
+    if not args.cpu_dry_run:
+        extra.update(NCCL_DEBUG_ENV, NCCL_DEBUG_FILE=str(log))
+    env = child_env(args, extra, drop=("NCCL_NET", "NCCL_DEBUG_FILE", "NCCL_IB_HCA"))
+    cmd = worker_cmd(args, "nccl", dict(spec, rank=0, world=1, dry_run=args.cpu_dry_run))
+    p = run_processes([cmd], [env], limit, tmp, "part5")[0]
+    if log.exists():
+        p.output += "\n" + log.read_text(encoding="utf-8", errors="replace")
+    r = p.result or {}
+    details = describe_nccl(p, "multinet group")
+    seconds = time.monotonic() - started
+    if r.get("transport") != "multinet" or r.get("policy_net_name") is not None:
+        return PartResult("5", "FAIL", f"the plan for the cross-dc build gave the group transport "
+                          f"{r.get('transport')!r}, net_name {r.get('policy_net_name')!r} (want 'multinet', None)",
+                          details, seconds)
+    if not r.get("ok"):
+        return PartResult("5", "FAIL", f"the group's collective failed: {(r.get('error') or f'exit {p.rc}')[:300]}",
+                          details, seconds)
+    if args.cpu_dry_run:
+        return PartResult("5", "PASS", "dry run: transport 'multinet', no net_name forced (NCCL not run)",
+                          details, seconds)
+    from het_plugin.core.multinet_env import check_build
+    from het_plugin.core.nccl_version import parse_version
+    nccl = parse_nccl_log(p.output)
+    try:
+        version = parse_version(nccl["version"].split("+")[0]) if nccl["version"] else None
+    except ValueError:
+        version = None
+    verdict = check_build(None, version, needed=True)
+    said = [ln.strip()[:200] for ln in p.output.splitlines() if NCCL_ALLNET_RE.search(ln) and "NCCL INFO" in ln]
+    details.append(f"NCCL {nccl['version']}: lines naming ALLNET: {said[:3] or 'none'}; het_plugin's verdict: "
+                   f"{[f.level + ': ' + f.problem[:120] for f in verdict] or 'has them'}")
+    if verdict and verdict[0].level == "error" and said:
+        return PartResult("5", "FAIL", f"het_plugin says NCCL {nccl['version']} has no multi-network communicators, "
+                          f"but its log names ALLNET: {said[0]}", details, seconds)
+    nets = nccl["networks"] or nccl["assigned"]
+    return PartResult("5", "PASS", f"NCCL {nccl['version']}: networks {nets or '(none printed)'}; "
+                      + ("ALLNET named in its log (a cross-dc build)" if said else
+                         "no ALLNET in its log, as het_plugin expects of a release"), details, seconds)
+
+
 def _interfaces_up() -> list[str]:
     """This machine's interfaces that are up, in the kernel's order (what getifaddrs gives NCCL, roughly)."""
     import socket as _socket
@@ -1210,7 +1286,7 @@ def worker_gpu19(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 PARTS: dict[str, Callable] = {"1": part1, "2a": part2a, "2b": part2b, "2c": part2c, "3": part3, "4a": part4a,
-                               "4b": part4b, "4c": part4c}
+                               "4b": part4b, "4c": part4c, "5": part5}
 
 
 def select_parts(text: str) -> list[str]:
@@ -1248,8 +1324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, help="also write the whole report to this file")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="run the parts' workers on CPU with gloo (no GPU needed): tests the check itself")
-    ap.add_argument("--parts", default="1,2,3,4", help="comma-separated: 1, 2 (= 2a,2b,2c), 2a, 2b, 2c, 3, 4 "
-                    "(= 4a,4b,4c), 4a, 4b, 4c")
+    ap.add_argument("--parts", default="1,2,3,4,5", help="comma-separated: 1, 2 (= 2a,2b,2c), 2a, 2b, 2c, 3, 4 "
+                    "(= 4a,4b,4c), 4a, 4b, 4c, 5")
     ap.add_argument("--budget", type=float, default=560.0, help="seconds for all parts together (default 560)")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the child processes")
     ap.add_argument("--pythonpath", default="", help="extra PYTHONPATH entries for the children (e.g. a "

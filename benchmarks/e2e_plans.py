@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 from het_plugin.core.cost.predict import predict
-from het_plugin.core.ranks.placement import Placement, baseline_transport, default_placement, cluster_transport
+from het_plugin.core.ranks.placement import (Placement, baseline_transport, cluster_transport, default_placement,
+                                             stock_multinet_transport)
 from het_plugin.core.plan import Plan
 from het_plugin.core.planner import assemble_plan, make_plan, uniform_layers
 from het_plugin.core.inputs.profile import Profile
@@ -40,7 +41,13 @@ VPP_CONFIGS = {   # run with --framework interleaved: Megatron's interleaved sch
     "5-het_plugin+vpp": f"het_plugin's plan made for vpp={VPP}: placement, layers per virtual stage, transports, "
                         "overlap_p2p_comm",
 }
-ALL_CONFIGS = {**CONFIGS, **DS_CONFIGS, **VPP_CONFIGS}
+STOCK_CONFIGS = {   # run with --framework stock (issue 30): today's stock stack, not yet run
+    "3s-stock-today": "mixed cluster with today's stock stack: launch-order placement, uniform layers, every group's "
+                      "hops inside a cluster on its fabric and across clusters on Ethernet (as NCCL's multi-network "
+                      "communicator routes them; the emulator routes by destination)",
+    "3s-ds-stock-today": "DeepSpeed's defaults on the same stock network routing",
+}
+ALL_CONFIGS = {**CONFIGS, **DS_CONFIGS, **VPP_CONFIGS, **STOCK_CONFIGS}
 
 
 @dataclass
@@ -186,6 +193,10 @@ def setup_ratio(ratio: float, shape: TinyShape, compute: dict, links: dict, out_
              config_overrides={"overlap_p2p_comm": True, "batch_p2p_comm": False}),
         dict(base, name="5-het_plugin+vpp", plan=str(plan_vpp_path), vpp=VPP, overlap=plan_vpp.overlap_grad_reduce,
              micro_batch_size=plan_vpp.micro_batch_size),
+        # today's stock stack: the frameworks' own groups bound to the fabric interface; the emulator sends a hop to
+        # another cluster over Ethernet (its route by destination), as a multi-network communicator would
+        dict(base, name="3s-stock-today", ifname="fab0"),
+        dict(base, name="3s-ds-stock-today", framework="deepspeed", overlap=False, ifname="fab0"),
     ]
     predictions, share = predict_configs(ratio, shape, compute, links, plan, plan_vpp)
     summary = {"layers_per_stage": plan.layers_per_stage, "rank_of_logical": plan.rank_of_logical,
@@ -238,6 +249,10 @@ def predict_configs(ratio: float, shape: TinyShape, compute: dict, links: dict, 
         "5-het_plugin+vpp": predict(mixed, spec, placed_vpp, plan_vpp.layers_per_stage, plan_vpp.micro_batch_size,
                                     transport_fn=cluster_transport, overlap_grad_reduce=plan_vpp.overlap_grad_reduce,
                                     profile=prof_vpp, vpp=VPP, overlap_p2p_comm=plan_vpp.overlap_p2p_comm),
+        "3s-stock-today": predict(mixed, spec, default_placement(mixed, dims), uniform, mb,
+                                  transport_fn=stock_multinet_transport, profile=prof),
+        "3s-ds-stock-today": predict(mixed, spec, default_placement(mixed, dims), uniform, mb,
+                                     transport_fn=stock_multinet_transport, overlap_grad_reduce=False, profile=prof),
     }
     # het_plugin.core.cost has no CPU per-step overhead (update, zero-grad, loss sync): add the measured one
     step_overhead = compute.get("overhead_per_step", 0.0)

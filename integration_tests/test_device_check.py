@@ -46,9 +46,9 @@ def test_without_cuda_every_part_skips_and_the_report_is_written(tmp_path):
     proc, report = run_check(tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report == proc.stdout, "--out holds exactly what was printed"
-    for part in ("1", "2a", "2b", "2c", "3", "4a", "4b", "4c"):
+    for part in ("1", "2a", "2b", "2c", "3", "4a", "4b", "4c", "5"):
         assert " SKIP " in part_line(report, part) and "no CUDA" in part_line(report, part)
-    assert "0 PASS, 0 FAIL, 8 SKIP" in report
+    assert "0 PASS, 0 FAIL, 9 SKIP" in report
     assert "torch " in report and "NCCL" in report, "the summary names the versions"
 
 
@@ -187,6 +187,14 @@ def test_megatron_log_parsing():
     assert log["losses"] == {1: pytest.approx(4.844732), 2: None}, "Megatron leaves a NaN loss out of the line"
     assert log["train_iters"] == 3 and log["nan_iterations"] == 1 and log["iteration_ms"] == [51.2, 40.3]
     assert log["plan_hashes"] == ["bbc7ac60669b1752"]
+
+
+def test_cpu_dry_run_of_the_multinet_part(tmp_path):
+    """Part 5's policy side: the group across the IB and RoCE clusters, planned for the cross-dc build, is
+    'multinet' with no network forced, and its collective runs."""
+    proc, report = run_check(tmp_path, "--cpu-dry-run", "--parts", "5", timeout=240)
+    assert proc.returncode == 0, report + proc.stderr
+    assert " PASS " in part_line(report, "5") and "transport 'multinet'" in part_line(report, "5"), report
 
 
 def test_part_selection():

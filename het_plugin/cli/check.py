@@ -31,8 +31,13 @@ def register(sub) -> None:
                         "node's own as comments)")
     p.add_argument("--node", help="--format env: only this node's export lines (e.g. eval in a launcher)")
     p.add_argument("--nccl-version", default=None,
-                   help="the NCCL/RCCL version the job loads, e.g. 2.21.5 (default: the one this torch loads, "
-                        "torch.cuda.nccl.version(); unknown on a CPU build); version-dependent rules follow it")
+                   help="the NCCL/RCCL version the job loads, e.g. 2.21.5, or 2.26.2+cross-dc for a build of "
+                        "NVIDIA/nccl's cross-dc branch (default: the one this torch loads, torch.cuda.nccl.version(); "
+                        "unknown on a CPU build); version-dependent rules follow it")
+    p.add_argument("--multinet", action="store_true",
+                   help="also the settings and checks for NCCL's multi-network communicators (NCCL_ALLNET_ENABLE, "
+                        "each node's fabric IDs in NCCL_IB_HCA, NCCL_SCATTER_XDC), e.g. for a run without "
+                        "het_plugin's plan; on by itself for a plan that relies on them")
     p.add_argument("--timeout", type=float, default=None,
                    help="--gather: seconds to wait for the other ranks (default: HET_PLUGIN_TIMEOUT, else 300)")
     p.set_defaults(func=run)
@@ -68,8 +73,9 @@ def run(args) -> int:
                   "(pass --node-name, or run on a node of the job)", file=sys.stderr)
     for v in views:
         gids[v.name] = _gid_indices(v)
-    result = check_launch(source, os.environ, views=views, cluster=cluster, gid_index=gids,
-                          nccl_version=_nccl_version(args))
+    loaded = _nccl_version(args)
+    result = check_launch(source, os.environ, views=views, cluster=cluster, gid_index=gids, nccl_version=loaded)
+    head = _multinet(args, source, cluster, result, loaded)
     if args.node is not None and args.node not in result.nodes:
         raise ConfigError(f"no node {args.node!r} with known NICs", field="--node",
                           fix=f"use one of {', '.join(list(result.nodes)[:8]) or '(none)'}")
@@ -79,7 +85,7 @@ def run(args) -> int:
             sys.stdout.write("\n")
         elif args.format == "env":
             if result.ok:
-                sys.stdout.write(render_env(result, per=args.per, node=args.node))
+                sys.stdout.write((head if args.node is None else "") + render_env(result, per=args.per, node=args.node))
         else:
             sys.stdout.write(render_text(result))
     who = f" (rank {rank})" if args.gather else ""
@@ -92,14 +98,45 @@ def run(args) -> int:
 
 
 def _nccl_version(args):
-    from ..core.nccl_version import parse_version
     from ..runtime.nccl_version import loaded_nccl_version
     if args.nccl_version is None:
         return loaded_nccl_version()
+    return _nccl_build(args).version
+
+
+def _nccl_build(args):
+    """``--nccl-version`` as an NcclBuild (None when not given)."""
+    from ..core.nccl_version import parse_build
+    if args.nccl_version is None:
+        return None
     try:
-        return parse_version(args.nccl_version)
+        return parse_build(args.nccl_version)
     except ValueError as exc:
-        raise ConfigError(str(exc), field="--nccl-version", fix="give it as MAJOR.MINOR.PATCH, e.g. 2.21.5") from None
+        raise ConfigError(str(exc), field="--nccl-version",
+                          fix="give it as MAJOR.MINOR.PATCH, e.g. 2.21.5 (2.26.2+cross-dc: the cross-dc branch)") from None
+
+
+def _multinet(args, source, cluster, result, loaded) -> str:
+    """With ``--multinet`` or a plan relying on them: NCCL's multi-network settings added to every node's, their
+    findings to the result (over the environment as it will be once the printed lines are exported, for
+    ``--format env``; as it is, otherwise). Returns the env output's header ('' when not asked for)."""
+    from ..core import multinet_env
+    from ..views.multinet_env import header
+    needed = bool(getattr(source, "multinet", False))
+    if not (args.multinet or needed):
+        return ""
+    build = _nccl_build(args)
+    findings = multinet_env.check_build(build, None if build is not None else loaded, needed)
+    if cluster is None:
+        multinet_env.merge(result, {}, findings)
+        result.warnings.append("the plan file lists no NICs: NCCL_IB_HCA with fabric IDs needs the cluster file "
+                               "(`het-plugin check CLUSTER --multinet`)")
+        return ""
+    settings = multinet_env.multinet_settings(cluster)
+    env_of = {n: ({**os.environ, **settings[n]} if args.format == "env" else dict(os.environ)) for n in settings}
+    findings += multinet_env.check_env(cluster, env_of, needed)
+    multinet_env.merge(result, settings, findings)
+    return header(build.text if build is not None else None, multinet_env.fabric_ids(cluster))
 
 
 def _load(path: str):

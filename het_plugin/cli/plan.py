@@ -59,6 +59,10 @@ def register(sub) -> None:
                    help="write the plan's nodes as a DeepSpeed hostfile ('host slots=N', launch order)")
     p.add_argument("--nodes-out", metavar="FILE",
                    help="write the plan's nodes, one hostname a line in node_rank order (torchrun, Slurm)")
+    p.add_argument("--nccl-version", metavar="VERSION", default=None,
+                   help="the NCCL the job loads: a release (2.30.7, the default: the newest read), 2.26.2+cross-dc "
+                        "(a build of NVIDIA/nccl's cross-dc branch: groups across fabrics on its multi-network "
+                        "communicators, and the baseline with them) or rccl:VERSION")
     p.add_argument("-o", "--output", help="write the plan to this file (.json or .yaml)")
     p.add_argument("--format", choices=["text", "json"], default="text",
                    help="text: a readable report; json: the plan itself on stdout")
@@ -256,6 +260,18 @@ class ProgressLine:
             self.stream.flush()
 
 
+def nccl_build_arg(args):
+    """``--nccl-version`` as an NcclBuild (None: the planner's default, the newest release)."""
+    from ..core.nccl_version import parse_build
+    text = getattr(args, "nccl_version", None)
+    if text is None:
+        return None
+    try:
+        return parse_build(text)
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="--nccl-version", fix="e.g. 2.30.7, 2.26.2+cross-dc or rccl:2.21.5") from None
+
+
 def run(args) -> int:
     from ..core.plan import Plan
     from ..core.launch import load_source, model_from_arg
@@ -298,7 +314,8 @@ def run(args) -> int:
                 min_tokens_per_s=getattr(args, "min_throughput", None), plan_fn=make_plan,
                 tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, etp=args.etp,
                 micro_batch_size=args.micro_batch_size, progress=show, profile=profile, vpp=args.vpp,
-                replica_split=replica_split, order=args.order or DEFAULT_ORDER, overlap_p2p_comm=args.overlap_p2p_comm)
+                replica_split=replica_split, order=args.order or DEFAULT_ORDER, overlap_p2p_comm=args.overlap_p2p_comm,
+                nccl=nccl_build_arg(args))
         except ConfigError as exc:
             if exc.field not in ("replica_split", "min_throughput", "objective"):
                 raise

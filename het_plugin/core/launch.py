@@ -106,7 +106,8 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
                    names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
                    overlap_p2p_comm: Optional[bool] = None,
                    discover: Callable[[], Cluster] = no_discovery, profile: Any = None,
-                   share_plan: Optional[SharePlan] = None, use_all_nodes: bool = True) -> Resolved:
+                   share_plan: Optional[SharePlan] = None, use_all_nodes: bool = True,
+                   optimizer_instances: bool = True) -> Resolved:
     """:func:`resolve_plan`, with the cluster the plan was made from. ``discover``: what finds the cluster when
     the source names none (on ranks: ``het_plugin.discovery.discover_cluster``). ``profile``: a measured profile
     the planner uses (re-planning on restart, :mod:`het_plugin.runtime.restart_replan`; not for a plan file).
@@ -136,13 +137,15 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
         return plan_nodes(cluster, spec, use_all_nodes=use_all_nodes, plan_fn=make_plan, tp=fixed["tp"],
                           pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp, ep=degrees.ep, etp=degrees.etp,
                           order=degrees.order, micro_batch_size=micro_batch_size, vpp=vpp or 1,
-                          overlap_p2p_comm=overlap_p2p_comm, profile=profile)
+                          overlap_p2p_comm=overlap_p2p_comm, profile=profile,
+                          optimizer_instances=optimizer_instances)     # False: DeepSpeed (no partial ZeRO)
 
     try:
         if share_plan is None:
             return Resolved(search(), cluster)
         digest = planning_digest(cluster, spec, degrees, micro_batch_size=micro_batch_size, vpp=vpp,
                                  overlap_p2p_comm=overlap_p2p_comm, profile=profile,
+                                 optimizer_instances=optimizer_instances,
                                  **({} if use_all_nodes else {"use_all_nodes": False}))
         return Resolved(share_plan(digest, search), cluster)
     except ConfigError as exc:

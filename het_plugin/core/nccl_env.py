@@ -125,11 +125,30 @@ def groups_from_plan(plan) -> list[GroupUse]:
             if key not in seen:
                 seen[key] = GroupUse(f"{kind} group of ranks {_ranks(g.ranks)}", nodes, g.transport,
                                      plan.rdma_net_of(g.ranks))
+    for label, ranks in instance_groups(plan):      # Megatron's optimizer instances: slices of the dp-cp groups
+        nodes = tuple(dict.fromkeys(plan.node_of(r).name for r in ranks))
+        seen.setdefault((nodes, plan.rule_transport(ranks)), GroupUse(label, nodes, plan.rule_transport(ranks),
+                                                                      plan.rdma_net_of(ranks)))
     world = list(range(plan.world_size))
     nodes = tuple(dict.fromkeys(plan.node_of(r).name for r in world))
     seen.setdefault((nodes, plan.rule_transport(world)), GroupUse("world group", nodes, plan.rule_transport(world),
                                                                    plan.rdma_net_of(world)))
     return list(seen.values())
+
+
+def instance_groups(plan) -> list[tuple[str, list[int]]]:
+    """The groups Megatron adds for ``plan.distributed_optimizer_instances`` > 1 (not stored in the plan: they
+    follow from its dp-cp groups): each instance's block and the groups across instances."""
+    instances = getattr(plan, "distributed_optimizer_instances", 1)
+    if instances <= 1:
+        return []
+    out = []
+    for g in plan.groups.get("dp-cp") or plan.groups.get("dp") or []:
+        size = len(g.ranks) // instances
+        blocks = [g.ranks[i * size:(i + 1) * size] for i in range(instances)]
+        out += [(f"optimizer-instance group of ranks {_ranks(b)}", b) for b in blocks if len(b) > 1]
+        out += [(f"inter-instance group of ranks {_ranks(g.ranks[j::size])}", g.ranks[j::size]) for j in range(size)]
+    return out
 
 
 def groups_from_cluster(cluster) -> list[GroupUse]:

@@ -19,6 +19,7 @@ Where each threshold was read (NVIDIA/nccl tags, grep of ``src/``):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 Version = tuple[int, int, int]
@@ -65,3 +66,63 @@ def version_text(version: Optional[Version]) -> str:
 def at_least(version: Optional[Version], threshold: Version) -> Optional[bool]:
     """True / False; None when the version is unknown."""
     return None if version is None else tuple(version) >= threshold
+
+
+# ---- NCCL's multi-network (cross-data-center) communicators ----------------------------------------------
+# NCCL_ALLNET_ENABLE (every network plugin loaded per communicator; collNet ignored then), fabric IDs in
+# NCCL_IB_HCA (``device:port:fabricId``, read as dcId * NCCL_IB_FABRICID_MAXRAIL + railId), NCCL_SCATTER_XDC
+# (default 1: each ring/tree crosses between data centers on other nodes) and the rings ordered by data center:
+# NVIDIA/nccl branch ``cross-dc``, commit 18a07eee (2025-03-20; makefiles/version.mk 2.26.2; pull request #1659,
+# still open in June 2026): src/include/net.h ``NCCL_PARAM(AllNet, "ALLNET_ENABLE", 0)``, src/plugin/net.cc
+# ncclNetInit ("NCCL_ALLNET_ENABLE=1, ignore CollNet"), src/transport/net_ib.cc ncclIbgetNetPath and
+# ``IB_FABRICID_MAXRAIL``, src/graph/connect.cc connectRings / ``SCATTER_XDC``. No release tag carries any of it:
+# ``git grep`` of src/ at every tag up to v2.30.7-1 (2026-06-04) finds none of these names. RCCL: none either
+# (ROCm/rccl develop of 2024-10-24, tracking NCCL 2.21.5); RCCL follows NCCL's releases.
+ALLNET_RELEASE: Optional[Version] = None     # first NCCL release with multi-network communicators: none yet
+CROSS_DC_BASE: Version = (2, 26, 2)          # the version a build of the cross-dc branch reports
+CURRENT_RELEASE: Version = (2, 30, 7)        # the newest release read (v2.30.7-1): the planner's default
+CROSS_DC_TAG = "cross-dc"
+
+
+@dataclass(frozen=True)
+class NcclBuild:
+    """The NCCL a plan is made for: its version and whether it is a build of the cross-dc branch (which
+    reports the version it branched from, so the version alone cannot tell)."""
+    version: Version = CURRENT_RELEASE
+    cross_dc: bool = False
+    rccl: bool = False
+
+    @property
+    def multinet(self) -> bool:
+        """Whether one communicator can join networks (IB and RoCE, or two fabrics over TCP)."""
+        if self.rccl:
+            return False
+        if self.cross_dc:
+            return True
+        return ALLNET_RELEASE is not None and tuple(self.version) >= ALLNET_RELEASE
+
+    @property
+    def text(self) -> str:
+        return version_text(self.version) + (f"+{CROSS_DC_TAG}" if self.cross_dc else "") + (" (RCCL)" if self.rccl else "")
+
+
+def parse_build(text: Optional[str]) -> NcclBuild:
+    """'2.30.7', '2.26.2+cross-dc', 'cross-dc' (the branch build), 'rccl:2.21.5'; None or '' -> the current
+    release. Raises ValueError naming the accepted forms."""
+    if text is None or not str(text).strip():
+        return NcclBuild()
+    raw = str(text).strip().lower()
+    rccl = raw.startswith("rccl:")
+    if rccl:
+        raw = raw[len("rccl:"):]
+    base, plus, tag = raw.partition("+")
+    if base == CROSS_DC_TAG and not plus:
+        return NcclBuild(CROSS_DC_BASE, True, rccl)
+    if plus and tag != CROSS_DC_TAG:
+        raise ValueError(f"{text!r}: the only build tag known is '+{CROSS_DC_TAG}' (NVIDIA/nccl's cross-dc branch); "
+                         "want e.g. 2.30.7, 2.26.2+cross-dc or rccl:2.21.5")
+    try:
+        version = parse_version(base)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an NCCL build (want e.g. 2.30.7, 2.26.2+cross-dc or rccl:2.21.5)") from None
+    return NcclBuild(version, bool(plus), rccl)

@@ -117,9 +117,15 @@ class Plan:
     nccl_nets: dict[str, str] = field(default_factory=dict)
     overlap_grad_reduce: bool = True
     distributed_optimizer: bool = False
+    # Megatron's partial distributed optimizer (--num-distributed-optimizer-instances): the optimizer state is
+    # sharded inside each of this many instances (consecutive blocks of a DP group), all-reduced across them.
+    distributed_optimizer_instances: int = 1
     homogeneous: bool = False
     prediction: Optional[Prediction] = None
     baseline: Optional[Prediction] = None
+    # The baseline before NCCL's multi-network communicators (every communicator on sockets once one must
+    # cross fabrics), kept as a second line where ``baseline`` is today's stock stack on them; None otherwise.
+    baseline_previous: Optional[Prediction] = None
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     # The content digest (:attr:`content_digest`) of the plan ``prediction`` was computed for ("" in plans written
@@ -247,7 +253,13 @@ class Plan:
     def rule_transport(self, ranks: Sequence[int]) -> str:
         """het_plugin.core.ranks.transport's rule over this plan's nodes (what the planner used for every group)."""
         members = (self.node_of(r) for r in ranks)
-        return transport_rule((Member(n.name, n.cluster, n.vendor) for n in members), self.link_kind)
+        return transport_rule((Member(n.name, n.cluster, n.vendor) for n in members), self.link_kind,
+                              multinet=self.multinet)
+
+    @cached_property
+    def multinet(self) -> bool:
+        """Planned for an NCCL that joins networks in one communicator: some group is 'multinet'."""
+        return any(g.transport == "multinet" for groups in self.groups.values() for g in groups)
 
     def rdma_net_of(self, ranks: Sequence[int]) -> Optional[str]:
         """The NCCL network the clusters of ``ranks`` declare for their RDMA fabric; None when none is declared
@@ -289,6 +301,12 @@ class Plan:
             raise ConfigError("overlap_p2p_comm is set, but Megatron overlaps pipeline send/receive only in the "
                               "interleaved schedule (vpp > 1)", source=source, field="overlap_p2p_comm",
                               fix="set overlap_p2p_comm to false, or re-plan with `het-plugin plan --vpp N`")
+        instances = self.distributed_optimizer_instances
+        if instances != 1 and (instances < 1 or (self.dp * self.cp) % instances or not self.distributed_optimizer):
+            raise ConfigError(f"distributed_optimizer_instances={instances} needs the distributed optimizer and must "
+                              f"divide dp*cp={self.dp * self.cp} (Megatron's --num-distributed-optimizer-instances)",
+                              source=source, field="distributed_optimizer_instances",
+                              fix="re-create the plan with `het-plugin plan -o`")
         unknown = sorted(set(self.nccl_nets) - {n.cluster for n in self.nodes})
         if unknown:
             raise ConfigError(f"nccl_nets names clusters {unknown} that the node table does not have", source=source,
@@ -352,7 +370,7 @@ class Plan:
             data["groups"] = {k: [GroupPlan(**g) for g in v] for k, v in data["groups"].items()}
             data["nodes"] = [NodePlan(**n) for n in data["nodes"]]
             data["links"] = [LinkPlan(**link) for link in data.get("links", [])]
-            for key in ("prediction", "baseline"):
+            for key in ("prediction", "baseline", "baseline_previous"):
                 if data.get(key) is not None:
                     data[key] = Prediction(**data[key])
             plan = cls(**data)

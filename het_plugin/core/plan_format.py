@@ -20,11 +20,13 @@ from .inputs.yamlio import read_data, read_text
 #    at their defaults (a plan written before them keeps its hash); 'replica_micro_batches' (heterogeneous data
 #    parallelism), hashed likewise only when set; 'nccl_nets' (the NCCL network an RDMA fabric declares),
 #    hashed only when set; 'left_out' and 'price_per_hour' (a plan over a subset of the nodes, prices), written
-#    and hashed only when set.
+#    and hashed only when set; 'distributed_optimizer_instances' (Megatron's partial distributed optimizer) and
+#    'baseline_previous' (the baseline before today's stock stack), likewise.
 FORMAT_VERSION = 3
 
 # Keys a plan file holds only when set (a plan that uses every node, without prices, is written as before).
-WRITTEN_ONLY_WHEN_SET = {"left_out": {}, "price_per_hour": None}
+WRITTEN_ONLY_WHEN_SET = {"left_out": {}, "price_per_hour": None, "distributed_optimizer_instances": 1,
+                         "baseline_previous": None}
 
 # Keys added to format 3 after plans were written with it: hashed only when they differ from the default.
 _HASHED_UNLESS_DEFAULT = {"vpp": 1, "layers_per_virtual_stage": [], "overlap_p2p_comm": False,
@@ -34,7 +36,7 @@ _HASHED_UNLESS_DEFAULT = {"vpp": 1, "layers_per_virtual_stage": [], "overlap_p2p
 # What the predictor's numbers and the planner's notes are about, not part of what they were computed from.
 # (nccl_nets: which NCCL network an RDMA group names does not enter the cost model; left_out and price_per_hour
 # describe the choice of nodes and its price, the prediction is of the kept nodes)
-_NOT_PREDICTED_FROM = ("prediction", "baseline", "alternatives", "warnings", "predicted_for", "format_version",
+_NOT_PREDICTED_FROM = ("prediction", "baseline", "baseline_previous", "alternatives", "warnings", "predicted_for", "format_version",
                        "nccl_nets", "left_out", "price_per_hour")
 
 
@@ -81,6 +83,8 @@ def content_digest(data: dict[str, Any]) -> str:
     """A hash of everything the prediction is computed from (the plan less its predictions and notes)."""
     for key in _NOT_PREDICTED_FROM:
         data.pop(key, None)
+    if data.get("distributed_optimizer_instances") == 1:     # added later: digests of plans without it stay
+        del data["distributed_optimizer_instances"]
     return digest(json.dumps(data, sort_keys=True, separators=(",", ":"), default=_json_default))
 
 
@@ -111,7 +115,7 @@ def _drop_zero_alltoall(data: dict) -> None:
     """Predictions gained 'alltoall_s' (MoE), 'replica_pipeline_s' and 'shape' (heterogeneous data parallelism)
     after plans were written with format 3: hashed only when not 0 / not empty, so a plan without them keeps its
     hash."""
-    for key in ("prediction", "baseline"):
+    for key in ("prediction", "baseline", "baseline_previous"):
         if data.get(key) is not None and data[key].get("alltoall_s") == 0.0:
             del data[key]["alltoall_s"]
         for name, empty in (("replica_pipeline_s", []), ("shape", ""), ("extrapolated", [])):

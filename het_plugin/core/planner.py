@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 from . import cost
@@ -20,7 +20,10 @@ from .inputs.compute_curve import extrapolation_advice
 from .errors import ConfigError
 from .inputs.model import ModelSpec
 from .layer_split import bottleneck, exact_partition, virtual_split
-from .ranks.transport import OVER_SOCKETS
+from .cost.dist_opt import instance_options, instance_span, with_instances
+from .ranks.transport import OVER_SOCKETS, Transport
+
+SPANNING = OVER_SOCKETS | {Transport.MULTINET}      # transports of groups that leave one fabric
 from .ranks.placement import (
     Placement,
     baseline_transport,
@@ -31,7 +34,10 @@ from .ranks.placement import (
     place_replicas,
     stage_domains,
     cluster_transport,
+    multinet_transport,
+    stock_transport,
 )
+from .nccl_version import NcclBuild
 from .inputs.profile import Profile
 from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction, check_replica_split, replica_split_conflict
 from .ranks.dims import DEFAULT_ORDER, EXPERT_KINDS, GROUP_KINDS, Degrees, ParallelDims
@@ -52,7 +58,8 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
                   baseline: Optional[Prediction] = None, overlap_grad_reduce: bool = True,
                   distributed_optimizer: bool = False, alternatives: Sequence[dict] = (),
                   extra_warnings: Sequence[str] = (), vpp: int = 1, overlap_p2p_comm: bool = False,
-                  replica_micro_batches: Sequence[int] = ()) -> Plan:
+                  replica_micro_batches: Sequence[int] = (), transport_fn=cluster_transport,
+                  baseline_previous: Optional[Prediction] = None, distributed_optimizer_instances: int = 1) -> Plan:
     """Turn a placement and a split into a Plan: every group kind with its transport, node table, warnings.
     ``vpp > 1``: an interleaved pipeline, each stage's layers split by :func:`layer_split.virtual_split`.
     ``replica_micro_batches``: micro-batches per data-parallel replica (() or all equal: the even split, stored
@@ -62,7 +69,7 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         raise ValueError(f"layers_per_stage {list(layers_per_stage)} must have {dims.pp} entries summing to "
                          f"{model.num_layers}")
     groups: dict[str, list[GroupPlan]] = {}
-    net = cost.Network(cluster, cluster_transport)      # cached nodes_transport(): one call per group shape
+    net = cost.Network(cluster, transport_fn)      # cached nodes_transport(): one call per group shape
     rank_node = cluster.rank_node
     embedding_stages = model.embedding_stages(dims.pp)
     experts = EXPERT_KINDS if (dims.ep, dims.etp) != (1, dims.tp) else ()     # else the same as the dense ones
@@ -80,10 +87,20 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
                         f"(transport {', '.join(sorted({g.transport for g in groups['dp']}))}; the gradient "
                         "reduction runs inside each fabric, then between them)")
         spanning = []
+    instances = distributed_optimizer_instances
+    spans_instance = None
+    if instances > 1:
+        nodes_of = [rank_node[r] for r in placement.rank_of_canonical]
+        spans_instance = instance_span(cluster, nodes_of, instances, dims)
+        if spans_instance:
+            warnings.append(f"{spans_instance} (an instance per fabric keeps them inside; where the degrees do not "
+                            "allow it, fewer instances or a pipeline across the fabrics)")
     for s, doms in spanning:
         names = ", ".join(f"{c}/{a}" for c, a in doms)
+        shards = (f"; with {instances} distributed-optimizer instances, one per fabric, only each rank's shard "
+                  "crosses it" if instances > 1 and not spans_instance else "")
         warnings.append(f"stage {s} spans {names}: its data-parallel groups cross a slow boundary "
-                        f"(transport {groups['dp'][0].transport if dims.pp == 1 else 'see dp groups'})")
+                        f"(transport {groups['dp'][0].transport if dims.pp == 1 else 'see dp groups'}){shards}")
     per_mb = dims.dp * micro_batch_size
     if model.global_batch_size % per_mb:
         raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of dp*micro_batch "
@@ -103,8 +120,9 @@ def assemble_plan(cluster: Cluster, model: ModelSpec, placement: Placement, laye
         overlap_grad_reduce=overlap_grad_reduce, vpp=vpp, overlap_p2p_comm=overlap_p2p_comm and vpp > 1,
         layers_per_virtual_stage=virtual_split(layers_per_stage, vpp) if vpp > 1 else [],
         distributed_optimizer=distributed_optimizer, homogeneous=cluster.is_homogeneous,
+        distributed_optimizer_instances=distributed_optimizer_instances,
         replica_micro_batches=counts, nccl_nets=dict(cluster.nccl_nets), prediction=prediction, baseline=baseline,
-        alternatives=list(alternatives),
+        baseline_previous=baseline_previous, alternatives=list(alternatives),
         warnings=warnings).stamp_prediction()
 
 
@@ -135,12 +153,13 @@ class Candidate:
     replica_counts: list[int] = field(default_factory=list)     # [] = the even split
     replica_groups: int = 1              # groups of replicas that run on different devices
     spans: bool = False                  # some stage (its DP groups) spans domains
+    instances: int = 1                   # Megatron's distributed-optimizer instances (cost.dist_opt)
 
     @property
     def key(self) -> tuple:
         d = self.placement.dims
         return (self.prediction.iteration_s, d.tp, d.pp, self.micro_batch_size, self.order_index, d.ep, -d.etp,
-                bool(self.replica_counts), self.placement.dealing != "stage")
+                bool(self.replica_counts), self.placement.dealing != "stage", self.instances)
 
     @property
     def shape(self) -> str:
@@ -170,6 +189,8 @@ class Candidate:
                     "domain_order": [f"{c}/{a}" for c, a in self.placement.domain_order],
                     "layers_per_stage": list(self.layers), "iteration_s": round(p.iteration_s, 6),
                     "tokens_per_s": round(p.tokens_per_s, 1), "distributed_optimizer": self.distributed_optimizer})
+        if self.instances > 1:
+            out["distributed_optimizer_instances"] = self.instances
         if shapes:
             out.update(shape=self.shape, replica_split=self.split_text())
             if self.placement.together > 1:      # how the replicas were dealt, where two dealings compete
@@ -296,7 +317,7 @@ def _spans_domains(analysis: cost.Analysis) -> bool:
     """Some stage's data-parallel groups span domains: two device types in a stage, or a DP group that leaves a
     fabric or a vendor (sockets, the shim)."""
     return (any(len(st.accelerators) > 1 for st in analysis.stages)
-            or bool(analysis.transports.get("dp", set()) & OVER_SOCKETS))
+            or bool(analysis.transports.get("dp", set()) & SPANNING))
 
 
 def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDims, mb: int,
@@ -328,7 +349,8 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
         return lay, tables
 
     def attempt(lay: list[int], tables, counts: list[int], prune: bool) -> Optional[Candidate]:
-        cand = Candidate(None, analysis.placement, list(lay), mb, order_index, dist_opt, counts, groups, spans)
+        cand = Candidate(None, analysis.placement, list(lay), mb, order_index, dist_opt, counts, groups, spans,
+                         analysis.instances)
         # (with per-layer overrides the tables' bottleneck is not a lower bound: no pruning)
         if (prune and tables is not None and not split.layers_differ
                 and bottleneck(tables, lay) >= search.bound_for(cand.shape)):
@@ -382,8 +404,10 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
 
 def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
                     overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None,
-                    sched: tuple = (1, None), replica_split: "str | list[int]" = "auto") -> _Search:
-    """Het-aware search: every domain order, the exact partition, with and without the distributed
+                    sched: tuple = (1, None), replica_split: "str | list[int]" = "auto",
+                    transport_fn=cluster_transport, optimizer_instances: bool = True) -> _Search:
+    """Het-aware search (groups on ``transport_fn``: :func:`placement.multinet_transport` where the NCCL build
+    joins networks): every domain order, the exact partition, with and without the distributed
     optimizer, for each degree combination. Where devices differ in speed (:func:`_replica_dealing`: on one
     fabric and vendor, or across vendors), also each pipeline inside one domain and data parallelism across
     domains (:func:`placement.place_replicas`, the file's domain order: the order only renumbers the replicas;
@@ -397,7 +421,7 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
     speeds = _replica_dealing(cluster)
     least_memory = min(n.accelerator.memory_gib for n in cluster.nodes)
     per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])
-    net = cost.Network(cluster, cluster_transport)
+    net = cost.Network(cluster, transport_fn)
     most_memory = max(n.accelerator.memory_gib for n in cluster.nodes)
     dense_key = lambda d: (d.tp, d.cp, d.pp, d.dp, d.order)      # noqa: E731 -- what the placement depends on
     analyses: dict[tuple, list] = {}       # one analysis per dense degrees and domain order, every (ep, etp) on it
@@ -417,7 +441,7 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                 if placement.rank_of_canonical in seen:
                     continue
                 seen.add(placement.rank_of_canonical)
-                placed.append((k, cost.analyze(cluster, placement, cluster_transport, net)))
+                placed.append((k, cost.analyze(cluster, placement, transport_fn, net)))
             # each domain holds whole pipelines, so the smallest devices must hold a pipeline's stages
             if speeds and dims.pp > 1 and dims.dp > 1 and cost.params_memory_gib(model, dims, True) <= least_memory:
                 for j, together in enumerate(_replicas_together(dims, per_node)):
@@ -426,7 +450,7 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                     placement = place_replicas(cluster, dims, orders[0], together)
                     if placement.rank_of_canonical not in seen:
                         seen.add(placement.rank_of_canonical)
-                        placed.append((len(orders) + j, cost.analyze(cluster, placement, cluster_transport, net)))
+                        placed.append((len(orders) + j, cost.analyze(cluster, placement, transport_fn, net)))
             analyses[key] = placed
         for k, dense in analyses[key]:
             analysis = cost.analyze_experts(cluster, dense, dims, net)
@@ -436,10 +460,12 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                 found.expert_spans.append(f"{_label(dims)}, order {' > '.join(f'{c}/{a}' for c, a in dense.placement.domain_order)}: "
                                           f"{analysis.expert_span}")
                 continue
+            variants = _instance_variants(cluster, model, dims, analysis, net) if optimizer_instances else [analysis]
             for mb in _micro_batches(model, dims, fixed_mb, sched[0], replica_split):
                 for dist_opt in dist_opts:
-                    _evaluate_split(model, analysis, dims, mb, None, found, k, dist_opt, overlap, profile,
-                                    _label(dims), sched, replica_split)
+                    for an in (variants if dist_opt else variants[:1]):
+                        _evaluate_split(model, an, dims, mb, None, found, k, dist_opt, overlap, profile,
+                                        _label(dims), sched, replica_split)
         if progress is not None:
             progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
@@ -499,9 +525,10 @@ def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = N
 def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
                     fixed_pp: bool, dist_opt: bool, overlap: bool, profile: Optional[Profile],
                     transport_fn, progress: Optional[Progress] = None, sched: tuple = (1, None),
-                    replica_split: "str | list[int]" = "even") -> _Search:
+                    replica_split: "str | list[int]" = "even", instances: bool = False) -> _Search:
     """The frameworks' default: identity placement, uniform layers (pp must divide the layers, as
-    Megatron-Core requires without a layout, unless the user fixed such a pp), ``transport_fn``."""
+    Megatron-Core requires without a layout, unless the user fixed such a pp), ``transport_fn``; ``instances``:
+    also Megatron's partial distributed optimizer where data parallelism spans fabrics (today's stock stack)."""
     found = _Search(keep=NUM_ALTERNATIVES + 1)
     net = cost.Network(cluster, transport_fn)
     dense: Optional[cost.Analysis] = None
@@ -518,13 +545,26 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
         if d0 is None or (d0.tp, d0.cp, d0.pp, d0.dp, d0.order) != (dims.tp, dims.cp, dims.pp, dims.dp, dims.order):
             dense = cost.analyze(cluster, default_placement(cluster, dims), transport_fn, net)
         analysis = cost.analyze_experts(cluster, dense, dims, net)
+        variants = _instance_variants(cluster, model, dims, analysis, net) if dist_opt and instances else [analysis]
         for mb in _micro_batches(model, dims, fixed_mb, sched[0], replica_split):
             layers = None if uneven else uniform_layers(model.num_layers, dims.pp)
-            _evaluate_split(model, analysis, dims, mb, layers, found, 0, dist_opt, overlap, profile, _label(dims),
-                            sched, replica_split)
+            for an in variants:
+                _evaluate_split(model, an, dims, mb, layers, found, 0, dist_opt, overlap, profile, _label(dims),
+                                sched, replica_split)
         if progress is not None:
             progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
+
+
+def _instance_variants(cluster: Cluster, model: ModelSpec, dims: ParallelDims, analysis: cost.Analysis,
+                       net: cost.Network) -> list[cost.Analysis]:
+    """The analysis, and where data parallelism leaves a fabric (a DP group on sockets, the multi-network
+    communicator or the shim) the same with Megatron's distributed-optimizer instances (cost.dist_opt): the
+    planner's choice among them. Dense models only (the expert state's instances are not modelled)."""
+    if model.is_moe or dims.ep > 1 or not (analysis.transports.get("dp", set()) & SPANNING):
+        return [analysis]
+    fabrics = len(cluster.cluster_names)
+    return [analysis] + [with_instances(cluster, analysis, i, net) for i in instance_options(dims.dp * dims.cp, fabrics)]
 
 
 def _label(dims: ParallelDims) -> str:
@@ -539,6 +579,7 @@ def _describe(cand: Candidate, what: str, shape: bool = False) -> str:
     return (f"{what}: tp={d.tp} pp={d.pp} dp={d.dp} cp={d.cp}{experts} micro-batch {cand.micro_batch_size}, "
             f"domain order {order}, layers {cand.layers}"
             + (", distributed optimizer" if cand.distributed_optimizer else "")
+            + (f" in {cand.instances} instances" if cand.instances > 1 else "")
             + (f"; shape: {cand.shape}, replica split {cand.split_text()}" if shape else "")
             + (f", stages of {cand.placement.together} replicas per node" if shape and cand.placement.together > 1
                else ""))
@@ -632,7 +673,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
               dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
               progress: Optional[Progress] = None, profile: Optional[Profile] = None, ep: Optional[int] = 1,
               etp: Optional[int] = None, order: str = DEFAULT_ORDER, vpp: int = 1,
-              overlap_p2p_comm: Optional[bool] = None, replica_split: "str | Sequence[int]" = "auto") -> Plan:
+              overlap_p2p_comm: Optional[bool] = None, replica_split: "str | Sequence[int]" = "auto",
+              nccl: Optional[NcclBuild] = None, optimizer_instances: bool = True) -> Plan:
     """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected.
 
     ``ep``/``etp`` (expert parallel sizes) and ``order`` (Megatron's rank order) are the framework's, taken
@@ -657,7 +699,17 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     :data:`UNEVEN_MIN_GAIN` less time, else the frameworks' even split (always on a homogeneous cluster).
     "even": the even split only. "uneven": only plans with uneven counts (a ConfigError if none exists). A list:
     those counts (dp = their number, micro-batch size = global batch / their sum).
+
+    ``nccl``: the NCCL the run loads (None: the newest release, :data:`nccl_version.CURRENT_RELEASE`). Where it
+    joins networks in one communicator (:attr:`NcclBuild.multinet`) a one-vendor group across fabrics gets the
+    'multinet' transport, and the baseline is today's stock stack on it (:func:`placement.stock_transport`), the
+    sockets-everywhere baseline kept as ``Plan.baseline_previous``. The plan is never predicted slower than the
+    baseline: where the frameworks' default is best, it is the plan. ``optimizer_instances``: the planner (and the
+    baseline) may use Megatron's partial distributed optimizer; False for DeepSpeed, whose pipeline engine has no
+    such mode (ZeRO-1 shards over the whole data-parallel group; docs/deepspeed.md).
     """
+    multinet = (nccl or NcclBuild()).multinet
+    plan_fn = multinet_transport if multinet else cluster_transport
     fixed_mb = micro_batch_size or model.micro_batch_size
     if fixed_mb is not None and model.global_batch_size % fixed_mb:
         raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of micro_batch_size "
@@ -678,7 +730,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
             planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched,
                                       replica_split)
     else:
-        planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched, replica_split)
+        planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched, replica_split,
+                                  plan_fn, optimizer_instances)
     if not planned.best and replica_split == "uneven":
         devices = ", ".join(sorted({n.accelerator.name for n in cluster.nodes}))
         raise ConfigError(f"replica_split=uneven cannot be honoured: of {len(options)} degree combinations on "
@@ -690,28 +743,42 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
             raise _expert_span_error(cluster, planned, ep)
         raise _memory_error(cluster, model, planned)
     base_best = planned.best[0] if cluster.is_homogeneous else None
+    previous_best = None
     if not cluster.is_homogeneous:
         # What a user gets today, at its best: either optimizer setting, the best degrees for it.
-        for base_dist_opt in (False, True):
-            found = _search_default(cluster, model, options, fixed_mb, pp is not None, base_dist_opt, overlap,
-                                    profile, baseline_transport, sched=sched)
-            if found.best and (base_best is None or found.best[0].key < base_best.key):
-                base_best = found.best[0]
+        base_best, plain_best = _best_default(cluster, model, options, fixed_mb, pp is not None, overlap, profile,
+                                              sched, stock_transport(multinet), instances=optimizer_instances)
+        # the line before today's stack (sockets everywhere, one optimizer instance), kept where it differs; on a
+        # released NCCL it is the stock search's best without instances (no second search)
+        previous_best = plain_best if not multinet else _best_default(
+            cluster, model, options, fixed_mb, pp is not None, overlap, profile, sched, baseline_transport,
+            instances=False)[0]
+        if previous_best is not None and base_best is not None and \
+                previous_best.prediction.iteration_s == base_best.prediction.iteration_s:
+            previous_best = None
     best = planned.best[0]
     het = not cluster.is_homogeneous
-    best.prediction.description = _describe(best, "planned" if het else
+    stock_wins = het and base_best is not None and base_best.prediction.iteration_s < best.prediction.iteration_s
+    if stock_wins:          # never a plan predicted slower than what the frameworks do by themselves
+        best = replace(base_best, prediction=_own_prediction(cluster, model, base_best, plan_fn, overlap, profile,
+                                                             sched))
+    stock_wins = stock_wins or (het and base_best is not None and _same_run(best, base_best))
+    best.prediction.description = _describe(best, STOCK_IS_BEST if stock_wins else "planned" if het else
                                             "framework default (homogeneous cluster: het_plugin changes nothing)",
-                                            shape=het)
-    if het:
+                                            shape=het and not stock_wins)
+    if het and not stock_wins:
         best.prediction.shape = best.shape
     baseline = None
     if base_best is not None:
         b = base_best
         baseline = b.prediction
-        if b is not best:
-            baseline.description = _describe(b, "baseline = framework default placement (identity), uniform "
-                                                "layers, one process-wide NCCL network setting, best degrees "
-                                                "for that default")
+        if b is not best:      # (the old wording where today's stack changes nothing: those plans keep their hashes)
+            baseline.description = _describe(b, STOCK_MULTINET if multinet else
+                                             STOCK_RELEASED if previous_best is not None else STOCK_SOCKETS)
+    baseline_previous = None
+    if previous_best is not None:
+        baseline_previous = replace(previous_best.prediction,
+                                    description=_describe(previous_best, STOCK_SOCKETS_OLD))
     warnings = []
     if baseline is None:
         warnings.append("no framework-default plan fits in memory (uniform layers); no baseline to compare")
@@ -728,7 +795,61 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
                          prediction=best.prediction, baseline=baseline, overlap_grad_reduce=overlap,
                          distributed_optimizer=best.distributed_optimizer,
                          alternatives=[c.summary(model.is_moe, shapes=het) for c in others], extra_warnings=warnings,
-                         vpp=sched[0], overlap_p2p_comm=bool(sched[1]), replica_micro_batches=best.replica_counts)
+                         vpp=sched[0], overlap_p2p_comm=bool(sched[1]), replica_micro_batches=best.replica_counts,
+                         transport_fn=plan_fn, baseline_previous=baseline_previous,
+                         distributed_optimizer_instances=best.instances)
+
+
+# What the baseline lines say (the report prints them).
+STOCK_SOCKETS = ("baseline = framework default placement (identity), uniform layers, one process-wide NCCL network "
+                 "setting, best degrees for that default")
+STOCK_RELEASED = ("baseline = today's stock stack: framework default placement (identity), uniform layers, one "
+                  "process-wide NCCL network setting (no NCCL release joins fabrics in one communicator), Megatron's "
+                  "distributed-optimizer instances where they help, best degrees for that default")
+STOCK_MULTINET = ("baseline = today's stock stack: framework default placement (identity), uniform layers, NCCL's "
+                  "multi-network communicators (NCCL_ALLNET_ENABLE=1, fabric IDs), best degrees and optimizer for "
+                  "that default")
+STOCK_SOCKETS_OLD = ("previous baseline = framework default placement, uniform layers, every communicator on sockets "
+                     "once one crosses fabrics, one distributed-optimizer instance, best degrees for that default")
+STOCK_IS_BEST = ("stock = framework default placement and uniform layers: no placement or split het_plugin "
+                 "searched predicts faster, so the plan keeps the frameworks' own")
+
+
+def _own_prediction(cluster: Cluster, model: ModelSpec, cand: "Candidate", transport_fn, overlap: bool,
+                    profile: Optional[Profile], sched: tuple) -> Prediction:
+    """A stock candidate predicted as the plan it becomes will run (its groups on ``transport_fn``, which is never
+    slower than the stock baseline's: per-group RDMA where the baseline put everything on sockets)."""
+    return cost.predict(cluster, model, cand.placement, cand.layers, cand.micro_batch_size, transport_fn=transport_fn,
+                        overlap_grad_reduce=overlap, distributed_optimizer=cand.distributed_optimizer,
+                        profile=profile, vpp=sched[0], overlap_p2p_comm=sched[1], instances=cand.instances)
+
+
+def _same_run(a: "Candidate", b: "Candidate") -> bool:
+    """The same placement, layers, micro-batch, optimizer and predicted time (so the same transports too): the plan
+    is the frameworks' own run."""
+    return (a.prediction.iteration_s == b.prediction.iteration_s
+            and a.placement.rank_of_canonical == b.placement.rank_of_canonical and a.placement.dims == b.placement.dims
+            and list(a.layers) == list(b.layers) and a.micro_batch_size == b.micro_batch_size
+            and (a.distributed_optimizer, a.instances, a.replica_counts) == (b.distributed_optimizer, b.instances,
+                                                                             b.replica_counts))
+
+
+def _best_default(cluster: Cluster, model: ModelSpec, options, fixed_mb, fixed_pp: bool, overlap: bool,
+                  profile: Optional[Profile], sched: tuple, transport_fn,
+                  instances: bool) -> "tuple[Optional[Candidate], Optional[Candidate]]":
+    """The frameworks' default on ``transport_fn`` at its best: either optimizer setting (``instances``: also
+    Megatron's distributed-optimizer instances where data parallelism leaves a fabric), the best degrees; and the
+    best of those with one optimizer instance (the same where none is better)."""
+    best = plain = None
+    for dist_opt in (False, True):
+        found = _search_default(cluster, model, options, fixed_mb, fixed_pp, dist_opt, overlap, profile,
+                                transport_fn, sched=sched, instances=instances)
+        if found.best and (best is None or found.best[0].key < best.key):
+            best = found.best[0]
+        one = next((c for c in found.best if c.instances == 1), None)
+        if one is not None and (plain is None or one.key < plain.key):
+            plain = one
+    return best, plain
 
 
 def _expert_span_error(cluster: Cluster, found: _Search, ep: Optional[int]) -> ConfigError:

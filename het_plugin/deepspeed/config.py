@@ -321,7 +321,7 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
             if spec is not None:
                 spec = _global_batch_from_accumulation(spec, batch, loaded.world_size, tp or 1, pp)
                 plan = make_plan(loaded, spec, tp=tp or 1, pp=pp, dp=batch.dp,
-                                 micro_batch_size=batch.micro_batch_size)
+                                 micro_batch_size=batch.micro_batch_size, optimizer_instances=False)
     section.profile_settings(source)
     if plan is not None:
         check_plan(plan, pp=pp, tp=tp, dp=batch.dp, source=source)

@@ -74,7 +74,7 @@ def replan_on_restart(section: HetSection, shape: RunShape, *,
         model = lambda: _planning_model(section, derive_model, source)  # noqa: E731
         resolved = resolve_launch(cluster, launch=Launch(shape.world_size), model=model,
                                   degrees=shape.degrees(source), micro_batch_size=wrapped.plan.micro_batch_size,
-                                  names=DEEPSPEED_NAMES, profile=profile)
+                                  names=DEEPSPEED_NAMES, profile=profile, optimizer_instances=False)
         check_plan(resolved.plan, world_size=shape.world_size, pp=shape.pp, tp=shape.tp, dp=resolved.plan.dp,
                    num_layers=shape.num_layers, source=source)
         return resolved
@@ -107,7 +107,7 @@ def _as_wrapped(section: HetSection, shape: RunShape, derive_model, source: str)
             model = lambda: _planning_model(section, derive_model, source)  # noqa: E731 - derived only if needed
             resolved = resolve_launch(loaded, launch=Launch(shape.world_size), model=model, degrees=degrees,
                                       micro_batch_size=None, names=DEEPSPEED_NAMES, discover=discover_cluster,
-                                      share_plan=node_sharing())
+                                      share_plan=node_sharing(), optimizer_instances=False)
             plan, cluster = resolved.plan, resolved.cluster
     if section.plan_hash is not None and plan.hash != section.plan_hash:
         raise ConfigError(f"the plan here ({plan.hash}) is not the one the config was wrapped with "

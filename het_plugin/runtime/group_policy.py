@@ -145,7 +145,9 @@ def spec_for(plan, ranks: Optional[Sequence[int]], policy: Policy, *, backend: O
             options = nccl_options(net_name, options)
     ifname = None
     if "gloo" in effective or chosen == SHIM_BACKEND:     # e.g. 'gloo', 'cpu:gloo,cuda:nccl', the shim's host hops
-        ifname = gloo_ifnames().get(transport)
+        names = gloo_ifnames()
+        # gloo has no multi-network mode: a group NCCL would run across fabrics crosses on the socket interface
+        ifname = names.get(transport) or (names.get(Transport.SOCKET) if transport == Transport.MULTINET else None)
     logical = plan.logical_of_physical
     keep = ranks is None or (ascending_is_launch_order and list(members) == sorted(members))
     by_logical = members if keep else tuple(sorted(members, key=lambda r: logical[r]))

@@ -28,13 +28,16 @@ from ..core.nccl_env import (
 )
 from .exchange import Exchange
 from .netselect import SHIM_BACKEND
+from ..core import multinet_env
 from . import nccl_version      # its loaded_nccl_version is looked up at each call (tests replace it)
 
 log = logging.getLogger("het_plugin")
 
 # What NCCL reads from the environment that the checks look at.
 NCCL_KEYS = ("NCCL_NET", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_IB_GID_INDEX", "NCCL_IGNORE_NET_MISMATCH",
-             "NCCL_COMM_SPLIT_SHARE_RESOURCES", "NCCL_IB_MERGE_NICS")
+             "NCCL_COMM_SPLIT_SHARE_RESOURCES", "NCCL_IB_MERGE_NICS",
+             # multi-network communicators (core.multinet_env)
+             "NCCL_ALLNET_ENABLE", "NCCL_IB_FABRICID_MAXRAIL", "NCCL_SCATTER_XDC", "NCCL_COLLNET_ENABLE", "NCCL_ALGO")
 VERSION_KEY = "het_plugin:nccl_version"    # in the gathered entry beside the settings (no NCCL variable has it)
 
 
@@ -137,6 +140,12 @@ def judge(plan, cluster, settings: Mapping[int, Mapping[str, str]], backend: str
                                     f"give every rank of {node} the same {k} (`het-plugin check --format env --node "
                                     f"{node}` prints its line)", (node,)))
     result = check_launch(plan, {}, cluster=cluster, node_env=node_env, node_version=node_version)
+    if getattr(plan, "multinet", False):        # a plan on NCCL's multi-network communicators (issue 30)
+        loaded = next((v for v in node_version.values() if v), None)
+        findings = multinet_env.check_build(None, loaded, True)
+        if cluster is not None:
+            findings += multinet_env.check_env(cluster, node_env, True)
+        multinet_env.merge(result, {}, findings)
     everyone = list(range(plan.world_size))
     world = GroupUse("world group", tuple(dict.fromkeys(plan.node_of(r).name for r in everyone)),
                      plan.rule_transport(everyone))

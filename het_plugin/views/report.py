@@ -132,6 +132,26 @@ def _prediction_lines(p: Prediction, indent: str = "  ", memory: bool = True) ->
     return lines
 
 
+def _stock_lines(plan) -> list[str]:
+    """Where today's stock stack is the plan, say so; the previous baseline (every communicator on sockets, one
+    optimizer instance) as a second, labelled line where it differs."""
+    lines = []
+    if plan.prediction is not None and plan.prediction.description.startswith("stock = "):
+        if plan.baseline is not None and plan.prediction.iteration_s < plan.baseline.iteration_s:
+            lines.append("the frameworks' own placement and split are predicted best here: het_plugin adds only "
+                         "each communicator's own network")
+        else:
+            lines.append("today's stock stack is predicted best here: the plan is the frameworks' own (het_plugin "
+                         "adds nothing on this cluster)")
+    old = getattr(plan, "baseline_previous", None)
+    if old is not None and plan.prediction is not None:
+        lines.append(f"previous baseline (sockets everywhere, one optimizer instance): {_fmt_s(old.iteration_s)}, "
+                     f"speed-up over it {old.iteration_s / plan.prediction.iteration_s:.2f}x")
+        if old.description:
+            lines.append(f"  {old.description}")
+    return lines
+
+
 def _alternative_line(alt: dict[str, Any], planned_s: Optional[float]) -> str:
     """One alternative plan from the search: its degrees, split, domain order and predicted time."""
     alt = dict(alt)
@@ -430,6 +450,7 @@ def render_text(plan: Plan, cluster=None) -> str:
     if speedup is not None:
         lines.append(f"speed-up over the baseline: {speedup:.2f}x (baseline iteration {_fmt_s(plan.baseline.iteration_s)}"
                      f" / planned {_fmt_s(plan.prediction.iteration_s)})")
+    lines.extend(_stock_lines(plan))
     shapes = shape_lines(plan)
     if shapes:
         lines.append("")

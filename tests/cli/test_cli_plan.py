@@ -50,14 +50,21 @@ def test_default_plans_the_bundled_holmes_example(capsys, holmes_json):
 
 
 def test_holmes_plan_meets_the_issue(capsys, holmes_json):
-    """TP and DP inside one fabric, only pipeline traffic over Ethernet, IB stages >= RoCE stages, faster
-    than the baseline, and the report shows that ratio."""
+    """TP inside a node and the gradients' reduce-scatter inside one fabric (a DP group in one, or one optimizer
+    instance per fabric: then only the shards cross), otherwise only pipeline traffic over Ethernet, IB stages >=
+    RoCE stages, faster than the baseline, and the report shows that ratio."""
     plan = Plan.from_dict(holmes_json)
     cluster = load_cluster(plan_cluster_path())
     assert {g.transport for g in plan.groups["tp"]} <= {"local"}
-    assert {g.transport for g in plan.groups["dp"]} <= {"local", "ib", "roce"}
+    instances = plan.distributed_optimizer_instances
+    for g in plan.groups["dp"]:
+        size = len(g.ranks) // instances
+        for i in range(instances):
+            assert len({plan.node_of(r).cluster for r in g.ranks[i * size:(i + 1) * size]}) == 1, g
+    if instances == 1:
+        assert {g.transport for g in plan.groups["dp"]} <= {"local", "ib", "roce"}
     for kind, groups in plan.groups.items():
-        if "pp" not in kind and kind != "embedding":
+        if "pp" not in kind and kind != "embedding" and not ("dp" in kind.split("-") and instances > 1):
             assert "socket" not in {g.transport for g in groups}, kind
     stage_cluster = [cluster.node_of(plan.rank_of_logical[s * (plan.world_size // plan.pp)]).cluster
                      for s in range(plan.pp)]

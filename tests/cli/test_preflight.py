@@ -234,9 +234,13 @@ def test_plan_groups_and_the_file_nics():
     from het_plugin.core.planner import make_plan
     from het_plugin.core.launch import model_from_arg
     cluster = load_cluster(HOLMES)
-    plan = make_plan(cluster, model_from_arg("gpt-7.5b"))
+    plan = make_plan(cluster, model_from_arg("gpt-7.5b"), pp=2)     # a pipeline across the fabrics
     groups = groups_from_plan(plan)
     assert {g.transport for g in groups} >= {"ib", "roce", "socket"}
+    # data parallel across the fabrics with an optimizer instance per fabric: the instances' groups are checked too
+    instances = make_plan(cluster, model_from_arg("gpt-7.5b"), pp=1)
+    assert instances.distributed_optimizer_instances == 2
+    assert {g.transport for g in groups_from_plan(instances)} >= {"ib", "roce", "socket"}
     assert groups[-1].label == "world group" and len(groups[-1].nodes) == 8
     result = check_launch(plan, {}, cluster=cluster)
     assert result.ok and result.nodes["roce-2"].settings["HET_PLUGIN_GLOO_IFNAMES"] == "roce=ens1f0,socket=eth0"

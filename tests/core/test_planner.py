@@ -27,23 +27,41 @@ def stage_cluster(plan, stage):
     return {plan.node_of(r).cluster for r in ranks}
 
 
-def test_holmes_keeps_tp_and_dp_inside_one_fabric(holmes_plan):
-    for kind in ("tp", "dp", "dp-cp", "tp-cp", "tp-dp", "tp-dp-cp"):
+def _instance_blocks(plan, ranks):
+    """A dp group's optimizer instances (Megatron: consecutive blocks of its members in logical order)."""
+    logical = plan.logical_of_physical
+    ordered = sorted(ranks, key=lambda r: logical[r])
+    size = len(ordered) // plan.distributed_optimizer_instances
+    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+
+def test_holmes_keeps_tp_and_the_gradient_reduction_inside_one_fabric(holmes_plan):
+    """TP inside a node; the reduce-scatter and all-gather of the gradients inside one fabric: a DP group either
+    stays in one, or (Megatron's partial distributed optimizer) each of its optimizer instances does."""
+    for g in holmes_plan.groups["tp"]:
+        assert g.transport in RDMA_OR_LOCAL and len({holmes_plan.node_of(r).name for r in g.ranks}) == 1, g
+    for kind in ("dp", "dp-cp"):
         for g in holmes_plan.groups[kind]:
-            assert g.transport in RDMA_OR_LOCAL, (kind, g)
-            assert len({holmes_plan.node_of(r).cluster for r in g.ranks}) == 1, (kind, g)
+            for block in _instance_blocks(holmes_plan, g.ranks):
+                assert len({holmes_plan.node_of(r).cluster for r in block}) == 1, (kind, g)
+            if holmes_plan.distributed_optimizer_instances == 1:
+                assert g.transport in RDMA_OR_LOCAL, (kind, g)
 
 
-def test_holmes_crosses_ethernet_only_with_pipeline_traffic(holmes_plan):
+def test_holmes_crosses_ethernet_only_with_pipeline_traffic_or_the_shards(holmes_plan):
     crossing = {kind for kind, groups in holmes_plan.groups.items()
                 if any(len({holmes_plan.node_of(r).cluster for r in g.ranks}) > 1 for g in groups)}
-    assert crossing, "a 2-cluster plan with one pipeline must cross once"
-    assert all("pp" in kind.split("-") or kind == "embedding" for kind in crossing), crossing
+    assert crossing, "a 2-cluster plan must cross once"
+    shards = {"dp", "dp-cp", "tp-dp", "tp-dp-cp"} if holmes_plan.distributed_optimizer_instances > 1 else set()
+    assert all("pp" in kind.split("-") or kind == "embedding" or kind in shards for kind in crossing), crossing
     socket_kinds = {kind for kind, groups in holmes_plan.groups.items() if any(g.transport == "socket" for g in groups)}
     assert socket_kinds <= crossing
 
 
 def test_holmes_gives_ib_stages_at_least_the_layers_of_roce_stages(holmes_plan):
+    if holmes_plan.pp == 1:     # data parallel across the fabrics: only with an optimizer instance per fabric
+        assert holmes_plan.distributed_optimizer_instances == 2
+        holmes_plan = make_plan(cluster("holmes-ib-roce"), preset_model("gpt-7.5b"), pp=2)
     by_fabric = {"ib": [], "roce": []}
     for s, n in enumerate(holmes_plan.layers_per_stage):
         (c,) = stage_cluster(holmes_plan, s)

@@ -222,7 +222,10 @@ def test_resolve_derives_the_planning_model_from_the_layers(cluster_file):
 
     plan = resolve_section_plan(section, RunShape(world_size=4, pp=2, num_layers=6), derive_model=derive)
     assert calls and sum(plan.layers_per_stage) == 6
-    assert stage_rank_sets(plan) == {frozenset({0, 2}), frozenset({1, 3})}
+    # (issue 30) the het search's best here is slower than DeepSpeed's own layout, so the plan keeps that layout
+    assert plan.prediction.iteration_s <= plan.baseline.iteration_s
+    assert stage_rank_sets(plan) == ({frozenset({0, 1}), frozenset({2, 3})} if plan.prediction.description.startswith(
+        "stock = ") else {frozenset({0, 2}), frozenset({1, 3})})
 
 
 def test_resolve_auto_plans_from_discovery(monkeypatch):

@@ -135,7 +135,11 @@ def test_the_report_shows_predicted_against_measured_per_stage(plan, tmp_path, c
     assert [float(r[5]) for r in rows] == pytest.approx([9.0, 1.0], rel=0.01)     # measured / predicted
     assert all(r[6] == r[4] for r in rows), "the profile predicts the measured stage"
     assert "imbalance (slowest stage / mean): predicted" in out
-    assert f"re-planned with the measured times: the split stays {plan.layers_per_stage}" in out
+    # the re-plan with the profile: the split stays, or (issue 30) the frameworks' own layout where it predicts
+    # faster -- never a plan slower than its baseline
+    assert (f"re-planned with the measured times: the split stays {plan.layers_per_stage}" in out
+            or "re-planned with the measured times: new split" in out)
+    assert float(re.search(r"speed-up over the baseline: ([\d.]+)x", out).group(1)) >= 1.0
 
 
 def test_the_report_names_the_new_split(plan, cluster, tmp_path, capsys):
@@ -148,8 +152,12 @@ def test_the_report_names_the_new_split(plan, cluster, tmp_path, capsys):
     was = ", ".join(st.device for st in prof.measured.stages)
     assert (f"new split {new.layers_per_stage} over {', '.join(stage_devices(new))} (was {plan.layers_per_stage} "
             f"over {was})") in out
-    layers_on = dict(zip(stage_devices(new), new.layers_per_stage))
-    assert layers_on[prof.measured.stages[0].device] < plan.layers_per_stage[0]
+    if new.prediction.description.startswith("stock = "):
+        # (issue 30) the frameworks' own layout predicted faster than every plan searched: the plan is stock
+        assert all(new.prediction.iteration_s <= a["iteration_s"] for a in new.alternatives)
+    else:
+        layers_on = dict(zip(stage_devices(new), new.layers_per_stage))
+        assert layers_on[prof.measured.stages[0].device] < plan.layers_per_stage[0]
 
 
 def test_timeline_refusals(plan, cluster, tmp_path, capsys):

@@ -44,7 +44,7 @@ excess, its prediction) and :func:`params_memory_gib` (a lower bound to skip deg
 from .network import (  # noqa: F401
     DEFAULT_SOCKET_GBPS, FALLBACK_TIERS, FRAMEWORK_OVERHEAD_GIB, GIB, GRAD_BYTES, HBM_BYTES_PER_S,
     HOST_COPY_GBPS, LOCAL_LATENCY_US, LOGITS_BYTES, OPTIMIZER_BYTES_MOVED, OPTIMIZER_STATE_BYTES,
-    SECTIONED_TRANSPORTS, SOCKET_LATENCY_US, WEIGHT_BYTES, CollectivePath, hop_tier, Level, Network,
+    SECTIONED_TRANSPORTS, SOCKET_LATENCY_US, WEIGHT_BYTES, CollectivePath, MultinetPath, hop_tier, Level, Network,
     socket_tier, Tier, TransportFn,
 )
 from .analysis import (  # noqa: F401

@@ -15,7 +15,7 @@ from ..ranks.placement import Placement, cluster_transport
 from ..inputs.profile import Profile
 from ..ranks.dims import ParallelDims
 from ..ranks.transport import Transport
-from .network import CollectivePath, HOST_COPY_GBPS, LOCAL_LATENCY_US, Level, Network, Tier, TransportFn, _level, _slowest
+from .network import CollectivePath, MultinetPath, HOST_COPY_GBPS, LOCAL_LATENCY_US, Level, Network, Tier, TransportFn, _level, _slowest
 
 # ---- placement analysis ---------------------------------------------------------------------------
 
@@ -53,6 +53,10 @@ class StageInfo:
     hop_next: tuple[tuple[Tier, int, bool], ...] = ()   # (tier, share, host_staged) to stage s+1
     cp_hops: tuple[tuple[Tier, int, bool], ...] = ()    # slowest ring hop of each CP group shape (cp > 1)
     expert: Optional[ExpertInfo] = None            # None: the expert groups are the dense ones (ep 1, etp = tp)
+    # Partial distributed optimizer (Analysis.instances > 1, cost.dist_opt): the paths of the instances' blocks and
+    # of the inter-instance groups.
+    instance_paths: tuple = ()
+    cross_instance_paths: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class Analysis:
     wrap_hops: tuple[tuple[Tier, int, bool], ...] = ()   # last stage -> first (interleaved)
     # Replicas grouped by the devices their stages run on; () when every replica runs on the same ones.
     replica_classes: tuple[ReplicaClass, ...] = ()
+    instances: int = 1          # Megatron's distributed-optimizer instances the stages' paths are for (cost.dist_opt)
 
 
 def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[CollectivePath, str]:
@@ -85,6 +90,8 @@ def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[Collec
     per_node: dict[int, int] = {}
     for n in members_nodes:
         per_node[n] = per_node.get(n, 0) + 1
+    if t == Transport.MULTINET:
+        return _multinet_path(net, per_node), t
     if t in net.sectioned:
         sectioned = _sectioned_path(net, per_node, t)
         if sectioned is not None:
@@ -106,6 +113,25 @@ def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[Collec
         tiers = [net.hop(a, b, t) for i, a in enumerate(reps) for b in reps[i + 1:]]
         levels.append(_level(tiers, len(by_cluster), share))
     return CollectivePath(tuple(levels), t == Transport.HOST_STAGED), t
+
+
+def _multinet_path(net: Network, per_node: dict[int, int]) -> MultinetPath:
+    """The group's ring on NCCL's multi-network communicator (:class:`MultinetPath`): its fabrics are the clusters
+    it touches; the crossings spread over the nodes of the fabric that has fewest of the group's nodes."""
+    nodes = net.cluster.nodes
+    by_cluster: dict[str, list[int]] = {}
+    for n in sorted(per_node):
+        by_cluster.setdefault(nodes[n].cluster, []).append(n)
+    t = Transport.MULTINET
+    inside = [net.hop(n, n, t) for n in per_node if per_node[n] > 1]
+    inside += [net.hop(v[0], v[1], t) for v in by_cluster.values() if len(v) > 1]
+    reps = [v[0] for v in by_cluster.values()]
+    cross = _slowest([net.hop(a, b, t) for i, a in enumerate(reps) for b in reps[i + 1:]])
+    k = max(per_node.values())
+    share = max(1, max(nodes[n].num_accelerators for n in per_node) // k)
+    return MultinetPath(sum(per_node.values()), _slowest(inside) if inside else cross, cross, share,
+                        min(len(v) for v in by_cluster.values()), len(by_cluster),
+                        max(len(v) for v in by_cluster.values()))
 
 
 def _sectioned_path(net: Network, per_node: dict[int, int], t: str) -> Optional[CollectivePath]:

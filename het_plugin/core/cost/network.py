@@ -4,11 +4,12 @@ model (documented in docs/planner.md) live here too.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from ..inputs.cluster import Cluster, Link, Node, RDMA
-from ..ranks.placement import baseline_transport, cluster_transport
+from ..ranks.placement import baseline_transport, cluster_transport, stock_multinet_transport
 from ..inputs.profile import Profile
 from ..ranks.transport import OVER_SOCKETS, Transport
 
@@ -111,6 +112,66 @@ class CollectivePath:
         return total
 
 
+# NCCL's tuner (src/graph/tuning.cc): the tree's all-reduce bus bandwidth is 0.92 of the ring's; it picks the
+# algorithm its own model predicts faster, which sees latencies and bandwidths but not which hop is slow.
+TREE_BW_FACTOR = 0.92
+
+
+@dataclass(frozen=True)
+class MultinetPath:
+    """A one-vendor group across fabrics on NCCL's multi-network communicator (NCCL_ALLNET_ENABLE=1; NVIDIA/nccl
+    cross-dc branch, src/graph/connect.cc): one flat ring of all ``members``, ordered fabric by fabric, so each
+    ring leaves every fabric once (2*(n_dc-1) crossings for two fabrics, n_dc in general) and carries the ring's
+    bytes on every link; the crossings of its channels are spread over the fabrics' nodes (NCCL_SCATTER_XDC=1,
+    the default), so each crossing NIC carries 1/``scatter`` of them. ``fabric``: the slowest link inside a
+    fabric (RDMA) or node; ``cross``: TCP between fabrics; ``share``: the group's streams on one node's NIC.
+    All-reduce: the ring, or the hierarchical tree (trees built inside each fabric, roots chained across:
+    depth (n_dc-1) + log2(nodes per fabric)) where NCCL's tuner would pick it."""
+    members: int
+    fabric: Tier
+    cross: Tier
+    share: int
+    scatter: int
+    n_dc: int
+    nodes_per_dc: int
+
+    def ring_s(self, nbytes: float, profile: Optional[Profile] = None, fraction: float = 1.0) -> float:
+        n = self.members
+        if n < 2 or nbytes <= 0:
+            return 0.0
+        chunk = nbytes / n
+        step = max(self.fabric.step_s(chunk, self.share, profile),
+                   self.cross.step_s(chunk / self.scatter, self.share, profile))
+        return 2 * (n - 1) * fraction * step
+
+    def tree_s(self, nbytes: float, profile: Optional[Profile] = None) -> float:
+        """Reduce up and broadcast down the chained trees: every node's NIC carries the bytes each way, a
+        crossing root 1/``scatter`` of them over TCP; latency per level of the tree's depth."""
+        if self.members < 2 or nbytes <= 0:
+            return 0.0
+        levels = (self.n_dc - 1) + max(1, math.ceil(math.log2(max(2, self.nodes_per_dc))))
+        bw = max(self.fabric.step_s(nbytes / TREE_BW_FACTOR, self.share, profile) - self.fabric.latency_us * 1e-6,
+                 self.cross.step_s(nbytes / self.scatter / TREE_BW_FACTOR, self.share, profile)
+                 - self.cross.latency_us * 1e-6)
+        lat = 2 * ((self.n_dc - 1) * self.cross.latency_us + (levels - self.n_dc + 1) * self.fabric.latency_us) * 1e-6
+        return 2 * bw + lat
+
+    def nccl_picks_tree(self, nbytes: float) -> bool:
+        """NCCL's tuner view: the same link for every hop (the fabric's), ring latency per step, tree per level."""
+        n = self.members
+        gbps, lat = self.fabric.gbps, self.fabric.latency_us * 1e-6
+        ring = 2 * (n - 1) / n * nbytes * 8 / (gbps * 1e9) + 2 * (n - 1) * lat
+        levels = (self.n_dc - 1) + max(1, math.ceil(math.log2(max(2, self.nodes_per_dc))))
+        tree = 2 * nbytes * 8 / (TREE_BW_FACTOR * gbps * 1e9) + 2 * levels * lat
+        return tree < ring
+
+    def allreduce_s(self, nbytes: float, profile: Optional[Profile] = None, fraction: float = 1.0) -> float:
+        """All-reduce (``fraction`` 1: ring or tree as NCCL picks) or reduce-scatter / all-gather (0.5: ring)."""
+        if fraction == 1.0 and self.nccl_picks_tree(nbytes):
+            return self.tree_s(nbytes, profile)
+        return self.ring_s(nbytes, profile, fraction)
+
+
 def socket_tier(cluster: Cluster, node: Node) -> Tier:
     """Ethernet as sockets see it: the node's Ethernet NIC, else the slowest inter-cluster link."""
     eth = [nic.gbps for nic in node.nics if nic.type == "ethernet"]
@@ -127,7 +188,8 @@ def hop_tier(cluster: Cluster, a: Node, b: Node, transport: str, link: Optional[
     if a.index == b.index:
         return Tier("local", min(a.accelerator.intra_node_gbps, b.accelerator.intra_node_gbps), LOCAL_LATENCY_US,
                     cluster=a.cluster)
-    sockets = transport in OVER_SOCKETS
+    # a multi-network communicator crosses between fabrics over TCP (NCCL's Socket network), RDMA inside each
+    sockets = transport in OVER_SOCKETS or (transport == Transport.MULTINET and a.cluster != b.cluster)
     link = link or cluster.link(a, b)
     names: tuple[str, ...] = ()
     back: tuple[str, ...] = ()
@@ -135,7 +197,7 @@ def hop_tier(cluster: Cluster, a: Node, b: Node, transport: str, link: Optional[
     if a.cluster != b.cluster:
         names = (f"{a.cluster}->{b.cluster}", f"{a.cluster}/{b.cluster}", f"{b.cluster}/{a.cluster}")
         back = (f"{b.cluster}->{a.cluster}", f"{b.cluster}/{a.cluster}", f"{a.cluster}/{b.cluster}")
-    kind = transport if sockets else link.kind
+    kind = (Transport.SOCKET if transport == Transport.MULTINET else transport) if sockets else link.kind
     if sockets and link.kind in RDMA:
         sa, sb = socket_tier(cluster, a), socket_tier(cluster, b)
         return Tier(kind, min(sa.gbps, sb.gbps), max(sa.latency_us, sb.latency_us), names, inside, back)
@@ -146,8 +208,8 @@ class Network:
     """Cached look-ups over a cluster for one transport function (a cluster's own ``link`` scans its nodes,
     too slow for 16k ranks).
 
-    ``transport_fn`` is assumed to depend only on which (cluster, vendor) pairs a group touches and whether
-    it spans more than one node -- true of ``placement.cluster_transport`` and ``placement.baseline_transport`` --
+    ``transport_fn`` is assumed to depend only on which (cluster, vendor) pairs a group touches, whether
+    it spans more than one node and whether one of those pairs holds two of its nodes -- true of ``placement.cluster_transport`` and ``placement.baseline_transport`` --
     so one call per such shape is enough.
     """
 
@@ -156,7 +218,8 @@ class Network:
         self.cluster, self.fn = cluster, transport_fn
         # Groups of these transports reduce hierarchically by section (:func:`_sectioned_path`) under a plan;
         # the baseline (the frameworks' own flat rings, its transport function) charges every group flat.
-        hierarchical = (transport_fn is not baseline_transport) if hierarchical is None else hierarchical
+        if hierarchical is None:
+            hierarchical = transport_fn not in (baseline_transport, stock_multinet_transport)
         self.sectioned: tuple[str, ...] = SECTIONED_TRANSPORTS if hierarchical else ()
         self.fabric: dict[str, Link] = {}
         for n in cluster.nodes:
@@ -176,16 +239,19 @@ class Network:
         """The transport of a group on these nodes (node indices), cached per shape of the set."""
         reps: dict = {}
         first = second = None
+        deep = None          # a second node on some (cluster, vendor): the multi-network rule reads it
         for n in node_ids:
-            reps.setdefault(self.node_key[n], n)
+            rep = reps.setdefault(self.node_key[n], n)
+            if deep is None and rep != n:
+                deep = n
             if first is None:
                 first = n
             elif second is None and n != first:
                 second = n
-        key = (first if second is None else -1, frozenset(reps))
+        key = (first if second is None else -1, frozenset(reps), deep is not None)
         t = self._transport.get(key)
         if t is None:
-            picked = set(reps.values()) | ({second} if second is not None else set())
+            picked = set(reps.values()) | ({second} if second is not None else set()) | ({deep} if deep is not None else set())
             first_rank = self.cluster.node_first_rank
             t = self.fn(self.cluster, sorted(first_rank[n] for n in picked))
             self._transport[key] = t

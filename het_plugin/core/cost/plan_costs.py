@@ -11,9 +11,11 @@ from ..errors import ConfigError
 from ..inputs.model import ModelSpec
 from ..inputs.profile import Profile
 from ..plan import Plan
-from ..ranks.placement import Placement
+from ..ranks.placement import Placement, cluster_transport, multinet_transport
 from .analysis import Analysis, analyze, analyze_experts
+from .network import Network
 from .predict import SplitCosts
+from .dist_opt import with_instances
 
 
 def placement_of(plan: Plan) -> Placement:
@@ -27,7 +29,11 @@ def plan_analysis(plan: Plan, cluster) -> Analysis:
         raise ConfigError(f"the plan was made for cluster {plan.cluster_name} (digest {plan.cluster_digest}), the "
                           f"cluster file is {cluster.name} (digest {cluster.digest})", field="cluster",
                           fix="pass the cluster file the plan was made from")
-    return analyze_experts(cluster, analyze(cluster, placement_of(plan)), plan.dims)
+    fn = multinet_transport if plan.multinet else cluster_transport     # the transports the planner used
+    analysis = analyze_experts(cluster, analyze(cluster, placement_of(plan), fn), plan.dims)
+    if plan.distributed_optimizer_instances > 1:
+        analysis = with_instances(cluster, analysis, plan.distributed_optimizer_instances, Network(cluster, fn))
+    return analysis
 
 
 def split_costs(plan: Plan, cluster, profile: Optional[Profile] = None,

@@ -15,7 +15,7 @@ from ..inputs.profile import Profile
 from ..ranks.batches import ReplicaBatches
 from ..ranks.dims import ParallelDims
 from .analysis import Analysis, ReplicaClass, analyze
-from .network import GIB, GRAD_BYTES, OPTIMIZER_STATE_BYTES, TransportFn, WEIGHT_BYTES
+from .network import GIB, GRAD_BYTES, OPTIMIZER_STATE_BYTES, Network, TransportFn, WEIGHT_BYTES
 from .fixed_costs import iteration_overhead_s, with_slots
 from .pipeline import _interleaved_pipeline, _interleaved_stage_costs, simulate_1f1b, wrap_send_s
 from .stage import (
@@ -24,6 +24,7 @@ from .stage import (
 )
 from ..layer_split import virtual_split
 from .interleaved import check_micro_batches, warmup_count
+from .dist_opt import with_instances
 
 # ---- prediction -----------------------------------------------------------------------------------
 
@@ -391,9 +392,10 @@ def predict(cluster: Cluster, model: ModelSpec, placement: Placement, layers_per
             micro_batch_size: int, *, transport_fn: TransportFn = cluster_transport,
             overlap_grad_reduce: bool = True, distributed_optimizer: bool = False,
             profile: Optional[Profile] = None, description: str = "", vpp: int = 1,
-            overlap_p2p_comm: Optional[bool] = None) -> Prediction:
+            overlap_p2p_comm: Optional[bool] = None, instances: int = 1) -> Prediction:
     """Predict one plan. A plan whose memory does not fit gets ``fits == False`` and the reason in its
-    description (the planner rejects it). ``vpp > 1``: the interleaved schedule (:class:`SplitCosts`)."""
+    description (the planner rejects it). ``vpp > 1``: the interleaved schedule (:class:`SplitCosts`).
+    ``instances``: Megatron's distributed-optimizer instances (with ``distributed_optimizer``; cost.dist_opt)."""
     dims = placement.dims
     if len(layers_per_stage) != dims.pp or sum(layers_per_stage) != model.num_layers:
         raise ValueError(f"layers_per_stage {list(layers_per_stage)} must have {dims.pp} entries summing to "
@@ -402,6 +404,8 @@ def predict(cluster: Cluster, model: ModelSpec, placement: Placement, layers_per
         raise ValueError(f"global batch {model.global_batch_size} is not a multiple of dp*micro_batch "
                          f"{dims.dp}*{micro_batch_size}")
     analysis = analyze(cluster, placement, transport_fn)
+    if instances > 1:
+        analysis = with_instances(cluster, analysis, instances, Network(cluster, transport_fn))
     return evaluate(model, analysis, layers_per_stage, micro_batch_size, overlap_grad_reduce=overlap_grad_reduce,
                     distributed_optimizer=distributed_optimizer, profile=profile, description=description,
                     vpp=vpp, overlap_p2p_comm=overlap_p2p_comm)

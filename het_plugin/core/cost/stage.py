@@ -49,6 +49,11 @@ class StageModel:
     optimizer_s_per_param: Optional[float] = None
     send_back_s: Optional[float] = None
     slot_s: float = 0.0             # the schedule's own work per forward or backward (fixed_costs)
+    # Megatron's partial distributed optimizer: state sharded over dp*cp/instances ranks, gradients reduce-scattered
+    # on instance_paths, the shards all-reduced on cross_paths (cost.dist_opt).
+    instances: int = 1
+    instance_paths: tuple = ()
+    cross_paths: tuple = ()
 
     @property
     def back_s(self) -> float:
@@ -233,7 +238,8 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
                               expert.dp_paths if expert is not None else None, dims.expert_dp, cp,
                               f_moe * a2a, ring[0] + ring[1], layer_deltas=deltas,
                               optimizer_s_per_param=_optimizer_per_param(info, tp, profile), send_back_s=back,
-                              slot_s=slot_s(profile, info.accelerators)))
+                              slot_s=slot_s(profile, info.accelerators), instances=analysis.instances,
+                              instance_paths=info.instance_paths, cross_paths=info.cross_instance_paths))
     return out
 
 
@@ -241,7 +247,7 @@ def _memory_bytes(st: StageModel, n_layers: int, dp: int, distributed_optimizer:
     """Bytes per rank; ``dp`` is the dense data-parallel size (the distributed optimizer shards the dense
     state over dp x cp and the experts' over expert-dp)."""
     params = st.fixed_params + n_layers * st.params_per_layer
-    opt = OPTIMIZER_STATE_BYTES / (dp * st.cp) if distributed_optimizer else OPTIMIZER_STATE_BYTES
+    opt = OPTIMIZER_STATE_BYTES * st.instances / (dp * st.cp) if distributed_optimizer else OPTIMIZER_STATE_BYTES
     states = params * (WEIGHT_BYTES + GRAD_BYTES + opt)
     if st.expert_params_per_layer:
         expert_opt = OPTIMIZER_STATE_BYTES / st.expert_dp if distributed_optimizer else OPTIMIZER_STATE_BYTES
@@ -267,7 +273,7 @@ def _optimizer_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: 
     params = st.fixed_params + n_layers * st.params_per_layer
     experts = n_layers * st.expert_params_per_layer
     if distributed_optimizer:
-        params /= dp * st.cp
+        params /= dp * st.cp / st.instances
         experts /= st.expert_dp
     if st.optimizer_s_per_param is not None:
         return (params + experts) * st.optimizer_s_per_param
@@ -304,12 +310,24 @@ def _dp_reduce_s(st: StageModel, n_layers: int, dp: int, distributed_optimizer: 
         return worst
 
     total = 0.0
-    if dp * st.cp > 1:
+    if dp * st.cp > 1 and distributed_optimizer and st.instances > 1:
+        total += _partial_reduce_s(st, st.fixed_params + n_layers * st.params_per_layer, dp, profile)
+    elif dp * st.cp > 1:
         total += reduce(st.paths, st.fixed_params + n_layers * st.params_per_layer)
     if st.expert_params_per_layer and st.expert_dp > 1 and n_layers:
         total += reduce(st.paths if st.expert_paths is None else st.expert_paths,
                         n_layers * st.expert_params_per_layer)
     return total
+
+
+def _partial_reduce_s(st: StageModel, params: float, dp: int, profile: Optional[Profile]) -> float:
+    """Megatron's partial distributed optimizer: gradients reduce-scattered inside an instance, each rank's shard
+    all-reduced across the instances, parameters all-gathered inside the instance (the slowest group of each)."""
+    shard = params / (dp * st.cp / st.instances)
+    inside = max((p.allreduce_s(params * GRAD_BYTES, profile, 0.5) + p.allreduce_s(params * WEIGHT_BYTES, profile, 0.5)
+                  for p in st.instance_paths), default=0.0)
+    across = max((p.allreduce_s(shard * GRAD_BYTES, profile) for p in st.cross_paths), default=0.0)
+    return inside + across
 
 
 def exposed_reduction_s(reduction_s: float, last_backward_s: float, overlap: bool) -> float:

@@ -240,13 +240,37 @@ def cluster_transport(cluster: Cluster, ranks: Sequence[int]) -> str:
                           lambda a, b: cluster.cluster_link(a, b).kind)
 
 
+def multinet_transport(cluster: Cluster, ranks: Sequence[int]) -> str:
+    """The transport rule where the NCCL build joins networks in one communicator (NVIDIA/nccl's cross-dc
+    branch: see het_plugin.core.nccl_version): a one-vendor group across fabrics is 'multinet' where a fabric
+    holds two or more of its nodes."""
+    members = (cluster.nodes[i] for i in {cluster.rank_node[r] for r in ranks})
+    return transport_rule((Member(n.name, n.cluster, n.vendor) for n in members),
+                          lambda a, b: cluster.cluster_link(a, b).kind, multinet=True)
+
+
+def stock_multinet_transport(cluster: Cluster, ranks: Sequence[int]) -> str:
+    """What a plain framework run gets with today's NCCL set up well where the build joins networks
+    (``NCCL_ALLNET_ENABLE=1``, each fabric's IDs in ``NCCL_IB_HCA``): every communicator on its own fabric, one
+    spanning fabrics on NCCL's multi-network rings; the frameworks have no way past vendors, so those groups are
+    charged as het_plugin's shim would run them (the same in both lines)."""
+    return multinet_transport(cluster, ranks)
+
+
 def baseline_transport(cluster: Cluster, ranks: Sequence[int]) -> str:
-    """What a plain framework run gets: with IB and RoCE mixed, or clusters joined by Ethernet, users
-    force NCCL onto sockets for every communicator (NCCL cannot join IB and RoCE HCAs in one)."""
+    """What a plain framework run gets with a released NCCL (none joins IB and RoCE HCAs, or two fabrics over TCP,
+    in one communicator: docs/gpu-assumptions.md): with IB and RoCE mixed, or clusters joined by Ethernet, users
+    force NCCL onto sockets for every communicator."""
     t = cluster_transport(cluster, ranks)
     if t in RDMA and needs_global_socket(cluster):
         return "socket"
     return t
+
+
+def stock_transport(multinet: bool):
+    """The baseline's transport function: :func:`stock_multinet_transport` where the NCCL build joins networks,
+    else :func:`baseline_transport` (sockets everywhere once one group must cross)."""
+    return stock_multinet_transport if multinet else baseline_transport
 
 
 def needs_global_socket(cluster: Cluster) -> bool:
