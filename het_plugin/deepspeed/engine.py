@@ -114,7 +114,7 @@ def _pipeline_plan(model, section, source):
                               "pass it as --deepspeed_config FILE on the command line or export "
                               "HET_PLUGIN_DEEPSPEED_CONFIG=FILE (scripts that hard-code their config); or build it with "
                               "het_plugin.deepspeed.PipelineModule(..., config=<the same config>)")
-    # with replan_on_restart the module's plan may be this start's re-plan (plan_source.replan_on_restart)
+    # with replan_on_restart the module's plan may be this start's re-plan (plan_source.section_planning)
     if section.plan_hash is not None and plan.hash != section.plan_hash and not section.replan_on_restart:
         raise ConfigError(f"the PipelineModule was built with plan {plan.hash}, this config holds "
                           f"{section.plan_hash}", source=source, field=f"{SECTION}.plan_hash",

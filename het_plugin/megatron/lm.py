@@ -3,14 +3,15 @@
 Two calls, at the two moments Megatron-LM gives us:
 
 * :func:`prepare_args` right after ``parse_args`` (before ``validate_args``): with a cluster or plan
-  file the plan is computed here (pure: no process group yet) and written into ``args`` (degrees,
-  ``pipeline_model_parallel_layout``, ``overlap_grad_reduce``), so Megatron validates and builds the
-  model for it. A planning error is kept, not raised: it is published at the agreement so *every*
-  rank stops with it (raising here would leave the other ranks waiting in init_process_group).
+  file the plan is computed here (``runtime.startup.resolve_start``, pure: no process group yet) and
+  written into ``args`` (degrees, ``pipeline_model_parallel_layout``, ``overlap_grad_reduce``), so Megatron
+  validates and builds the model for it. A planning error is kept, not raised: it is published at the
+  agreement so *every* rank stops with it (raising here would leave the other ranks waiting in
+  init_process_group). The plan or error waits in :mod:`het_plugin.megatron.launch_state`.
 * :func:`planned_initialize_model_parallel` in place of ``parallel_state.initialize_model_parallel``
-  (called by ``_initialize_distributed`` after ``init_process_group``): ranks agree on the plan (the
-  bare flag discovers the cluster and plans here, with the degrees Megatron already validated), then
-  every group is built on the plan's placement.
+  (called by ``_initialize_distributed`` after ``init_process_group``): the start-up sequence
+  (``runtime.startup.startup``: ranks agree on the plan; the bare flag discovers the cluster and plans
+  there, with the degrees Megatron already validated), then every group is built on the plan's placement.
 
 megatron.training 0.19+ scripts build the model, DDP and optimizer configs from ``args`` *before*
 ``pretrain(cfg_container, ...)`` initialises anything. With a file the plan is in ``args`` by then; with

@@ -148,3 +148,28 @@ def test_replan_on_restart_is_decided_once_and_plans_with_the_profile_once(tmp_p
     calls.clear()
     resolve_start(planning_for(request, calls, replan=Replan(str(path))), rank=1)
     assert "re-plan" not in capsys.readouterr().out     # rank 0 alone says why
+
+
+# The start-up path, and the public keyword forms that stay on it (a drop-in signature, documented wrappers).
+STARTUP_PATH = ("runtime/startup.py", "runtime/agreement.py", "runtime/restart_replan.py", "core/launch.py",
+                "core/request.py", "megatron/lm.py", "megatron/launch_state.py", "megatron/mcore.py",
+                "deepspeed/pipe.py", "deepspeed/engine.py", "deepspeed/plan_source.py")
+PUBLIC_KEYWORD_FORMS = {"initialize_model_parallel", "resolve_megatron_plan", "resolve_megatron_launch"}
+
+
+def parameter_counts(path: Path) -> dict[str, int]:
+    counts = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            named = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+            counts[node.name] = len(named) + (a.vararg is not None) + (a.kwarg is not None)
+    return counts
+
+
+def test_no_function_on_the_startup_path_takes_ten_parameters():
+    long = {(name, f, n) for name in STARTUP_PATH for f, n in parameter_counts(PACKAGE / name).items()
+            if n >= 10 and f not in PUBLIC_KEYWORD_FORMS}
+    assert not long
+    assert parameter_counts(PACKAGE / "core/planner.py")["make_plan"] < 10        # the planner's entry point too
+    assert parameter_counts(PACKAGE / "megatron/mcore.py")["resolve_megatron_launch"] >= 10     # the count counts
