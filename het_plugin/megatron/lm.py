@@ -64,8 +64,9 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
     check_compatible(args)
     state = launch_state.current()
     if state.args is None or (state.source, state.argv) != (source, tuple(argv)):
-        state = LaunchState(args=args, source=source, argv=tuple(argv),
-                            plan_out=getattr(args, "heterogeneous_plan_out", None))
+        # written first: the profile settings read while planning name this launch's cluster file
+        state = launch_state.write(LaunchState(args=args, source=source, argv=tuple(argv),
+                                               plan_out=getattr(args, "heterogeneous_plan_out", None)))
         if source != DISCOVER:
             state = _plan_file(state, argv)
     if state.plan is not None:
