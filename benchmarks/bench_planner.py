@@ -1,10 +1,13 @@
 """Planner benchmark: planned vs framework-default predicted throughput (dense and MoE models), the HETHUB-like
-mix against its sub-clusters (with and without heterogeneous data parallelism), and planner wall time at 768,
-16,384 and 131,072 accelerators. One run, side by side.
+mix against its sub-clusters (with and without heterogeneous data parallelism), which node groups the example
+clusters are better off without, and planner wall time at 768, 16,384 and 131,072 accelerators, today's search
+(every node) beside the search over node subsets. One run, side by side.
 
     python benchmarks/bench_planner.py            (a few minutes on 2 cores)
     python benchmarks/bench_planner.py --quick    (skips the 16,384- and 131,072-accelerator timings)
+    python benchmarks/bench_planner.py --no-131k  (skips the 131,072-accelerator timing)
     python benchmarks/bench_planner.py --hethub   (only the HETHUB-like mix against its sub-clusters)
+    python benchmarks/bench_planner.py --subsets  (only "are these nodes worth it" and the wall times)
 
 Every throughput here is the predictor's (het_plugin.core.cost), not a measurement; wall times are real but
 rough on a shared machine (CPU s, the process's own CPU time, is less sensitive to other load).
@@ -20,6 +23,7 @@ from het_plugin.core.inputs.cluster import cluster_from_dict, load_cluster
 from het_plugin.core.errors import ConfigError
 from het_plugin.core.inputs.model import preset_model
 from het_plugin.core.planner import make_plan, plan_candidates
+from het_plugin.core.subsets import search_subsets
 
 CLUSTERS = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 CASES = [("holmes-ib-roce", "gpt-7.5b"), ("holmes-ib-roce", "gpt-39b"), ("h100-a100", "gpt-7.5b"),
@@ -216,30 +220,57 @@ def big_cluster(nodes_ib: int = 1024, nodes_roce: int = 512, nodes_amd: int = 51
                   {"between": ["roce", "amd"], "gbps": 100}]})
 
 
-def wall_times(quick: bool) -> None:
-    print("## Planner wall time\n")
-    print("| accelerators | cluster | model | wall s | CPU s | budget s | goal | plan |")
-    print("|---:|---|---|---:|---:|---:|---|---|")
+SUBSET_CASES = ["h100-old-ethernet", "h100-a100", "two-clusters-25gbe", "holmes-ib-roce", "hethub-mix"]
+
+
+def nodes_worth_it() -> None:
+    print("## Are these nodes worth it? Every node vs the best plan over node-group subsets (gpt-7.5b)\n")
+    print("| cluster | every node: plan | s/iteration | subset search: left out | plan | s/iteration | speed-up | "
+          "subsets planned / ruled out |")
+    print("|---|---|---:|---|---|---:|---:|---:|")
+    model = preset_model("gpt-7.5b")
+    for cname in SUBSET_CASES:
+        found = search_subsets(load_cluster(CLUSTERS / f"{cname}.yaml"), model)
+        full, plan = found.full.plan, found.plan
+        left = ", ".join(g["group"] for g in plan.left_out.get("groups", [])) or "nothing"
+        print(f"| {cname} | {degrees(full)} | {full.prediction.iteration_s:.3f} | {left} | {degrees(plan)} "
+              f"({plan.world_size} ranks) | {plan.prediction.iteration_s:.3f} | "
+              f"{full.prediction.iteration_s / plan.prediction.iteration_s:.2f}x | {1 + found.searched} / "
+              f"{found.pruned} |")
+    print()
+
+
+def wall_times(quick: bool, big: bool = True) -> None:
+    print("## Planner wall time: today's search (every node) and the search over node subsets\n")
+    print("| accelerators | cluster | model | wall s | CPU s | with subsets: wall s | CPU s | planned / ruled out "
+          "| budget s | goal (subsets) | plan |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|")
     cases = [(load_cluster(CLUSTERS / "hethub-mix.yaml"), preset_model("llama-140b"), 10),
              (load_cluster(CLUSTERS / "hethub-mix.yaml"), preset_model("mixtral-8x7b"), 10)]
     if not quick:
         cases.append((big_cluster(), preset_model("llama-140b").model_copy(update={"global_batch_size": 8192}), 10))
         cases.append((big_cluster(), preset_model("mixtral-8x7b").model_copy(update={"global_batch_size": 8192}),
                       60))
-        cases.append((big_cluster(8192, 4096, 4096),
-                      preset_model("llama-140b").model_copy(update={"global_batch_size": 65536}), 60))
+        if big:
+            cases.append((big_cluster(8192, 4096, 4096),
+                          preset_model("llama-140b").model_copy(update={"global_batch_size": 65536}), 60))
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     for cl, model, budget in cases:
         start, cpu = time.perf_counter(), time.process_time()
         plan = make_plan(cl, model, ep=None)          # MoE models: ep searched too
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        start, sub_cpu = time.perf_counter(), time.process_time()
+        found = search_subsets(cl, model, ep=None)
+        sub_wall, sub_cpu = time.perf_counter() - start, time.process_time() - sub_cpu
+        plan = found.plan
         order = " > ".join(n.split("/")[0] for n in plan.prediction.description.split("domain order ")[1]
                            .split(",")[0].split(";")[0].split(" > "))
-        goal = "met" if wall <= budget else ("missed (CPU s within)" if cpu <= budget else "missed")
+        goal = "met" if sub_wall <= budget else ("missed (CPU s within)" if sub_cpu <= budget else "missed")
+        left = f", left out {', '.join(g['group'] for g in plan.left_out['groups'])}" if plan.left_out else ""
         print(f"| {cl.world_size:,} | {cl.name} | {model.name} (batch {model.global_batch_size}) | {wall:.1f} | "
-              f"{cpu:.1f} | {budget} | {goal} | {degrees(plan)}, {shape(plan)}, stages over {order}, layers "
-              f"{plan.layers_per_stage} |")
+              f"{cpu:.1f} | {sub_wall:.1f} | {sub_cpu:.1f} | {1 + found.searched} / {found.pruned} | {budget} | "
+              f"{goal} | {degrees(plan)}, {shape(plan)}, stages over {order}, layers {plan.layers_per_stage}{left} |")
     with open("/proc/loadavg") as f:
         print(f"\n(load average {load} before the timings, {f.read().split()[0]} after: other processes share the "
               "2 cores)")
@@ -249,15 +280,22 @@ def wall_times(quick: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="skip the 16,384- and 131,072-accelerator timings")
+    ap.add_argument("--no-131k", dest="big", action="store_false", help="skip the 131,072-accelerator timing")
     ap.add_argument("--hethub", action="store_true", help="only the HETHUB-like mix against its sub-clusters")
+    ap.add_argument("--subsets", action="store_true", help="only the node-subset comparison and the wall times")
     args = ap.parse_args()
     if args.hethub:
         hethub_fraction()
         return
+    if args.subsets:
+        nodes_worth_it()
+        wall_times(args.quick, args.big)
+        return
     planned_vs_baseline()
     moe_planned_vs_baseline()
     hethub_fraction()
-    wall_times(args.quick)
+    nodes_worth_it()
+    wall_times(args.quick, args.big)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
+
+from ..core.errors import ConfigError
 
 
 def register(sub) -> None:
@@ -36,8 +39,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..core.errors import ConfigError
-    from ..core.nccl_env import check_launch, render_env, render_text
+    from ..core.nccl_env import check_launch
+    from ..views.nccl_env import render_env, render_text
 
     from .discover import check_timeout_arg
     check_timeout_arg(args)
@@ -89,7 +92,6 @@ def run(args) -> int:
 
 
 def _nccl_version(args):
-    from ..errors import ConfigError
     from ..core.nccl_version import parse_version
     from ..runtime.nccl_version import loaded_nccl_version
     if args.nccl_version is None:
@@ -102,7 +104,6 @@ def _nccl_version(args):
 
 def _load(path: str):
     """(Plan or Cluster, the Cluster whose nics describe the nodes, or None for a plan)."""
-    from ..core.errors import ConfigError
     from ..core.plan import Plan
     from ..core.launch import load_source
     loaded = load_source(path)
@@ -119,7 +120,6 @@ def _gather(args):
 
 
 def _gid_indices(view) -> dict:
-    from pathlib import Path
     from ..discovery.sysfs import roce_v2_gid_index
     out = {}
     for p in view.rdma:

@@ -3,10 +3,13 @@ cluster file every rank of the job would build."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
 import yaml
+
+from ..core.errors import ConfigError
 
 
 def register(sub) -> None:
@@ -35,9 +38,7 @@ def check_timeout_arg(args) -> None:
 
 
 def check_args(args) -> None:
-    import math
 
-    from ..core.errors import ConfigError
     check_timeout_arg(args)
     if args.ethernet_gbps is not None:
         from ..core.inputs.cluster import GBPS_RANGE
@@ -49,7 +50,7 @@ def check_args(args) -> None:
         if not args.gather:
             raise ConfigError("-o writes the cluster file of --gather; without --gather it is not used",
                               field="-o/--output", fix="add --gather (under torchrun), or drop -o")
-        from ..core.inputs.yamlio import check_writable
+        from ..core.files import check_writable
         check_writable(args.output, "-o/--output", "cluster file")
 
 
@@ -78,7 +79,7 @@ def _gather(args) -> int:
     if rank == 0:
         text = format_yaml(found.data, found.notes)
         if args.output:
-            from ..core.inputs.yamlio import write_atomic
+            from ..core.files import write_atomic
             write_atomic(args.output, text, "cluster file")
             print(f"cluster file written to {args.output} ({len(found.cluster.nodes)} nodes, "
                   f"{found.cluster.world_size} ranks)", file=sys.stderr)

@@ -8,8 +8,11 @@ run in a cpu cgroup whose quota follows its accelerator's relative speed. Needs 
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
+
+from ..core.errors import ConfigError
 
 _PARSER: argparse.ArgumentParser | None = None
 
@@ -56,9 +59,7 @@ def split_command(args) -> argparse.Namespace:
 
 
 def check_numbers(args) -> None:
-    import math
 
-    from ..core.errors import ConfigError
     if not (math.isfinite(args.scale) and 1e-3 <= args.scale <= 1e9):
         raise ConfigError(f"{args.scale} is not a scale the emulator takes (0.001 .. 1e9)", field="--scale",
                           fix="pass real bits per emulated bit, e.g. --scale 1000 (200 Gbit/s -> 200 Mbit/s)")
@@ -80,7 +81,6 @@ def check_numbers(args) -> None:
 
 def parse_speeds(words):
     """``--speed`` values: None (unshaped), "catalog", or {name: speed}; a malformed one names the flag."""
-    from ..core.errors import ConfigError
     if not words:
         return None
     if "catalog" in words:
@@ -106,7 +106,6 @@ def run(args) -> int:
     from ..core.inputs.cluster import load_cluster
     from ..tools.emulate import Emulation, EmulatorUnavailable, make_layout, stream_prefixed, terminate_on_signals
     from ..tools.emulate.system import check_preconditions, clean_leftovers
-    from ..core.errors import ConfigError
 
     args = split_command(args)
     check_numbers(args)

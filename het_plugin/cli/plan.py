@@ -47,6 +47,18 @@ def register(sub) -> None:
     p.add_argument("--profile", metavar="FILE",
                    help="measured profile (layer times, link bandwidths) overriding the analytic estimates; "
                         "format in docs/planner.md")
+    p.add_argument("--use-all-nodes", action="store_true",
+                   help="plan with every node of the cluster file (default: the planner may leave out node groups "
+                        "that only slow the job down; the report says which and why)")
+    p.add_argument("--objective", choices=["time", "cost"], default=None,
+                   help="time (default): the shortest predicted iteration; cost: the cheapest iteration at the "
+                        "cluster file's price_per_device_hour, devices included")
+    p.add_argument("--min-throughput", type=float, metavar="TOKENS_PER_S",
+                   help="with --objective cost: only plans predicted to reach this many tokens/s")
+    p.add_argument("--hostfile-out", metavar="FILE",
+                   help="write the plan's nodes as a DeepSpeed hostfile ('host slots=N', launch order)")
+    p.add_argument("--nodes-out", metavar="FILE",
+                   help="write the plan's nodes, one hostname a line in node_rank order (torchrun, Slurm)")
     p.add_argument("-o", "--output", help="write the plan to this file (.json or .yaml)")
     p.add_argument("--format", choices=["text", "json"], default="text",
                    help="text: a readable report; json: the plan itself on stdout")
@@ -108,17 +120,20 @@ def named_by(option: str):
 
 def check_files(args) -> None:
     """No output may overwrite an input, and every output must be writable: both checked before planning."""
-    from ..core.inputs.yamlio import check_writable, same_file
+    from ..core.files import check_writable, same_file
     inputs = [("CLUSTER", args.cluster), ("--model", args.model), ("--profile", args.profile)]
     for out_flag, out in (("-o/--output", args.output), ("--svg", args.svg),
-                          ("--timeline", getattr(args, "timeline", None))):
+                          ("--timeline", getattr(args, "timeline", None)),
+                          ("--hostfile-out", getattr(args, "hostfile_out", None)),
+                          ("--nodes-out", getattr(args, "nodes_out", None))):
         if not out:
             continue
         for in_flag, given in inputs:
             if given and Path(given).exists() and same_file(given, out):
                 raise ConfigError(f"{out} is also the input ({in_flag}); writing it would destroy that file",
                                   source=out, field=out_flag, fix=f"write {out_flag.split('/')[0]} to another file")
-        check_writable(out, out_flag, "plan" if out_flag.startswith("-o") else "picture")
+        check_writable(out, out_flag, "plan" if out_flag.startswith("-o") else
+                       "node list" if out_flag.endswith("-out") else "picture")
     if getattr(args, "timeline", None) and args.svg and same_file(args.timeline, args.svg):
         raise ConfigError(f"--timeline and --svg both name {args.svg}", source=args.svg, field="--timeline",
                           fix="give the two pictures different files")
@@ -139,8 +154,26 @@ def replica_split_arg(text: str | None):
                           fix="e.g. --replica-split even, or --replica-split 6,6,2,2 (one count per replica)") from None
 
 
+def check_node_options(args) -> None:
+    """--min-throughput goes with --objective cost; the objectives choose among subsets, --use-all-nodes has none."""
+    if getattr(args, "min_throughput", None) is not None and getattr(args, "objective", None) != "cost":
+        raise ConfigError("--min-throughput was passed without --objective cost (the time objective takes the "
+                          "fastest plan anyway)", field="--min-throughput", fix="add --objective cost, or drop it")
+    if getattr(args, "min_throughput", None) is not None and not 0 < args.min_throughput < float("inf"):
+        raise ConfigError(f"--min-throughput {args.min_throughput:g} is not a positive number of tokens/s",
+                          field="--min-throughput", fix="give tokens per second, e.g. 100000")
+
+
 def check_saved_plan(args, plan) -> None:
     """A saved plan is shown as it is: options that would change it are refused, not ignored."""
+    for flag, given in (("--use-all-nodes", getattr(args, "use_all_nodes", False)),
+                        ("--objective", getattr(args, "objective", None)),
+                        ("--min-throughput", getattr(args, "min_throughput", None))):
+        if given not in (None, False):
+            raise ConfigError(f"{flag} was passed, but a saved plan is shown as it is (it uses "
+                              f"{len(plan.nodes)} nodes)", source=args.cluster, field=flag,
+                              fix=f"drop {flag}, or re-plan from the cluster file: het-plugin plan CLUSTER {flag} "
+                                  "... -o PLAN")
     if getattr(args, "replica_split", None) is not None:
         raise ConfigError("--replica-split was passed, but a saved plan is shown as it is (its replica split is "
                           f"{plan.replica_counts if plan.uneven_replicas else 'even'})", source=args.cluster,
@@ -227,10 +260,12 @@ def run(args) -> int:
     from ..core.plan import Plan
     from ..core.launch import load_source, model_from_arg
     from ..core.planner import make_plan
+    from ..core import subsets
     from ..views.report import render_text
 
     check_output_names(args)
     check_numbers(args)
+    check_node_options(args)
     check_order(args)
     replica_split = replica_split_arg(getattr(args, "replica_split", None))
     check_files(args)
@@ -257,19 +292,36 @@ def run(args) -> int:
                 profile = load_profile(args.profile)
         show = ProgressLine() if sys.stderr.isatty() else None
         try:
-            plan = make_plan(cluster, model, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep,
-                             etp=args.etp, micro_batch_size=args.micro_batch_size, progress=show, profile=profile,
-                             vpp=args.vpp, replica_split=replica_split, order=args.order or DEFAULT_ORDER,
-                             overlap_p2p_comm=args.overlap_p2p_comm)
+            plan = subsets.plan_nodes(
+                cluster, model, use_all_nodes=getattr(args, "use_all_nodes", False),
+                objective=getattr(args, "objective", None) or "time",
+                min_tokens_per_s=getattr(args, "min_throughput", None), plan_fn=make_plan,
+                tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, etp=args.etp,
+                micro_batch_size=args.micro_batch_size, progress=show, profile=profile, vpp=args.vpp,
+                replica_split=replica_split, order=args.order or DEFAULT_ORDER, overlap_p2p_comm=args.overlap_p2p_comm)
         except ConfigError as exc:
-            if exc.field != "replica_split":
+            if exc.field not in ("replica_split", "min_throughput", "objective"):
                 raise
-            raise ConfigError(exc.problem, source=exc.source, field="--replica-split", fix=exc.fix) from None
+            field = {"replica_split": "--replica-split", "min_throughput": "--min-throughput"}.get(exc.field,
+                                                                                                  "--objective")
+            raise ConfigError(exc.problem, source=exc.source, field=field, fix=exc.fix) from None
         finally:
             if show is not None:
                 show.close()
+        cluster = subsets.kept_cluster(cluster, plan)     # what the pictures and the measured lines re-predict on
     if args.output:
         plan.save(args.output)
+    written = []
+    for flag, out, text in (("--hostfile-out", getattr(args, "hostfile_out", None), subsets.deepspeed_hostfile),
+                            ("--nodes-out", getattr(args, "nodes_out", None), subsets.node_list)):
+        if out:
+            try:
+                Path(out).write_text(text(plan))
+            except OSError as exc:
+                raise ConfigError(f"cannot write the node list: {exc.strerror or exc}", source=out, field=flag,
+                                  fix="choose a folder you can write to") from None
+            written.append(f"{'DeepSpeed hostfile' if flag == '--hostfile-out' else 'node list'} written to {out} "
+                           f"({len(plan.nodes)} nodes)")
     if args.svg:
         from ..views.svg import draw_plan
         try:
@@ -299,6 +351,8 @@ def run(args) -> int:
             print(f"placement picture written to {args.svg}")
         if timeline:
             print(f"schedule picture written to {timeline}")
+        for line in written:
+            print(line)
     return 0
 
 

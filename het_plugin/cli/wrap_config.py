@@ -1,7 +1,11 @@
 """``het-plugin wrap-config``: add het_plugin's ``"heterogeneous"`` section to a DeepSpeed config."""
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
+
+from ..core.errors import ConfigError
 
 
 def register(sub) -> None:
@@ -34,11 +38,10 @@ def register(sub) -> None:
 
 def check_args(args) -> None:
     """Before any planning: degrees in range, the config readable, -o writable and not one of the inputs."""
-    from pathlib import Path
 
     from ..core.inputs.cluster import MAX_ACCELERATORS
-    from ..core.errors import ConfigError
-    from ..core.inputs.yamlio import check_writable, parse_json, read_text, same_file
+    from ..core.files import check_writable, same_file
+    from ..core.inputs.yamlio import parse_json, read_text
     from .plan import named_by
 
     for name in ("pp", "tp"):
@@ -59,8 +62,7 @@ def check_args(args) -> None:
 
 def run(args) -> int:
     from ..deepspeed.config import SECTION, wrap
-    from ..core.inputs.yamlio import write_atomic
-    import json
+    from ..core.files import write_atomic
 
     check_args(args)
     wrapped = wrap(args.config, cluster=args.cluster, model=args.model, pp=args.pp, tp=args.tp,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..core.errors import HetPluginError
 from ..core.ranks.transport import Transport
-from ..runtime.netselect import SHIM_BACKEND, gloo_network
+from ..runtime.netselect import SHIM_BACKEND, gloo_network, nccl_options
 from .shim_layout import ShimLayout, chunk_bounds, describe, stripe_pieces
 from ..runtime.exchange import timeout_s
 from .vendors import ShimOptions, agree_on_vendors
@@ -134,11 +134,10 @@ def _writeback(flat: torch.Tensor, t: torch.Tensor) -> None:
 
 
 def _make_native(kind: str, store, rank: int, size: int, timeout: timedelta, net_name: Optional[str] = None):
-    """A vendor subgroup's native backend; NCCL's options come from the group policy (runtime.group_policy)."""
+    """A vendor subgroup's native backend; NCCL's options come from the one builder (runtime.netselect)."""
     if kind == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if kind == "nccl":
-        from ..runtime.group_policy import nccl_options
         opts = nccl_options(net_name, timeout=timeout)
         return dist.ProcessGroupNCCL(store, rank, size, opts)
     raise ValueError(kind)

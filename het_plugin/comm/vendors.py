@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from ..core.errors import ConfigError
 from ..runtime.exchange import Exchange, ExchangeTimeout
+from ..runtime.group_policy import ShimOptions  # noqa: F401   (defined beside the policy that hands it out)
 
 ENV_VENDOR = "HET_PLUGIN_VENDOR"
 ENV_VENDOR_MAP = "HET_PLUGIN_VENDOR_MAP"
@@ -43,30 +44,6 @@ class VendorMapError(ConfigError):
 # set_vendor_map's process-wide declaration: a user API for groups created by hand (the adapters pass
 # ShimOptions per group instead, so nothing of a plan lives here).
 _declared: Optional[dict[int, str]] = None
-
-
-@dataclass(frozen=True)
-class ShimOptions:
-    """What a het_shim group is told at creation (torch hands ``pg_options`` to the backend creator).
-
-    ``vendors``: every global rank's vendor (at least the group's members). ``transport_of``: the
-    transport of a set of global ranks (``Plan.transport_of``), so each vendor subgroup's gloo
-    communicator uses its own fabric's interface (``HET_PLUGIN_GLOO_IFNAMES``); None: no choice.
-    ``net_name_of``: the same for its NCCL/RCCL communicator (a one-vendor subgroup spanning an IB and a RoCE
-    cluster must be a Socket communicator).
-    """
-    vendors: Mapping[int, str]
-    transport_of: Optional[Callable[[Sequence[int]], str]] = None
-    # The NCCL net_name of a vendor subgroup over these global ranks (het_plugin.runtime.group_policy.network_of, the
-    # one group policy); None: NCCL's own choice.
-    net_name_of: Optional[Callable[[Sequence[int]], Optional[str]]] = None
-
-    @classmethod
-    def from_plan(cls, plan) -> "ShimOptions":
-        import functools
-        from ..runtime.group_policy import network_of
-        return cls({r: plan.vendor_of(r) for r in range(plan.world_size)}, plan.transport_of,
-                   functools.partial(network_of, plan))
 
 
 def normalize_vendor(name: object, where: str) -> str:

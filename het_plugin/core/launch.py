@@ -90,13 +90,13 @@ def resolve_plan(source: Source, request: Optional[LaunchRequest] = None, *, mod
 
 def request_of(*, launch: Launch, degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
                names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
-               overlap_p2p_comm: Optional[bool] = None) -> LaunchRequest:
+               overlap_p2p_comm: Optional[bool] = None, use_all_nodes: bool = True) -> LaunchRequest:
     """The request of :func:`resolve_launch`'s keyword form. ``degrees``: what the user fixed (None entries are
     the planner's to choose); ``names``: what the user calls tp/pp/dp/cp, for messages. ``vpp``: virtual
     pipeline stages per rank (an interleaved pipeline; None: 1, or what a plan file says) and
     ``overlap_p2p_comm`` (None: the planner's default, on with vpp > 1), taken as given."""
     return LaunchRequest(launch, degrees or Degrees(launch.world_size), Schedule(vpp, overlap_p2p_comm),
-                         micro_batch_size, names=names or {})
+                         micro_batch_size, names=names or {}, use_all_nodes=use_all_nodes)
 
 
 def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, model: ModelArg = None,
@@ -107,7 +107,10 @@ def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, m
     ``degrees=``, ...). ``discover``: what finds the cluster when the source names none (on ranks:
     ``het_plugin.discovery.discover_cluster``). ``profile``: a measured profile the planner uses (re-planning on
     restart, :mod:`het_plugin.runtime.restart_replan`; not for a plan file). ``share_plan(digest, plan)``: where
-    the search runs (None: here), see the module docstring."""
+    the search runs (None: here), see the module docstring. The request's ``use_all_nodes``: plan for every node
+    of the cluster (True, what a launch of all of them needs); False: the planner may leave out node groups
+    (:mod:`het_plugin.core.subsets`) -- the caller then checks the launch with :func:`subsets.check_launch_nodes`
+    (a re-plan on restart plans for the nodes that came back)."""
     if request is None:
         request = request_of(**keywords)
     elif keywords:
@@ -128,17 +131,20 @@ def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, m
         raise ConfigError("a cluster needs a model to plan for", field="model",
                           fix="pass a model (ModelSpec, model file or preset name), or a plan file")
     from .planner import make_plan, placeable_degrees
+    from .subsets import plan_nodes
     fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
 
     def search() -> Plan:
-        return make_plan(cluster, spec, request, profile=profile)
+        # every subset of nodes is planned for with the planner's keyword form: its world size is the subset's
+        return plan_nodes(cluster, spec, use_all_nodes=request.use_all_nodes, plan_fn=make_plan, profile=profile,
+                          **request.planner_options())
 
     try:
         if share_plan is None:
             return Resolved(search(), cluster)
         digest = planning_digest(cluster, spec, degrees, micro_batch_size=request.micro_batch_size,
                                  vpp=request.schedule.vpp, overlap_p2p_comm=request.schedule.overlap_p2p_comm,
-                                 profile=profile)
+                                 profile=profile, **({} if request.use_all_nodes else {"use_all_nodes": False}))
         return Resolved(share_plan(digest, search), cluster)
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):

@@ -10,6 +10,8 @@ and every group's transport, so :func:`preflight` checks them together. Pure: no
 Inputs: the groups (:func:`groups_from_plan` / :func:`groups_from_cluster`), each node's NICs
 (:class:`NodeNics`, from a discovery :class:`~het_plugin.discovery.NodeView` or a cluster file's ``nics``),
 and the environment (one mapping for every node, as a launcher propagates it; ``node_env`` overrides per node).
+How NCCL reads its name lists is ported in :mod:`het_plugin.core.nccl_names`; the result's ``export`` lines and
+text are rendered by :mod:`het_plugin.views.nccl_env`.
 
 NCCL semantics relied on (NCCL's "Environment Variables" documentation, docs/user-guide.md cites them):
 ``NCCL_IB_HCA`` and ``NCCL_SOCKET_IFNAME`` are comma-separated lists, prefix matches unless the list
@@ -25,7 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .errors import ConfigError
-from .ranks.transport import ENV_GLOO_IFNAMES, OVER_SOCKETS, Transport, nccl_net_name
+from .nccl_names import NameFilter, nccl_auto_interfaces, socket_ifname_value
+from .ranks.transport import ENV_GLOO_IFNAMES, Member, OVER_SOCKETS, Transport, nccl_net_name, transport_rule
+from .ranks.dims import format_ranks
+from .nccl_version import CONNECT_CHECK, GID_AUTO, MERGE_NICS, NET_MISMATCH_VAR, at_least, normalize, version_text
+from .plan import Plan
 
 RDMA_KINDS = ("ib", "roce")
 KIND_TEXT = {"ib": "InfiniBand", "roce": "RoCE"}
@@ -128,7 +134,6 @@ def groups_from_plan(plan) -> list[GroupUse]:
 
 def groups_from_cluster(cluster) -> list[GroupUse]:
     """Without a plan, every group the planner can make: per domain, per cluster, per pair of clusters, world."""
-    from .ranks.transport import Member, transport_rule
 
     def rule(nodes) -> str:
         return transport_rule((Member(n.name, n.cluster, n.vendor) for n in nodes),
@@ -154,106 +159,7 @@ def groups_from_cluster(cluster) -> list[GroupUse]:
 
 
 def _ranks(ranks: Sequence[int]) -> str:
-    from .ranks.dims import format_ranks
     return format_ranks(list(ranks))
-
-
-# ---- NCCL's name filters ---------------------------------------------------------------------------
-# A port (written here, not copied) of how NCCL reads NCCL_IB_HCA and NCCL_SOCKET_IFNAME, read in NVIDIA/nccl
-# v2.30.7-1: src/misc/utils.cc parseStringList / matchIf / matchPort / matchIfList, the '^' and '=' prefixes in
-# src/transport/net_ib/init.cc (NCCL_IB_HCA, at most MAX_IB_DEVS = 32 entries) and src/os/linux.cc
-# ncclOsFindInterfaces (interfaces, MAX_IFS = 16 entries, port never compared). The same code since v2.17.
-# What it does, and this port with it:
-# * a leading '^' excludes, then a leading '=' asks for exact names (so '^=' both; '=^' is the name '^...');
-#   nothing is stripped (' mlx5_0' is a name starting with a space);
-# * entries split on ',' (empty entries skipped); an entry is name[:port[:rail[:plane]]], an empty name skips
-#   the entry, the name is cut to 63 characters (a char[64] buffer), and the port is C's atoi of its field
-#   (-1 when absent or empty: any port; 'x' gives 0, which no port has);
-# * a name matches by prefix unless exact ('mlx5_1' selects mlx5_10 too; '=mlx5_1' only mlx5_1);
-# * no entry at all selects everything, so '^' alone excludes everything and '=' alone selects everything.
-
-PREFIX_MAX = 63
-MAX_IB_DEVS = 32
-MAX_IFS = 16
-
-
-def c_atoi(text: str) -> int:
-    """C's atoi: leading whitespace, a sign, digits; 0 when there are none."""
-    i, n = 0, len(text)
-    while i < n and text[i] in " \t\n\v\f\r":
-        i += 1
-    sign = 1
-    if i < n and text[i] in "+-":
-        sign = -1 if text[i] == "-" else 1
-        i += 1
-    j = i
-    while j < n and "0" <= text[j] <= "9":
-        j += 1
-    return sign * int(text[i:j]) if j > i else 0
-
-
-@dataclass(frozen=True)
-class NameFilter:
-    """``NCCL_IB_HCA`` / ``NCCL_SOCKET_IFNAME`` as NCCL reads them: ``[^][=]name[:port],...``.
-    ``tokens``: (name, port) with port None for 'any port'."""
-    text: str
-    exclude: bool
-    exact: bool
-    tokens: tuple[tuple[str, Optional[int]], ...]
-
-    @classmethod
-    def parse(cls, text: str, ports: bool = True, max_entries: Optional[int] = None) -> "NameFilter":
-        rest = text
-        exclude = rest.startswith("^")
-        rest = rest[1:] if exclude else rest
-        exact = rest.startswith("=")
-        rest = rest[1:] if exact else rest
-        limit = max_entries if max_entries is not None else (MAX_IB_DEVS if ports else MAX_IFS)
-        tokens: list[tuple[str, Optional[int]]] = []
-        for entry in rest.split(","):
-            if len(tokens) >= limit:
-                break
-            if entry == "":
-                continue
-            fields = entry.split(":")
-            name = fields[0]
-            if name == "":
-                continue
-            port = None
-            if len(fields) > 1 and fields[1] != "":
-                port = c_atoi(fields[1])
-                port = None if port == -1 else port
-            tokens.append((name[:PREFIX_MAX], port if ports else None))
-        return cls(text, exclude, exact, tuple(tokens))
-
-    def token_matches(self, token: tuple[str, Optional[int]], name: str, port: Optional[int] = None) -> bool:
-        tname, tport = token
-        hit = name == tname if self.exact else name.startswith(tname)
-        return hit and (tport is None or port is None or tport == port)
-
-    def selects(self, name: str, port: Optional[int] = None) -> bool:
-        hit = not self.tokens or any(self.token_matches(t, name, port) for t in self.tokens)
-        return hit != self.exclude
-
-
-def nccl_auto_interfaces(interfaces: Sequence[str]) -> list[str]:
-    """The interfaces NCCL picks when ``NCCL_SOCKET_IFNAME`` is unset (or one character long): ``ib*`` (IPoIB)
-    first, else any but docker/lo/virbr, else docker, lo, virbr (NVIDIA/nccl v2.30.7-1 src/misc/socket.cc
-    ncclFindInterfaces; the NCCL_COMM_ID subnet step between the first two is not modelled). Used for NCCL's
-    bootstrap, the Socket network and the IB plugin's out-of-band address."""
-    for pattern in ("ib", "^docker,lo,virbr", "docker", "lo", "virbr"):
-        flt = NameFilter.parse(pattern, ports=False)
-        found = [i for i in interfaces if flt.selects(i)]
-        if found:
-            return found
-    return []
-
-
-def socket_ifname_value(env: Mapping[str, str]) -> Optional[str]:
-    """NCCL_SOCKET_IFNAME as NCCL uses it: None when unset or at most one character (src/misc/socket.cc reads
-    it only when ``strlen(env) > 1``)."""
-    value = env.get("NCCL_SOCKET_IFNAME")
-    return value if value is not None and len(value) > 1 else None
 
 
 # ---- result ----------------------------------------------------------------------------------------
@@ -412,12 +318,10 @@ def preflight(groups: Iterable[GroupUse], nics: Mapping[str, NodeNics], env: Map
 
 
 def _version(value) -> Optional[tuple[int, int, int]]:
-    from .nccl_version import normalize
     return normalize(value)
 
 
 def _vtext(version) -> str:
-    from .nccl_version import version_text
     return f"NCCL {version_text(version)}"
 
 
@@ -475,7 +379,6 @@ def _check_split_share(groups, order, envs, refuse) -> None:
 
 def _check_hcas(node: NodeNics, rdma: list[str], env, refuse, version=None) -> list[Hca]:
     """The HCAs NCCL will open on ``node`` (NCCL_IB_HCA or every port), checked against its RDMA groups."""
-    from .nccl_version import CONNECT_CHECK, at_least
     text = _set(env, "NCCL_IB_HCA")
     late = at_least(version, CONNECT_CHECK)
     mixing = ({True: f"{_vtext(version)} stops at connect ('Attempted to connect incompatible devices')",
@@ -567,7 +470,6 @@ def nic_count(hcas: Sequence[Hca], env: Mapping[str, str], version=None) -> int:
     """Network devices NCCL counts for these ports: the ports of one NIC are fused into one device
     (NCCL_IB_MERGE_NICS, default 1, from 2.20: NVIDIA/nccl v2.30.7-1 src/graph/topo.cc ncclTopoMakeVNics with
     NCCL_NET_MERGE_LEVEL's default PATH_PORT); each port counts with NCCL_IB_MERGE_NICS=0 or before 2.20."""
-    from .nccl_version import MERGE_NICS, at_least
     merge = (_set(env, "NCCL_IB_MERGE_NICS") or "1").strip() != "0" and at_least(version, MERGE_NICS) is not False
     return len({h.device for h in hcas}) if merge else len(hcas)
 
@@ -576,7 +478,6 @@ def _check_counts(groups, selected, socket_ifs, envs, refuse, warn, versions) ->
     """Members of one communicator with different NIC counts: NCCL 2.30 accepts it by default (its channels use
     the fewest); warned, since the node's NCCL_IB_HCA is per process (cutting it would slow every group there).
     Refused only where NCCL is known to stop: NCCL_IGNORE_NET_MISMATCH=0 on NCCL >= 2.30."""
-    from .nccl_version import NET_MISMATCH_VAR, at_least
     reported: set = set()
     for g in groups:
         if g.transport in RDMA_KINDS:
@@ -612,7 +513,6 @@ def _check_counts(groups, selected, socket_ifs, envs, refuse, warn, versions) ->
 
 
 def _check_mismatch_variable(order, envs, warn, versions) -> None:
-    from .nccl_version import NET_MISMATCH_VAR, at_least
     for n in order:
         value = _set(envs[n], "NCCL_IGNORE_NET_MISMATCH")
         if value is not None and at_least(versions.get(n), NET_MISMATCH_VAR) is False:
@@ -624,7 +524,6 @@ def _check_mismatch_variable(order, envs, warn, versions) -> None:
 def _check_gid_index(groups, nics, selected, envs, refuse, warn, versions) -> None:
     """RoCE GID: NCCL >= 2.21 picks a RoCE v2 GID itself (NCCL_IB_GID_INDEX=-1, its default); before 2.21 the
     default is 0, usually a RoCE v1 / link-local GID, and -1 is no index at all."""
-    from .nccl_version import GID_AUTO, at_least
     done: set[str] = set()
     unknown: list[str] = []
     for g in groups:
@@ -765,7 +664,6 @@ def check_launch(source, env: Mapping[str, str], *, views: Sequence = (), cluste
     """The checks over a Plan or a Cluster (``source``), discovery views (override the file's NICs per node),
     and the environment. ``cluster``: the Cluster whose ``nics`` describe the nodes when ``source`` is a Plan.
     ``nccl_version``: the NCCL/RCCL version the ranks load (None: unknown)."""
-    from .plan import Plan
     if isinstance(source, Plan):
         groups = groups_from_plan(source)
         node_cluster = {n.name: n.cluster for n in source.nodes}
@@ -790,50 +688,6 @@ def fabric_hints(cluster) -> dict[str, FabricHints]:
         if hints != FabricHints():
             out[n.name] = hints
     return out
-
-
-def render_env(result: Preflight, *, per: str = "node", node: Optional[str] = None) -> str:
-    """``export`` lines: per node (``# node NAME``), per cluster (shared lines, then each node's own), or one node."""
-    def exports(settings: Mapping[str, str]) -> list[str]:
-        return [f"export {k}={_quote(v)}" for k, v in settings.items()]
-    lines: list[str] = []
-    if node is not None:
-        return "\n".join(exports(result.nodes[node].settings)) + "\n"
-    if per == "cluster":
-        for c, info in result.cluster_settings().items():
-            lines.append(f"# cluster {c}: {_names(info['nodes'])}")
-            lines += exports(info["common"])
-            for n, own in info["per_node"].items():
-                lines.append(f"#   node {n} only:")
-                lines += ["#   " + x for x in exports(own)]
-    else:
-        for n, r in result.nodes.items():
-            lines.append(f"# node {n}" + (f" (cluster {r.cluster})" if r.cluster else ""))
-            lines += exports(r.settings)
-    return "\n".join(lines) + "\n"
-
-
-def _quote(value: str) -> str:
-    import shlex
-    return shlex.quote(value)
-
-
-def render_text(result: Preflight) -> str:
-    lines = []
-    for n, r in result.nodes.items():
-        head = f"node {n}" + (f" (cluster {r.cluster}, NICs from {r.source})" if r.cluster else f" ({r.source})")
-        lines.append(head)
-        for t, used in r.uses.items():
-            lines.append(f"  {t:<11} uses {', '.join(used) or 'nothing'}")
-        for k, v in r.settings.items():
-            lines.append(f"  export {k}={_quote(v)}")
-    for w in result.warnings:
-        lines.append(f"warning: {w}")
-    if result.ok:
-        lines.append("pre-flight: ok")
-    else:
-        lines.append(f"pre-flight: {len(result.refusals)} problem(s) would make NCCL hang or fail; refused")
-    return "\n".join(lines) + "\n"
 
 
 # ---- the world group (created by init_process_group before het_plugin runs) ------------------------

@@ -12,36 +12,18 @@ checks both (a hand-edited group list is refused), and look-ups are indexed once
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from . import plan_format
 from .errors import ConfigError
+from .plan_format import FORMAT_VERSION, looks_like_plan  # noqa: F401  (read from here by the launch, the CLI, tests)
 from .ranks.dims import DEFAULT_ORDER, ParallelDims
 from .ranks.transport import Member, transport_rule
-
-# 2: the plan carries the link kinds between clusters ('links'); 'order' dropped (nothing read it).
-# 3: 'embedding_stages' (untied embeddings and MTP change which stages share the word embedding); 'order'
-#    (Megatron's rank order: rank_of_logical is in its numbering) and 'etp' with expert groups 'expert-*';
-#    'vpp', 'layers_per_virtual_stage' and 'overlap_p2p_comm' (interleaved pipelines), which the hash leaves out
-#    at their defaults (a plan written before them keeps its hash); 'replica_micro_batches' (heterogeneous data
-#    parallelism), hashed likewise only when set; 'nccl_nets' (the NCCL network an RDMA fabric declares),
-#    hashed only when set.
-FORMAT_VERSION = 3
-
-# Keys added to format 3 after plans were written with it: hashed only when they differ from the default.
-_HASHED_UNLESS_DEFAULT = {"vpp": 1, "layers_per_virtual_stage": [], "overlap_p2p_comm": False,
-                          "replica_micro_batches": [], "nccl_nets": {}}
-
-# What the predictor's numbers and the planner's notes are about, not part of what they were computed from.
-# (nccl_nets: which NCCL network an RDMA group names does not enter the cost model)
-_NOT_PREDICTED_FROM = ("prediction", "baseline", "alternatives", "warnings", "predicted_for", "format_version",
-                       "nccl_nets")
-
+from .ranks.batches import ReplicaBatches
 
 @dataclass
 class GroupPlan:
@@ -144,6 +126,11 @@ class Plan:
     # before it): a plan edited afterwards (layers moved, the optimizer switched) no longer matches, and its
     # prediction is reported stale instead of shown as this plan's (issue 21).
     predicted_for: str = ""
+    # Nodes of the cluster file the plan leaves out (it is for the kept nodes in ``nodes``), why, and the best plan
+    # with every node (het_plugin.core.subsets); {} = every node is used. price_per_hour: what the plan's devices
+    # cost per hour at the cluster file's prices (None: no prices). Both written and hashed only when set.
+    left_out: dict[str, Any] = field(default_factory=dict)
+    price_per_hour: Optional[float] = None
     format_version: int = FORMAT_VERSION
 
     # ---- derived --------------------------------------------------------------------------
@@ -182,7 +169,6 @@ class Plan:
     @property
     def replica_split(self):
         """The replica split as one value (:class:`het_plugin.core.ranks.batches.ReplicaBatches`)."""
-        from .ranks.batches import ReplicaBatches
         return ReplicaBatches.of(self.replica_micro_batches, self.dp, self.num_micro_batches, self.micro_batch_size)
 
     @property
@@ -327,11 +313,7 @@ class Plan:
     @property
     def content_digest(self) -> str:
         """A hash of everything the prediction is computed from (the plan less its predictions and notes)."""
-        data = asdict(self)
-        for key in _NOT_PREDICTED_FROM:
-            data.pop(key, None)
-        text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=_json_default)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return plan_format.content_digest(asdict(self))
 
     def stamp_prediction(self) -> "Plan":
         """Record that ``prediction`` is this plan's (the planner, once the plan is complete)."""
@@ -354,29 +336,18 @@ class Plan:
             return self.baseline.iteration_s / self.prediction.iteration_s
         return None
 
-    # ---- serialization --------------------------------------------------------------------
+    # ---- serialization (the file format: het_plugin.core.plan_format) ------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for key, unset in plan_format.WRITTEN_ONLY_WHEN_SET.items():
+            if d[key] == unset:
+                del d[key]
         d["hash"] = self.hash
         return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<plan>") -> "Plan":
-        if not isinstance(data, dict) or "rank_of_logical" not in data:
-            raise ConfigError("not a plan file (no 'rank_of_logical')", source=source,
-                              fix="write one with `het-plugin plan -o plan.json`")
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ConfigError(f"the plan has format_version {version}, this het_plugin reads format_version "
-                              f"{FORMAT_VERSION}", source=source, field="format_version",
-                              fix="re-plan with this het_plugin: `het-plugin plan CLUSTER --model MODEL -o PLAN` "
-                                  "(or re-wrap the DeepSpeed config)")
-        data = dict(data)
-        stored_hash = data.pop("hash", None)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown plan keys {unknown}", source=source, fix="re-create the plan")
+        data, stored_hash = plan_format.plan_fields(data, {f.name for f in fields(cls)}, source)
         try:
             data["groups"] = {k: [GroupPlan(**g) for g in v] for k, v in data["groups"].items()}
             data["nodes"] = [NodePlan(**n) for n in data["nodes"]]
@@ -390,37 +361,27 @@ class Plan:
             raise ConfigError(f"not a valid plan file: {type(exc).__name__}: {exc}", source=source,
                               fix="re-create the plan with `het-plugin plan CLUSTER -o PLAN` instead of editing it") \
                 from None
-        if stored_hash is not None and stored_hash != plan.hash:
-            raise ConfigError("the plan's content does not match its hash (edited by hand?)", source=source,
-                              field="hash", fix="re-create the plan with `het-plugin plan -o`, or delete the hash key")
+        plan_format.check_hash(stored_hash, plan.hash, source)
         plan.check_consistent(source)
         return plan
 
     def canonical_json(self) -> str:
-        data = asdict(self)
-        for key, default in _HASHED_UNLESS_DEFAULT.items():
-            if data[key] == default:
-                del data[key]
-        del data["predicted_for"]         # a digest of the content hashed here: adds nothing, keeps hashes as before
-        _drop_zero_alltoall(data)
-        return json.dumps(data, sort_keys=True, separators=(",", ":"), default=_json_default)
+        return plan_format.canonical_json(asdict(self))
 
     @property
     def hash(self) -> str:
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+        return plan_format.digest(self.canonical_json())
 
     def to_json(self) -> str:
         """The whole plan as JSON (what a plan file holds; :meth:`from_dict` reads it back)."""
-        return json.dumps(self.to_dict(), default=_json_default)
+        return plan_format.to_json(self.to_dict())
 
     def save(self, path: str | Path) -> None:
-        from .inputs.yamlio import dump_data
-        dump_data(json.loads(self.to_json()), path)
+        plan_format.save(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        from .inputs.yamlio import read_data
-        return cls.from_dict(read_data(path), str(path))
+        return cls.from_dict(plan_format.load(path), str(path))
 
 
 def check_virtual_split(layers_per_stage: Sequence[int], vpp: int, layers_per_virtual_stage: Sequence[Sequence[int]],
@@ -488,7 +449,6 @@ def check_replica_split(replica_micro_batches: Sequence[int], dp: int, num_micro
     counts = list(replica_micro_batches)
     if not counts:
         return
-    from .ranks.batches import ReplicaBatches
     ReplicaBatches.of(counts, dp, num_micro_batches, 1, source)      # the split's own rules: count, sum
     if len(set(counts)) > 1 and vpp > 1:
         raise ConfigError(f"replica_micro_batches {counts} are uneven with an interleaved pipeline (vpp={vpp}): "
@@ -502,30 +462,3 @@ def check_replica_split(replica_micro_batches: Sequence[int], dp: int, num_micro
                           f"running {have} micro-batches, and it runs a collective every micro-batch (a replica with "
                           "more would wait forever)", source=source, field="replica_micro_batches",
                           fix="give the replicas an expert group joins the same count, or use the even split")
-
-
-def _drop_zero_alltoall(data: dict) -> None:
-    """Predictions gained 'alltoall_s' (MoE), 'replica_pipeline_s' and 'shape' (heterogeneous data parallelism)
-    after plans were written with format 3: hashed only when not 0 / not empty, so a plan without them keeps its
-    hash."""
-    for key in ("prediction", "baseline"):
-        if data.get(key) is not None and data[key].get("alltoall_s") == 0.0:
-            del data[key]["alltoall_s"]
-        for name, empty in (("replica_pipeline_s", []), ("shape", ""), ("extrapolated", [])):
-            if data.get(key) is not None and data[key].get(name) == empty:
-                del data[key][name]
-
-
-def _json_default(o):
-    if isinstance(o, float):
-        return repr(o)
-    raise TypeError(type(o))
-
-
-def looks_like_plan(path: str | Path) -> bool:
-    """Plan files and cluster files share suffixes; a plan has 'rank_of_logical'."""
-    from .inputs.yamlio import read_data, read_text
-    if "rank_of_logical" not in read_text(path):
-        return False            # a cluster file: not parsed twice (a large one takes seconds to parse)
-    data = read_data(path)
-    return isinstance(data, dict) and "rank_of_logical" in data

@@ -10,6 +10,7 @@ the plan *is* that default. ``assemble_plan`` and ``make_plan``'s signature are 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -179,7 +180,6 @@ class Candidate:
 
 def replica_split_text(counts: Sequence[int]) -> str:
     """'9 micro-batches on 4 replicas, 5 on 28' (largest count first)."""
-    from collections import Counter
     parts = sorted(Counter(counts).items(), reverse=True)
     return ", ".join(f"{c}{' micro-batches' if i == 0 else ''} on {n} replica{'s' if n > 1 else ''}"
                      for i, (c, n) in enumerate(parts))
@@ -634,14 +634,6 @@ _KEYWORDS = {"tp": None, "pp": None, "dp": None, "cp": 1, "micro_batch_size": No
              "order": DEFAULT_ORDER, "vpp": 1, "overlap_p2p_comm": None, "replica_split": "auto"}
 
 
-def _asked(request: LaunchRequest) -> dict:
-    """The request's fields as the search reads them (vpp None: 1, not interleaved)."""
-    d, sched = request.degrees, request.schedule
-    return {"tp": d.tp, "pp": d.pp, "dp": d.dp, "cp": d.cp, "ep": d.ep, "etp": d.etp, "order": d.order,
-            "micro_batch_size": request.micro_batch_size, "vpp": 1 if sched.vpp is None else sched.vpp,
-            "overlap_p2p_comm": sched.overlap_p2p_comm, "replica_split": request.replica_split}
-
-
 def make_plan(cluster: Cluster, model: ModelSpec, request: Optional[LaunchRequest] = None, *,
               progress: Optional[Progress] = None, profile: Optional[Profile] = None, **keywords) -> Plan:
     """Best plan for ``cluster`` and ``model``; degrees given in ``request`` (a
@@ -678,13 +670,13 @@ def make_plan(cluster: Cluster, model: ModelSpec, request: Optional[LaunchReques
     unknown = sorted(set(keywords) - set(_KEYWORDS))
     if unknown:
         raise TypeError(f"make_plan() got an unexpected keyword argument {unknown[0]!r}")
-    asked = _asked(request) if request is not None else {**_KEYWORDS, **keywords}
+    asked = request.planner_options() if request is not None else {**_KEYWORDS, **keywords}
     return _make_plan(cluster, model, asked, progress, profile)
 
 
 def _make_plan(cluster: Cluster, model: ModelSpec, asked: dict, progress: Optional[Progress],
                profile: Optional[Profile]) -> Plan:
-    """:func:`make_plan` on the request's fields (``asked``, see :func:`_asked`)."""
+    """:func:`make_plan` on the request's fields (``asked``: :meth:`LaunchRequest.planner_options`)."""
     tp, pp, dp, cp, ep, etp, order = (asked[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp", "order"))
     micro_batch_size, replica_split = asked["micro_batch_size"], asked["replica_split"]
     fixed_mb = micro_batch_size or model.micro_batch_size

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .plan import Plan
+from .plan import Plan, looks_like_plan
 
 CLUSTER_PLACEHOLDER = "CLUSTER"
 
@@ -77,7 +77,6 @@ def cluster_file(source) -> Optional[str]:
     plan file (it holds no cluster) or an object in memory."""
     if not isinstance(source, (str, Path)) or str(source) in ("discover", "auto"):
         return None
-    from .plan import looks_like_plan
     path = Path(source)
     if not path.is_file() or looks_like_plan(path):
         return None

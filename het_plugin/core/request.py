@@ -51,6 +51,7 @@ class LaunchRequest:
     replica_split: Union[str, Sequence[int]] = "auto"
     timeout: Timeout = Timeout()
     names: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+    use_all_nodes: bool = True           # False: the planner may leave node groups out (core.subsets)
 
     @classmethod
     def of(cls, world_size: int, *, rank: Optional[int] = None, local_world_size: Optional[int] = None,
@@ -67,6 +68,14 @@ class LaunchRequest:
         return cls(Launch(world_size, rank, local_world_size),
                    Degrees(world_size, **degrees, names=names, source=source), schedule, timeout=timeout,
                    names=names, **fields)
+
+    def planner_options(self) -> dict[str, Any]:
+        """The request as the planner's keyword form reads it (``make_plan(cluster, model, **options)``; vpp None:
+        1, not interleaved): what a search over node subsets, each its own world size, passes on."""
+        d, sched = self.degrees, self.schedule
+        return {"tp": d.tp, "pp": d.pp, "dp": d.dp, "cp": d.cp, "ep": d.ep, "etp": d.etp, "order": d.order,
+                "micro_batch_size": self.micro_batch_size, "vpp": 1 if sched.vpp is None else sched.vpp,
+                "overlap_p2p_comm": sched.overlap_p2p_comm, "replica_split": self.replica_split}
 
     def settings(self) -> dict[str, Any]:
         """The schedule as :func:`het_plugin.core.launch.check_launch_settings` reads it."""

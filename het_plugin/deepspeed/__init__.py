@@ -14,7 +14,8 @@ from __future__ import annotations
 from .config import SECTION, HetSection, load_ds_config, section_of, strip_section, wrap, write_config
 
 __all__ = ["wrap", "initialize", "PipelineModule", "PlanTopology", "HetSection", "SECTION", "load_ds_config",
-           "section_of", "strip_section", "write_config", "replica_batch_sampler", "ReplicaDataError"]
+           "section_of", "strip_section", "write_config", "replica_batch_sampler", "ReplicaDataError",
+           "replica_sampler"]
 
 
 def __getattr__(name):
@@ -27,6 +28,9 @@ def __getattr__(name):
     if name == "PlanTopology":
         from .process_topology import PlanTopology
         return PlanTopology
+    if name == "replica_sampler":
+        from .samplers import replica_sampler
+        return replica_sampler
     if name in ("replica_batch_sampler", "ReplicaDataError"):
         from . import replicas
         return getattr(replicas, name)

@@ -25,7 +25,8 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from ..core.checkpoint_fit import DEEPSPEED, DS_PER_RANK, DS_UNIVERSAL, CheckpointShape, resume_problem
+from ..core.checkpoint_fit import (DEEPSPEED, DS_PER_RANK, DS_UNIVERSAL, CheckpointShape, deepspeed_file_index,
+                                   resume_problem)
 
 log = logging.getLogger("het_plugin.deepspeed")
 
@@ -34,7 +35,6 @@ RECORD_KEY = "het_plugin"
 
 def plan_record(plan) -> dict[str, Any]:
     """What a checkpoint records about the plan it was saved under."""
-    from ..core.checkpoint_fit import deepspeed_file_index
     return {"plan_hash": plan.hash, "layers_per_stage": list(plan.layers_per_stage), "tp": plan.tp, "pp": plan.pp,
             "dp": plan.dp, "world_size": plan.world_size,
             "stage_files": deepspeed_file_index(plan)[0]}      # replica 0 (data-parallel rank 0) writes them

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -18,7 +19,12 @@ from ..core.errors import ConfigError
 from ..core.inputs.model import ModelSpec
 from ..core.plan import Plan
 from ..core.launch import ModelArg, load_source, model_from_arg
+from ..core.planner import make_plan
 from ..core.ranks.dims import Degrees
+from ..core.inputs.yamlio import validate
+from ..core.replan_command import cluster_file
+from ..runtime.exchange import check_timeout
+from ..runtime.recorder import DEFAULT_EVERY, ProfileSettings
 
 SECTION = "heterogeneous"
 SECTION_VERSION = 1
@@ -74,7 +80,6 @@ class HetSection:
             raise ConfigError(f"section version {data.get('version')!r}, this het_plugin reads {SECTION_VERSION}",
                               source=source, field=f"{SECTION}.version", fix="re-wrap the config with this version")
         if data.get("timeout_s") is not None:
-            from ..runtime.exchange import check_timeout
             check_timeout(data["timeout_s"], f"{SECTION}.timeout_s", source)
         section = cls(**data)
         section.profile_settings(source)          # a bad profile_out / profile_every / replan_on_restart is refused
@@ -108,8 +113,6 @@ class HetSection:
         if every is not None and (not isinstance(every, int) or isinstance(every, bool)):
             raise ConfigError(f"profile_every must be a whole number of iterations, got {every!r}", source=source,
                               field=f"{SECTION}.profile_every", fix="e.g. 100")
-        from ..runtime.recorder import DEFAULT_EVERY, ProfileSettings
-        from ..core.replan_command import cluster_file
         try:
             return ProfileSettings(str(path), every=DEFAULT_EVERY if every is None else every,
                                    cluster=cluster_file(self.cluster), replan_on_restart=bool(self.replan_on_restart))
@@ -181,6 +184,41 @@ class BatchSettings:
                 field="train_batch_size", fix="DeepSpeed needs train_batch_size = micro * accumulation * dp")
 
 
+# ---- the batch an uneven plan fixes (checked before any group exists) -------------------------------
+
+FIX_CONFIG = ("give the config the plan's batch: train_batch_size = global batch, train_micro_batch_size_per_gpu = "
+              "the plan's micro-batch size, gradient_accumulation_steps = the plan's even count (or leave them out); "
+              "het_plugin sets each rank's accumulation steps to its replica's count")
+
+
+def check_batch_settings(plan: Plan, config: dict, source: str = "<config>") -> None:
+    """An uneven plan fixes the batch: the config may restate it but not contradict it (even plans: no-op)."""
+    if not plan.uneven_replicas:
+        return
+    batch = BatchSettings.of(config, source)
+    counts = plan.replica_counts
+    expected = {"train_batch_size": (batch.train_batch_size, plan.global_batch_size),
+                "train_micro_batch_size_per_gpu": (batch.micro_batch_size, plan.micro_batch_size),
+                "gradient_accumulation_steps": (batch.grad_accum, plan.num_micro_batches)}
+    for key, (given, wanted) in expected.items():
+        if given is not None and given != wanted:
+            raise ConfigError(f"{key} is {given}, but the plan splits a global batch of {plan.global_batch_size} "
+                              f"samples ({plan.micro_batch_size} per micro-batch) unevenly over {plan.dp} replicas, "
+                              f"micro-batches {counts} (even count {plan.num_micro_batches}); {key} must be {wanted}",
+                              source=source, field=key, fix=FIX_CONFIG)
+    stage = zero_stage(config)
+    if stage >= 2:
+        raise ConfigError(f"ZeRO stage {stage} reduces gradients at every micro-batch, so replicas running "
+                          f"different numbers of micro-batches {counts} would issue different numbers of collectives",
+                          source=source, field="zero_optimization.stage",
+                          fix="use ZeRO stage 0 or 1 with an uneven replica split, or a plan with the even split")
+
+
+def zero_stage(config: dict) -> int:
+    zero = config.get("zero_optimization") or {}
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+
 # ---- resolving wrap()'s inputs --------------------------------------------------------------------
 
 def model_for_config(model: ModelSpec, batch: BatchSettings) -> ModelSpec:
@@ -192,7 +230,6 @@ def model_for_config(model: ModelSpec, batch: BatchSettings) -> ModelSpec:
         update["micro_batch_size"] = batch.micro_batch_size
     if not update:
         return model
-    from ..core.inputs.yamlio import validate
     return validate(ModelSpec, {**model.model_dump(), **update}, "<model + DeepSpeed batch settings>")
 
 
@@ -255,7 +292,6 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
     """
     cfg, source = load_ds_config(config)
     if timeout_s is not None:
-        from ..runtime.exchange import check_timeout
         timeout_s = check_timeout(timeout_s, "timeout_s")
     batch = BatchSettings.of(cfg, source)
     batch.check_divisible(source)
@@ -284,13 +320,11 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
             Degrees(loaded.world_size, tp=tp or 1, pp=pp, dp=batch.dp, names=DEEPSPEED_NAMES, source=source)
             if spec is not None:
                 spec = _global_batch_from_accumulation(spec, batch, loaded.world_size, tp or 1, pp)
-                from ..core.planner import make_plan
                 plan = make_plan(loaded, spec, tp=tp or 1, pp=pp, dp=batch.dp,
                                  micro_batch_size=batch.micro_batch_size)
     section.profile_settings(source)
     if plan is not None:
         check_plan(plan, pp=pp, tp=tp, dp=batch.dp, source=source)
-        from .replicas import check_batch_settings
         check_batch_settings(plan, cfg, source)
         section.cluster_digest = plan.cluster_digest
         section.tp, section.pp, section.dp = plan.tp, plan.pp, plan.dp
@@ -319,7 +353,6 @@ def _global_batch_from_accumulation(spec: ModelSpec, batch: BatchSettings, world
 
 
 def _check_pattern(pattern: str) -> None:
-    import re
     try:
         re.compile(pattern)
     except re.error as exc:

@@ -15,6 +15,7 @@ import contextlib
 from typing import Iterator, Optional, Sequence
 
 from ..runtime.applied import AppliedPlan
+from ..runtime.group_policy import spans_vendors
 from ..runtime.patches import PATCHES
 
 
@@ -32,6 +33,9 @@ def planned_groups(applied: AppliedPlan, what: str = "DeepSpeed's PipelineModule
     (runtime.guard): a rank that fails or disappears stops every rank within ``timeout_s`` (None: the
     section's, HET_PLUGIN_TIMEOUT or the default)."""
     import deepspeed.comm as ds_comm
+    if spans_vendors(applied.plan):
+        from .. import comm  # noqa: F401   registers het_shim, the backend of groups spanning vendors
+
     def planned(_deepspeeds_own):
         return lambda ranks: new_group(applied, ranks)
 

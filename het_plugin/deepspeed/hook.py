@@ -10,6 +10,8 @@ module, which lets DeepSpeed load and patches it (:func:`install`):
   module is built as :class:`het_plugin.deepspeed.PipelineModule` builds it (the plan's topology, split,
   groups and pipeline hops, :func:`het_plugin.deepspeed.pipe.build_with_plan`); otherwise untouched;
 * ``PipelineModule._partition_layers``: the plan's split where one was applied;
+* ``deepspeed.runtime.pipe.topology.ProcessTopology.__init__``: remembers the topologies the script builds
+  (:mod:`het_plugin.deepspeed.script_topology`), so they answer with the plan's coordinates;
 * ``deepspeed.initialize``: :func:`het_plugin.deepspeed.engine.initialize_with_plan` (the config passed, the
   module's plan, or the process's section; none: DeepSpeed's own call).
 
@@ -21,11 +23,17 @@ section (it would otherwise be silently ignored: DeepSpeed ignores unknown keys)
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 from typing import Any, Callable, Optional
 
+from ..core.errors import ConfigError
 from ..runtime.import_patch import PatchOnLoad
+from ..runtime.patches import PATCHES
+from .config import SECTION, load_ds_config, section_of
+from .engine import initialize_with_plan
+from .script_topology import remembering
 
 TARGET = "deepspeed"
 ENV_CONFIG = "HET_PLUGIN_DEEPSPEED_CONFIG"
@@ -59,7 +67,6 @@ def config_path_from_argv(argv=None) -> Optional[str]:
 def process_section():
     """``(section, source)`` of the process's wrapped config (command line, then HET_PLUGIN_DEEPSPEED_CONFIG), or
     None. A named file that is missing or not JSON is a ConfigError (naming it), not silence."""
-    from .config import load_ds_config, section_of
     for path in (config_path_from_argv(), os.environ.get(ENV_CONFIG) or None):
         if path is None:
             continue
@@ -85,7 +92,6 @@ def unapplied_reason() -> str:
 def _patch(owner, name: str, make: Callable[[Any], Any]) -> None:
     """Replace ``owner.name`` by ``make(original)`` through the process's patch registry (recorded, idempotent,
     undone by :func:`uninstall`)."""
-    from ..runtime.patches import PATCHES
     PATCHES.apply(owner, name, make, label=LABEL)
     if (owner, name) not in _state["targets"]:
         _state["targets"].append((owner, name))
@@ -93,7 +99,6 @@ def _patch(owner, name: str, make: Callable[[Any], Any]) -> None:
 
 def patched() -> list[tuple[str, str]]:
     """What this hook has patched now: (owner, attribute) pairs."""
-    from ..runtime.patches import PATCHES
     return [(getattr(o, "__qualname__", getattr(o, "__name__", repr(o))), n) for o, n in _state["targets"]
             if PATCHES.patch(o, n, LABEL) is not None]
 
@@ -102,7 +107,6 @@ def original_initialize():
     """DeepSpeed's own ``initialize`` (under any of het_plugin's patches)."""
     import deepspeed
 
-    from ..runtime.patches import PATCHES
     return PATCHES.original(deepspeed, "initialize")
 
 
@@ -114,7 +118,6 @@ def _wrap_init(original):
         found = process_section()
         if found is None:
             return original(self, layers, num_stages, topology, *args, **kwargs)
-        from .config import load_ds_config
         from .pipe import Wrapped, build_with_plan
         section, source = found
         cfg, _ = load_ds_config(source)
@@ -136,7 +139,6 @@ def _wrap_partition(original):
 def _wrap_initialize(original):
     @functools.wraps(original)
     def initialize(*args, **kwargs):
-        from .engine import initialize_with_plan
         if _state["mode"] == "guard":
             _refuse_section(original, args, kwargs)
             return original(*args, **kwargs)
@@ -146,10 +148,7 @@ def _wrap_initialize(original):
 
 def _refuse_section(original, args, kwargs) -> None:
     """With the hook off, a section in the config (or the process's) is an error, not silence."""
-    import inspect
 
-    from ..core.errors import ConfigError
-    from .config import SECTION, load_ds_config, section_of
     arguments = inspect.signature(original).bind(*args, **kwargs).arguments
     config = arguments.get("config", arguments.get("config_params"))
     if config is None:
@@ -181,6 +180,8 @@ def patch_deepspeed(module=None) -> None:
         cls = pipe_module.PipelineModule
         _patch(cls, "__init__", _wrap_init)
         _patch(cls, "_partition_layers", _wrap_partition)
+        from deepspeed.runtime.pipe.topology import ProcessTopology
+        _patch(ProcessTopology, "__init__", remembering)     # the script's own topologies (script_topology)
 
 
 # ---- finding deepspeed ---------------------------------------------------------------------------
@@ -227,7 +228,6 @@ def install(register_finder: bool = True) -> None:
 
 def uninstall() -> None:
     """Undo every patch (newest first) and drop the finders; DeepSpeed is then DeepSpeed's own."""
-    from ..runtime.patches import PATCHES
     PATCHES.undo(LABEL)
     _state["targets"] = []
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, DeepSpeedFinder) and not _is_trigger(f)]

@@ -43,6 +43,8 @@ from .partition import counted_layers, plan_parts
 from .replicas import check_batch_settings
 from .plan_source import RunShape, section_planning
 from .process_topology import PlanTopology
+from . import script_topology
+from .tied import start_tied_weights_on_first_stage
 
 ASSUMED_SEQ_LENGTH = 2048
 
@@ -133,6 +135,7 @@ def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, wr
                               fix=f"make train_batch_size = micro * accumulation * {plan.dp}")
         check_batch_settings(plan, cfg, source)      # an uneven replica split fixes the batch
         check_no_launch_order_groups(plan, source)   # Megatron-DeepSpeed's mpu (foreign_groups)
+        script_topology.check(plan, topology, source)   # the script's own topology objects (issue 33)
         # The split must fit this layer list (raises the layer-count ConfigError on every rank).
         plan_parts(len(specs), counted, plan.layers_per_stage, source)
 
@@ -150,6 +153,8 @@ def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, wr
                       "(homogeneous cluster: the plan changes nothing)")
     else:
         object.__setattr__(module, "_het_parts", parts)
+        script_topology.adopt(plan, topology)           # they read the plan's coordinates from now on
+        start_tied_weights_on_first_stage(module, plan)   # tied weights start from stage 0's copy, as DeepSpeed's
         split_line = (f"layers per stage {plan.layers_per_stage}: layer list boundaries {parts} "
                       f"(PipelineModule.parts), replacing partition_method={method!r}"
                       f"{'' if method_given else ' (DeepSpeed default)'}")

@@ -12,12 +12,19 @@
   itself), so it is timed apart and taken out of the backward time.
 * Checkpoint saves (``save_checkpoint``) and evaluation (``eval_batch``, a forward outside training mode) are
   taken out of the measured iteration interval (:meth:`StageTimer.excluded`).
+
+Every hook is a layer of :data:`het_plugin.runtime.patches.PATCHES` (label ``deepspeed.recorder``, order
+``OBSERVE``): it sits around the replica split's loss scaling (:mod:`het_plugin.deepspeed.replicas`) whichever
+was installed first, and :func:`uninstall` takes it off.
 """
 from __future__ import annotations
 
 import functools
 
+from ..runtime.patches import OBSERVE, PATCHES
 from ..runtime.recorder import ProfileRecorder, ProfileSettings, default_store
+
+PATCH_LABEL = "deepspeed.recorder"   # this module's engine hooks in het_plugin.runtime.patches.PATCHES
 
 
 def install(engine, plan, rank: int, settings: ProfileSettings) -> ProfileRecorder:
@@ -36,86 +43,104 @@ def install(engine, plan, rank: int, settings: ProfileSettings) -> ProfileRecord
     return recorder
 
 
+def uninstall(engine) -> int:
+    """Take the timing hooks off ``engine`` (the other labels' hooks stay, re-made over DeepSpeed's own)."""
+    return PATCHES.undo(PATCH_LABEL, owner=engine)
+
+
+def _hook(engine, name: str, make) -> None:
+    PATCHES.apply(engine, name, make, label=PATCH_LABEL, order=OBSERVE)
+
+
 def _left_out(engine, recorder: ProfileRecorder, names) -> None:
     """The engine's ``names`` (where it has them) run outside the measured training time."""
-    for name in names:
-        fn = getattr(engine, name, None)
-        if fn is None:
-            continue
 
-        def call(*args, _fn=fn, **kwargs):
+    def excluded(inner):
+        @functools.wraps(inner)
+        def call(*args, **kwargs):
             with recorder.timer.excluded():
-                return _fn(*args, **kwargs)
+                return inner(*args, **kwargs)
+        return call
 
-        setattr(engine, name, functools.wraps(fn)(call))
+    for name in names:
+        if getattr(engine, name, None) is not None:
+            _hook(engine, name, excluded)
 
 
 def _pipeline_hooks(engine, recorder: ProfileRecorder) -> None:
     from deepspeed.runtime.pipe import schedule
     timer = recorder.timer
-    table = dict(engine._INSTRUCTION_MAP)
-    for instruction, kind in ((schedule.ForwardPass, "forward"), (schedule.BackwardPass, "backward")):
-        run = table[instruction]
 
-        def timed(self, *args, _run=run, _kind=kind, **kwargs):
-            with timer.timing(_kind):
-                return _run(self, *args, **kwargs)
+    def timed_map(table):
+        table = dict(table)                  # the instance's map; the class keeps DeepSpeed's own
+        for instruction, kind in ((schedule.ForwardPass, "forward"), (schedule.BackwardPass, "backward")):
+            def timed(self, *args, _run=table[instruction], _kind=kind, **kwargs):
+                with timer.timing(_kind):
+                    return _run(self, *args, **kwargs)
+            table[instruction] = timed
+        return table
 
-        table[instruction] = timed
-    engine._INSTRUCTION_MAP = table          # the instance's map; the class keeps DeepSpeed's own
-    train_batch = engine.train_batch
+    def timed_train_batch(train_batch):
+        @functools.wraps(train_batch)
+        def call(*args, **kwargs):
+            with timer.iteration():
+                out = train_batch(*args, **kwargs)
+            recorder.after_iteration()
+            return out
+        return call
 
-    @functools.wraps(train_batch)
-    def timed_train_batch(*args, **kwargs):
-        with timer.iteration():
-            out = train_batch(*args, **kwargs)
-        recorder.after_iteration()
-        return out
-
-    engine.train_batch = timed_train_batch
+    _hook(engine, "_INSTRUCTION_MAP", timed_map)
+    _hook(engine, "train_batch", timed_train_batch)
 
 
 def _engine_hooks(engine, recorder: ProfileRecorder) -> None:
     timer = recorder.timer
-    forward, backward, step = engine.forward, engine.backward, engine.step
-    reduce = getattr(engine, "allreduce_gradients", None)
     in_backward = [False]
 
-    @functools.wraps(forward)
-    def timed_forward(*args, **kwargs):
-        if not engine.training:                  # evaluation: not training time
-            with timer.excluded():
+    def timed_forward(forward):
+        @functools.wraps(forward)
+        def call(*args, **kwargs):
+            if not engine.training:                  # evaluation: not training time
+                with timer.excluded():
+                    return forward(*args, **kwargs)
+            if not timer.active:
+                timer.begin_iteration()
+            with timer.timing("forward"):
                 return forward(*args, **kwargs)
-        if not timer.active:
-            timer.begin_iteration()
-        with timer.timing("forward"):
-            return forward(*args, **kwargs)
+        return call
 
-    @functools.wraps(backward)
-    def timed_backward(*args, **kwargs):
-        in_backward[0] = True
-        try:
-            with timer.timing("backward"):
-                return backward(*args, **kwargs)
-        finally:
-            in_backward[0] = False
+    def timed_backward(backward):
+        @functools.wraps(backward)
+        def call(*args, **kwargs):
+            in_backward[0] = True
+            try:
+                with timer.timing("backward"):
+                    return backward(*args, **kwargs)
+            finally:
+                in_backward[0] = False
+        return call
 
-    def timed_reduce(*args, **kwargs):
-        if not in_backward[0]:
-            return reduce(*args, **kwargs)
-        with timer.timing("reduce"):            # inside a backward span: taken out of it (StageTimer)
-            return reduce(*args, **kwargs)
+    def timed_reduce(reduce):
+        @functools.wraps(reduce)
+        def call(*args, **kwargs):
+            if not in_backward[0]:
+                return reduce(*args, **kwargs)
+            with timer.timing("reduce"):            # inside a backward span: taken out of it (StageTimer)
+                return reduce(*args, **kwargs)
+        return call
 
-    if reduce is not None:
-        engine.allreduce_gradients = functools.wraps(reduce)(timed_reduce)
+    def timed_step(step):
+        @functools.wraps(step)
+        def call(*args, **kwargs):
+            boundary = engine.is_gradient_accumulation_boundary()
+            out = step(*args, **kwargs)
+            if boundary and timer.active:
+                timer.end_iteration()
+                recorder.after_iteration()
+            return out
+        return call
 
-    @functools.wraps(step)
-    def timed_step(*args, **kwargs):
-        boundary = engine.is_gradient_accumulation_boundary()
-        out = step(*args, **kwargs)
-        if boundary and timer.active:
-            timer.end_iteration()
-            recorder.after_iteration()
-        return out
-
-    engine.forward, engine.backward, engine.step = timed_forward, timed_backward, timed_step
+    if getattr(engine, "allreduce_gradients", None) is not None:
+        _hook(engine, "allreduce_gradients", timed_reduce)
+    for name, make in (("forward", timed_forward), ("backward", timed_backward), ("step", timed_step)):
+        _hook(engine, name, make)

@@ -18,58 +18,30 @@ iteration instead of the even ``num_micro_batches`` (the global batch is unchang
   iteration reads the even split's samples); a data iterator given to
   ``train_batch`` is counted and a dry one stops with :class:`ReplicaDataError` naming the numbers.
 
-Even plans never reach this module: DeepSpeed runs untouched. ZeRO stage >= 2 reduces gradients at
+The engine's methods and instruction map are replaced as layers of :data:`het_plugin.runtime.patches.PATCHES`
+(label ``deepspeed.replicas``, order ``BEHAVIOUR``: inside the measured profile's timers whichever was installed
+first); :func:`remove_replica_split` takes them off. Even plans never reach this module: DeepSpeed runs untouched. ZeRO stage >= 2 reduces gradients at
 every micro-batch, so replicas with different counts would issue different numbers of collectives: refused.
 """
 from __future__ import annotations
 
 import copy
-import types
-from typing import Any, Iterator, Optional, Sequence
+import functools
+from typing import Any, Optional
 
 from ..core.ranks.batches import ReplicaSampler
 from ..core.errors import ConfigError, HetPluginError
-from ..core.plan import Plan
+from ..runtime.patches import BEHAVIOUR, PATCHES
 from ..runtime.replicas import ReplicaShare
-from .config import SECTION, BatchSettings
+from .config import SECTION, check_batch_settings  # noqa: F401   (the batch check is the config's; named here too)
+from .loss_weight import weighted_loss
+from .samplers import LABEL as SAMPLERS_LABEL, ReplicaSampleOrder, guard_loaders, refuse_unranged, shuffled_order  # noqa: F401 (named here too)
 
-FIX_CONFIG = ("give the config the plan's batch: train_batch_size = global batch, train_micro_batch_size_per_gpu = "
-              "the plan's micro-batch size, gradient_accumulation_steps = the plan's even count (or leave them out); "
-              "het_plugin sets each rank's accumulation steps to its replica's count")
+PATCH_LABEL = "deepspeed.replicas"   # this module's engine hooks in het_plugin.runtime.patches.PATCHES
 
 
 class ReplicaDataError(HetPluginError, RuntimeError):
     """A replica's data ran out before the iteration it was reading ended."""
-
-
-# ---- checks before any group exists ------------------------------------------------------------------
-
-def check_batch_settings(plan: Plan, config: dict, source: str = "<config>") -> None:
-    """An uneven plan fixes the batch: the config may restate it but not contradict it (even plans: no-op)."""
-    if not plan.uneven_replicas:
-        return
-    batch = BatchSettings.of(config, source)
-    counts = plan.replica_counts
-    expected = {"train_batch_size": (batch.train_batch_size, plan.global_batch_size),
-                "train_micro_batch_size_per_gpu": (batch.micro_batch_size, plan.micro_batch_size),
-                "gradient_accumulation_steps": (batch.grad_accum, plan.num_micro_batches)}
-    for key, (given, wanted) in expected.items():
-        if given is not None and given != wanted:
-            raise ConfigError(f"{key} is {given}, but the plan splits a global batch of {plan.global_batch_size} "
-                              f"samples ({plan.micro_batch_size} per micro-batch) unevenly over {plan.dp} replicas, "
-                              f"micro-batches {counts} (even count {plan.num_micro_batches}); {key} must be {wanted}",
-                              source=source, field=key, fix=FIX_CONFIG)
-    stage = zero_stage(config)
-    if stage >= 2:
-        raise ConfigError(f"ZeRO stage {stage} reduces gradients at every micro-batch, so replicas running "
-                          f"different numbers of micro-batches {counts} would issue different numbers of collectives",
-                          source=source, field="zero_optimization.stage",
-                          fix="use ZeRO stage 0 or 1 with an uneven replica split, or a plan with the even split")
-
-
-def zero_stage(config: dict) -> int:
-    zero = config.get("zero_optimization") or {}
-    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
 
 
 def rank_config(config: dict, share: ReplicaShare) -> dict:
@@ -90,41 +62,56 @@ def apply_replica_split(engine, share: ReplicaShare, training_data: Any = None) 
         raise ConfigError(f"DeepSpeed made this rank data-parallel rank {dp_rank}, the plan replica {share.replica}",
                           field=f"{SECTION}.plan", fix="build the model with het_plugin.deepspeed (PipelineModule / "
                                                        "initialize) and the same wrapped config on every rank")
-    n = share.even_count
     engine.het_replica = share
-    original_backward = engine.backward
-
-    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
-        if scale_wrt_gas:
-            loss = loss / n
-        return original_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
-
-    original_per_tensor = engine._backward_prologue_per_tensor
-
-    def backward_prologue_per_tensor(self, grad):
-        # DeepSpeed's hook for loss.backward() outside engine.backward: grad / gas there, grad / n here
-        # (where DeepSpeed leaves the gradient alone, so do we).
-        scaled = original_per_tensor(grad)
-        return scaled if scaled is grad else grad / n
-
-    original_scale = engine._scale_loss_by_gas
-
-    def scale_loss_by_gas(self, prescaled_loss, eval_micro_batches=None):
-        # The pipeline's total loss (sum over this replica's micro-batches) / n, averaged over dp by DeepSpeed:
-        # the global batch's mean loss. Evaluation (eval_micro_batches given) is DeepSpeed's own.
-        divisor = n if eval_micro_batches is None else eval_micro_batches
-        return original_scale(prescaled_loss, eval_micro_batches=divisor)
-
-    engine.backward = types.MethodType(backward, engine)
+    for name, make in _weights(share.even_count):
+        PATCHES.apply(engine, name, make, label=PATCH_LABEL, order=BEHAVIOUR)
     if hasattr(engine, "_INSTRUCTION_MAP"):
         _weight_pipeline_backward(engine, share)
-    engine._backward_prologue_per_tensor = types.MethodType(backward_prologue_per_tensor, engine)
-    engine._scale_loss_by_gas = types.MethodType(scale_loss_by_gas, engine)
     _count_true_global_batch(engine, share)
     if hasattr(engine, "set_dataiterator"):
         _guard_data_iterator(engine, share)
     if training_data is not None:
         _read_replica_range(engine, share, training_data)
+    guard_loaders(engine, share)          # deepspeed_io / set_dataloader read the replica's range (samplers.py)
+
+
+def remove_replica_split(engine) -> int:
+    """Take this module's hooks, and the loader checks it installed, off ``engine`` (the other labels' hooks stay,
+    re-made over DeepSpeed's own)."""
+    return PATCHES.undo(PATCH_LABEL, owner=engine) + PATCHES.undo(SAMPLERS_LABEL, owner=engine)
+
+
+def _weights(n: int):
+    """``(attribute, wrapper factory)`` of the engine's loss and gradient scaling: divide by the plan's even
+    count ``n`` where DeepSpeed divides by gas."""
+
+    def backward(inner):
+        @functools.wraps(inner)
+        def scaled_backward(loss, retain_graph=False, scale_wrt_gas=True):
+            if scale_wrt_gas:
+                loss = loss / n
+            return inner(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+        return scaled_backward
+
+    def backward_prologue_per_tensor(inner):
+        # DeepSpeed's hook for loss.backward() outside engine.backward: grad / gas there, grad / n here
+        # (where DeepSpeed leaves the gradient alone, so do we).
+        @functools.wraps(inner)
+        def scaled_prologue(grad):
+            scaled = inner(grad)
+            return scaled if scaled is grad else grad / n
+        return scaled_prologue
+
+    def scale_loss_by_gas(inner):
+        # The pipeline's total loss (sum over this replica's micro-batches) / n, averaged over dp by DeepSpeed:
+        # the global batch's mean loss. Evaluation (eval_micro_batches given) is DeepSpeed's own.
+        @functools.wraps(inner)
+        def scaled_loss(prescaled_loss, eval_micro_batches=None):
+            return inner(prescaled_loss, eval_micro_batches=n if eval_micro_batches is None else eval_micro_batches)
+        return scaled_loss
+
+    return (("backward", backward), ("_backward_prologue_per_tensor", backward_prologue_per_tensor),
+            ("_scale_loss_by_gas", scale_loss_by_gas))
 
 
 def _weight_pipeline_backward(engine, share: ReplicaShare) -> None:
@@ -133,15 +120,19 @@ def _weight_pipeline_backward(engine, share: ReplicaShare) -> None:
     step scales the loss by count / n first, so DeepSpeed's division by gas (= count) leaves loss / n."""
     import torch
     from deepspeed.runtime.pipe import schedule
-    pipeline_backward = engine._INSTRUCTION_MAP[schedule.BackwardPass]
     factor = share.count / share.even_count
 
-    def exec_backward_pass(self, buffer_id):
-        if self.is_last_stage() and isinstance(self.loss, torch.Tensor):
-            self.loss = self.loss * factor
-        return pipeline_backward(self, buffer_id)
+    def weighted_map(table):
+        pipeline_backward = table[schedule.BackwardPass]
 
-    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.BackwardPass: exec_backward_pass}
+        def exec_backward_pass(self, buffer_id):
+            if self.is_last_stage() and isinstance(self.loss, torch.Tensor):
+                self.loss = weighted_loss(self.loss, factor)     # in fp32: bf16 seeds stay the even split's
+            return pipeline_backward(self, buffer_id)
+
+        return {**table, schedule.BackwardPass: exec_backward_pass}
+
+    PATCHES.apply(engine, "_INSTRUCTION_MAP", weighted_map, label=PATCH_LABEL, order=BEHAVIOUR)
 
 
 def _engine_dp_rank(engine) -> Optional[int]:
@@ -161,43 +152,6 @@ def _count_true_global_batch(engine, share: ReplicaShare) -> None:
 
 
 # ---- data -------------------------------------------------------------------------------------------------
-
-class ReplicaSampleOrder:
-    """Sample indices (a ``sampler`` for DeepSpeed's loader, batch size = micro): the replica's micro-batches
-    of every complete global batch of ``total_samples`` (:class:`het_plugin.core.ranks.batches.ReplicaSampler`), as
-    positions in the data order: ``order`` (None: 0, 1, 2, ...), or with ``shuffle_seed`` the permutation a
-    shuffling DistributedSampler deals out, redrawn by :meth:`set_epoch` as DistributedSampler's is (so each
-    epoch's global batches hold the samples the even split's would)."""
-
-    def __init__(self, total_samples: int, share: ReplicaShare, consumed_samples: int = 0,
-                 order: Optional[Sequence[int]] = None, shuffle_seed: Optional[int] = None, epoch: int = 0):
-        self.batch_sampler = ReplicaSampler(total_samples, consumed_samples, share.batches, share.replica)
-        self.total_samples = total_samples
-        self.shuffle_seed = shuffle_seed
-        self.order = order
-        self.set_epoch(epoch)
-
-    def set_epoch(self, epoch: int) -> None:
-        """DistributedSampler's ``set_epoch``: a shuffled order is redrawn with seed + epoch."""
-        self.epoch = epoch
-        if self.shuffle_seed is not None:
-            self.order = shuffled_order(self.shuffle_seed + epoch, self.total_samples)
-
-    def __iter__(self) -> Iterator[int]:
-        for micro_batch in self.batch_sampler:
-            yield from (micro_batch if self.order is None else (self.order[i] for i in micro_batch))
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler) * self.batch_sampler.batches.micro_batch_size
-
-
-def shuffled_order(seed: int, total_samples: int) -> list[int]:
-    """The permutation DistributedSampler(shuffle=True) draws for ``seed`` (its seed + epoch)."""
-    import torch
-    gen = torch.Generator()
-    gen.manual_seed(seed)
-    return torch.randperm(total_samples, generator=gen).tolist()
-
 
 def replica_batch_sampler(engine, total_samples: int, consumed_samples: int = 0) -> ReplicaSampler:
     """For users who build their own loader: ``DataLoader(dataset, batch_sampler=replica_batch_sampler(engine,
@@ -267,28 +221,24 @@ class CountedIterator:
 
 
 def _guard_data_iterator(engine, share: ReplicaShare) -> None:
-    original = engine.set_dataiterator
+    def guarded(inner):
+        @functools.wraps(inner)
+        def set_dataiterator(iterator):
+            _refuse_even_sampler(iterator, share)
+            if isinstance(iterator, CountedIterator):
+                return inner(iterator)
+            current = getattr(engine, "data_iterator", None)
+            if isinstance(current, CountedIterator) and current.inner is iterator:
+                return inner(current)                   # train_batch(it) with the same iterator every step
+            return inner(CountedIterator(iterator, share))
+        return set_dataiterator
 
-    def set_dataiterator(self, iterator):
-        _refuse_even_sampler(iterator, share)
-        if isinstance(iterator, CountedIterator):
-            return original(iterator)
-        current = getattr(self, "data_iterator", None)
-        if isinstance(current, CountedIterator) and current.inner is iterator:
-            return original(current)                # train_batch(it) with the same iterator every step
-        return original(CountedIterator(iterator, share))
-
-    engine.set_dataiterator = types.MethodType(set_dataiterator, engine)
+    PATCHES.apply(engine, "set_dataiterator", guarded, label=PATCH_LABEL, order=BEHAVIOUR)
 
 
 def _refuse_even_sampler(iterator, share: ReplicaShare) -> None:
-    """A loader over torch's DistributedSampler splits every batch evenly: wrong samples, early exhaustion."""
-    sampler = _sampler_of(iterator)
-    if sampler is not None and type(sampler).__name__ == "DistributedSampler":
-        raise ConfigError(f"the data iterator reads a DistributedSampler (the even split over "
-                          f"{getattr(sampler, 'num_replicas', '?')} replicas), but {share.describe()}",
-                          field="data_iter", fix="build the loader with batch_sampler=hds.replica_batch_sampler("
-                                                 "engine, len(dataset)), or pass training_data= to initialize")
+    """A loader whose sampler is not this replica's range (any class: samplers.refuse_unranged) is refused."""
+    refuse_unranged(iterator, share, field="data_iter")
 
 
 def _sampler_of(obj, depth: int = 0):

@@ -17,6 +17,8 @@ import yaml
 
 from ..core.inputs import catalog
 from ..core.errors import ConfigError
+from ..core.inputs.cluster import AcceleratorSpec
+from ..core.inputs.yamlio import validate
 
 ENV_ACCELERATOR = "HET_PLUGIN_ACCELERATOR"
 ENV_ACCELERATOR_COUNT = "HET_PLUGIN_ACCELERATOR_COUNT"
@@ -85,8 +87,6 @@ def from_device_name(device_name: str, vendor: str, memory_gib: Optional[float] 
 
 def parse_override(text: str) -> AcceleratorInfo:
     """``HET_PLUGIN_ACCELERATOR``: a catalog name or a YAML mapping checked like a cluster file's spec."""
-    from ..core.inputs.cluster import AcceleratorSpec
-    from ..core.inputs.yamlio import validate
 
     text = text.strip()
     if text.startswith("{"):

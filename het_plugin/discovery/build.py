@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
+import yaml
 from pydantic import BaseModel, ConfigDict, PositiveFloat
 
 from ..core.inputs import catalog
@@ -361,7 +362,6 @@ def links_setting(links: LinksArg = None, env: Mapping[str, str] | None = None) 
 
 def format_yaml(data: dict[str, Any], notes: Sequence[str] = ()) -> str:
     """The cluster file text, with what discovery assumed as comments on top."""
-    import yaml
     head = ["# cluster discovered by het-plugin (sysfs NICs + torch accelerators)"]
     head += [f"# note: {n}" for n in notes]
     return "\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None)

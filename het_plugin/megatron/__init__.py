@@ -29,6 +29,8 @@ _EXPORTS = {
     "apply_plan_to_config": "pipeline_layout",
     "ddp_config_for_plan": "pipeline_layout",
     "planned_groups": "groups",
+    "planned_collection": "collection",
+    "check_groups": "group_check",
     "add_arguments": "args",
     "chain_extra_args_provider": "args",
 }

@@ -90,10 +90,7 @@ NO_OVERLAP_P2P = "--no-overlap-p2p-communication"
 
 def check_compatible(args: Any) -> None:
     """Reject Megatron-LM options het_plugin cannot honour, naming the flag and the fix."""
-    for attr, flag in SPLIT_OPTIONS.items():
-        if getattr(args, attr, None) is not None:
-            raise ConfigError(f"{flag} is set, but {FLAG} sets the pipeline split from the plan",
-                              source="command line", field=flag, fix=f"drop {flag}")
+    # the split flags (SPLIT_OPTIONS) are the plan's to judge: split_flags.users_split in apply_plan_to_args
     if getattr(args, "heterogeneous_timeout", None) is not None:
         from ..runtime.exchange import check_timeout
         check_timeout(args.heterogeneous_timeout, TIMEOUT_FLAG, "command line")
@@ -173,7 +170,10 @@ def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
     if (getattr(args, "expert_tensor_parallel_size", None) or plan.tp) != (plan.etp or plan.tp):
         put("expert_tensor_parallel_size", plan.etp or plan.tp)
     user_vpp = virtual_stages(args, plan.pp)
-    if user_vpp in (None, plan.vpp) or not plan.accepts_vpp(user_vpp):
+    from .split_flags import users_split
+    if users_split(args, plan):
+        pass                              # a homogeneous plan: the command line's own split stands
+    elif user_vpp in (None, plan.vpp) or not plan.accepts_vpp(user_vpp):
         # (otherwise an identity plan with Megatron's own even split: the command line's interleaving stands)
         layout = layout_for_plan(plan)
         if layout is not None:

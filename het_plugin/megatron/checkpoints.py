@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..core.errors import ConfigError
+from ..core.checkpoint_fit import MEGATRON, CheckpointShape
 
 FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")   # DistributedOptimizer's own list (0.19)
 SPLIT_FREE_FORMATS = ("torch_dist",)             # weights keyed by global layer index
@@ -112,7 +113,15 @@ def layers_of_args(args: Any) -> tuple[int, ...]:
     first = getattr(args, "decoder_first_pipeline_num_layers", None)
     last = getattr(args, "decoder_last_pipeline_num_layers", None)
     if first is None and last is None:
-        return tuple([num_layers // (pp * vpp)] * (pp * vpp))
+        # Megatron's even split counts the embedding and the loss as a layer each where asked, then builds one
+        # layer less in the first (last) virtual stage of the first (last) pipeline stage (megatron-core
+        # 0.16.1-0.19.2 transformer_block.py get_num_layers_to_build)
+        embedding = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
+        loss = bool(getattr(args, "account_for_loss_in_pipeline_split", False))
+        segments = [(num_layers + embedding + loss) // pp // vpp] * (pp * vpp)
+        segments[0] -= embedding
+        segments[-1] -= loss
+        return tuple(segments)
     middle_stages = pp - (first is not None) - (last is not None)
     rest = num_layers - (first or 0) - (last or 0)
     each = rest // middle_stages if middle_stages else 0
@@ -121,7 +130,10 @@ def layers_of_args(args: Any) -> tuple[int, ...]:
         stages[0] = first
     if last is not None:
         stages[-1] = last
-    return tuple(stages)
+    if vpp == 1:
+        return tuple(stages)
+    # segments in the layout's order (virtual stage major), each stage's layers over its virtual stages
+    return tuple(stages[r] // vpp for _ in range(vpp) for r in range(pp))
 
 
 def layout_counts(layout: Any) -> list[int]:
@@ -209,7 +221,6 @@ def load_optimizer(args: Any, found: CheckpointDir) -> bool:
 def checkpoint_shape(args: Any, load_arg: str = "load"):
     """The checkpoint ``--load`` names as :mod:`het_plugin.core.checkpoint_fit` reads it (what re-planning on
     restart asks before it takes a plan); None without one."""
-    from ..core.checkpoint_fit import MEGATRON, CheckpointShape
     load_dir = getattr(args, load_arg, None)
     found = checkpoint_dir(load_dir, args) if load_dir else None
     if found is None:

@@ -12,7 +12,8 @@ through ``parallel_state.create_group``. While :func:`planned_groups` is active:
   its parallel coordinate (sorting would make a permuted pipeline's group ranks disagree with
   ``_PIPELINE_GLOBAL_RANKS``: Megatron then deadlocks, seen with PP=4 and tied embeddings).
   ``create_group`` calls ``torch.distributed.new_group`` itself, so the order flag is added there for the
-  duration of that one call.
+  duration of that one call. Megatron's NCCL options are copied per group before the plan's ``net_name`` is
+  written (Megatron shares one object among hierarchical groups; :mod:`het_plugin.runtime.nccl_options`).
 
 Group building is guarded (:mod:`het_plugin.runtime.guard`): every gloo group is created with at most the
 bound as its creation timeout (Megatron's ``distributed_timeout_minutes`` is restored on the group), and a
@@ -23,10 +24,15 @@ The global rank itself is never relabelled: logs, checkpoints and LOCAL_RANK -> 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator, Optional
 
 from ..runtime.applied import AppliedPlan
+from ..runtime.group_policy import spans_vendors
+from ..runtime.nccl_options import OptionNotes
 from ..runtime.patches import PATCHES
+
+log = logging.getLogger("het_plugin.megatron")
 
 
 @contextlib.contextmanager
@@ -34,16 +40,27 @@ def planned_groups(applied: AppliedPlan, *, parallel_state=None, timeout_s: Opti
                    ) -> Iterator[AppliedPlan]:
     """Patch Megatron-Core's rank generator and group creation for the duration of group building;
     every group created is recorded in ``applied.records``. The phase is guarded (runtime.guard): a rank
-    that fails or disappears stops every rank within ``timeout_s`` (None: HET_PLUGIN_TIMEOUT or the default)."""
-    import torch.distributed as dist
-
+    that fails or disappears stops every rank within ``timeout_s`` (None: HET_PLUGIN_TIMEOUT or the default).
+    Groups made after the window follow the plan through :func:`het_plugin.megatron.late_groups.install`."""
     if parallel_state is None:
         from megatron.core import parallel_state
+    if spans_vendors(applied.plan):
+        from .. import comm  # noqa: F401   registers het_shim, the backend of groups spanning vendors
+    from .late_groups import uninstall as stop_following
+    stop_following()          # a plan applied before in this process: its run-long patches would map twice
+    with PATCHES.temporarily("megatron.groups", [(parallel_state.RankGenerator, "get_ranks", planned_get_ranks(applied)),
+                                                 (parallel_state, "create_group", planned_create_group(applied))]):
+        with applied.guarding("Megatron-Core's initialize_model_parallel", timeout_s=timeout_s):
+            yield applied
+
+
+def planned_get_ranks(applied: AppliedPlan):
+    """``make`` for RankGenerator.get_ranks: Megatron's logical lists -> the plan's physical ranks."""
     plan = applied.plan
     perm = list(plan.rank_of_logical)
     identity = plan.is_identity
 
-    def planned_get_ranks(orig_get_ranks):
+    def make(orig_get_ranks):
         def get_ranks(self, token):
             ranks = orig_get_ranks(self, token)
             if identity:
@@ -53,11 +70,23 @@ def planned_groups(applied: AppliedPlan, *, parallel_state=None, timeout_s: Opti
                                    f"the plan places {len(perm)}")
             return [[perm[r] for r in group] for group in ranks]
         return get_ranks
+    return make
 
-    def planned_create_group(orig_create_group):
+
+def planned_create_group(applied: AppliedPlan):
+    """``make`` for parallel_state.create_group: each group through the one group policy, on its own copy of
+    Megatron's NCCL options (runtime.nccl_options: the user's settings kept, the plan's network on top)."""
+    import torch.distributed as dist
+    notes = option_notes(applied)
+
+    def make_create_group(orig_create_group):
         def create_group(ranks=None, timeout=None, backend=None, pg_options=None,
                          use_local_synchronization=False, group_desc=None):
             def make(spec):
+                note = notes.check(group_desc, spec.ranks, pg_options, spec.net_name)
+                if note:
+                    log.warning("het_plugin: %s", note)
+
                 def ordered(orig_new_group):
                     extra = {"sort_ranks": False} if not spec.sort_ranks else {}
 
@@ -76,8 +105,13 @@ def planned_groups(applied: AppliedPlan, *, parallel_state=None, timeout_s: Opti
             return applied.create(make, ranks, backend=backend, pg_options=pg_options, desc=group_desc,
                                   timeout=timeout)
         return create_group
+    return make_create_group
 
-    with PATCHES.temporarily("megatron.groups", [(parallel_state.RankGenerator, "get_ranks", planned_get_ranks),
-                                                 (parallel_state, "create_group", planned_create_group)]):
-        with applied.guarding("Megatron-Core's initialize_model_parallel", timeout_s=timeout_s):
-            yield applied
+
+def option_notes(applied: AppliedPlan) -> OptionNotes:
+    """The run's one :class:`OptionNotes` (kept on the applied plan: a note is said once per group kind,
+    whether the group is made in the initialize window or after it)."""
+    notes = applied.__dict__.get("_option_notes")
+    if notes is None:
+        notes = applied.__dict__["_option_notes"] = OptionNotes(applied.rank)
+    return notes

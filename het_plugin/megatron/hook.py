@@ -19,6 +19,7 @@ import os
 import sys
 
 from ..runtime.import_patch import PatchOnLoad
+from ..runtime.patches import PATCHES
 
 TARGET = "megatron.training.arguments"
 FLAG = "--heterogeneous-nic"
@@ -46,7 +47,6 @@ def patch_arguments_module(module) -> None:
     """Wrap ``parse_args`` of a loaded megatron.training.arguments (idempotent)."""
     if getattr(module, "parse_args", None) is None:
         return
-    from ..runtime.patches import PATCHES
     PATCHES.apply(module, "parse_args", _wrap_parse_args, label="megatron.hook")
 
 

@@ -213,6 +213,8 @@ def install_initialize_wrapper() -> None:
         PATCHES.apply(training, "setup_model_and_optimizer", _planned_setup, label=PATCH_LABEL)
     if getattr(training, "load_checkpoint", None) is not None:
         PATCHES.apply(training, "load_checkpoint", _checked_load, label=PATCH_LABEL)
+    from .group_check import install as install_group_check
+    install_group_check(training)          # after the model and optimizer: every group against the plan
 
 
 def _planned_initialize(current):

@@ -59,6 +59,8 @@ def forget_plan() -> None:
     from . import recorder_hooks as timing
     from .replicas import uninstall as uninstall_replicas
     timing.uninstall()                # in any order: runtime.patches keeps the other label's wrappers
+    from .late_groups import uninstall as stop_following
+    stop_following()
     uninstall_replicas()
     _current = None
 
@@ -181,6 +183,8 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
             print(f"het_plugin: plan written to {plan_out}", flush=True)
     with planned_groups(applied, timeout_s=timeout_s):
         original_initialize_model_parallel()(**kwargs)
+    from .late_groups import install as follow_plan_after_init
+    follow_plan_after_init(applied)      # groups Megatron makes later (all-gather, HyperCommGrid) follow the plan
     from . import recorder_hooks as timing
     from .replicas import install as install_replicas
     timing.uninstall()            # a plan applied before in this process: its timing ends here

@@ -21,7 +21,7 @@ import sys
 from typing import Optional
 
 from ..runtime.patches import PATCHES
-from ..runtime.recorder import ProfileRecorder, ProfileSettings
+from ..runtime.recorder import ProfileRecorder, ProfileSettings, default_store
 
 STEPS = ("forward_step", "backward_step")
 SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
@@ -97,7 +97,6 @@ def install(plan, rank: int, settings: ProfileSettings, framework: str = "Megatr
     uninstall()
     from megatron.core.pipeline_parallel import schedules
 
-    from ..runtime.recorder import default_store
     _recorder = ProfileRecorder(plan, rank, settings, framework, store=default_store(), cluster=cluster)
     for name in STEPS:
         PATCHES.apply(schedules, name, functools.partial(_timed_step, kind=name.split("_")[0]), label=PATCH_LABEL)

@@ -35,6 +35,7 @@ from typing import Any, Optional
 from ..core.errors import ConfigError
 from ..runtime.patches import PATCHES
 from ..runtime.replicas import ReplicaShare
+from ..core.ranks.batches import ReplicaBatches, ReplicaSampler
 
 SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
              "forward_backward_pipelining_with_interleaving")
@@ -162,7 +163,6 @@ def replica_sampler(total_samples: int, consumed_samples: int = 0):
     micro-batches of every global batch (sample indices of the data order), its count of them per iteration, from
     ``consumed_samples`` (a whole number of global batches). Every sample of global batch ``i`` (samples
     ``[i*G, (i+1)*G)``, as Megatron's ``MegatronPretrainingSampler`` reads them) is read once, by one replica."""
-    from ..core.ranks.batches import ReplicaBatches, ReplicaSampler
     from .mcore import current_plan
     applied = current_plan()
     if applied is None:

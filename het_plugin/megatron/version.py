@@ -12,10 +12,12 @@ from typing import Optional
 
 from ..core.errors import ConfigError
 
-# Tested releases: megatron-core 0.16.x to 0.19.x (CI runs 0.16.1 and 0.19.2). Megatron-LM main reports the
-# next version (0.20.0) before its release; it was checked on 2026-12-01 and is accepted as well.
+# The one statement of the supported versions (README, docs/megatron.md and pyproject's ``megatron`` extra say
+# the same; tests/megatron/test_megatron_version.py checks each): megatron-core releases 0.16.x to 0.19.x
+# (``make test`` runs 0.16.1, 0.17.0, 0.18.0 and 0.19.2), and Megatron-LM main, which reports the next version,
+# 0.20.0, before its release (checked on 2026-12-01). A release 0.20.1 or later is not main: refused.
 TESTED = ((0, 16), (0, 19))
-MAIN = (0, 20)
+MAIN = (0, 20, 0)
 ENV_ANY = "HET_PLUGIN_ANY_MEGATRON"
 
 
@@ -34,10 +36,23 @@ def parse(version: str) -> Optional[tuple[int, int]]:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def supported_range() -> str:
+def is_main(version: str) -> bool:
+    """Megatron-LM main: it reports exactly MAIN (with any local or pre-release suffix, e.g. '0.20.0+d98e8a6')."""
+    m = re.match(r"\s*(\d+)\.(\d+)\.(\d+)(?!\d)", version)
+    return bool(m) and tuple(int(g) for g in m.groups()) == MAIN
+
+
+def extra_requirement() -> str:
+    """What pyproject's ``megatron`` extra requires of megatron-core: the tested releases."""
     (lo_major, lo_minor), (hi_major, hi_minor) = TESTED
-    return (f"megatron-core >={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1} "
-            f"(and Megatron-LM main reporting {MAIN[0]}.{MAIN[1]}.x)")
+    return f"megatron-core>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}"
+
+
+def supported_range() -> str:
+    """The statement README and docs/megatron.md carry word for word."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED
+    return (f"megatron-core >={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1} (releases {lo_major}.{lo_minor}.x to "
+            f"{hi_major}.{hi_minor}.x) and Megatron-LM main reporting {'.'.join(map(str, MAIN))}")
 
 
 def check_megatron_version(version: Optional[str] = None) -> str:
@@ -49,7 +64,7 @@ def check_megatron_version(version: Optional[str] = None) -> str:
     if os.environ.get(ENV_ANY, "") not in ("", "0"):
         return version
     minor = parse(version)
-    if minor is not None and (TESTED[0] <= minor <= TESTED[1] or minor == MAIN):
+    if minor is not None and (TESTED[0] <= minor <= TESTED[1] or is_main(version)):
         return version
     raise ConfigError(f"megatron-core {version} is outside the range het_plugin is tested with: {supported_range()}",
                       field="megatron-core",

@@ -21,6 +21,7 @@ from ..core.plan import Plan
 from .group_policy import GroupRecord, GroupSpec, Policy, spec_for
 from .guard import GroupGuard, bounds_creation, restore_timeout, torch_default_timeout
 from .replicas import ReplicaShare
+from .preflight import check_network
 
 log = logging.getLogger("het_plugin")
 
@@ -57,7 +58,6 @@ class AppliedPlan:
         """The mixed-NIC pre-flight (:mod:`het_plugin.runtime.preflight`), after agreement and before the first
         group: under NCCL every rank raises the same ConfigError when the environment contradicts the plan.
         ``cluster``: the Cluster the plan came from (its nodes' ``nics``), None for a plan file."""
-        from .preflight import check_network
         return check_network(self.plan, self.rank, cluster=cluster, native_network=self.policy.native_network,
                              store=store, timeout_s=timeout_s)
 

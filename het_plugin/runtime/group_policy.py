@@ -27,14 +27,17 @@ NCCL picks its network as it always does).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from ..core.errors import ConfigError
 from ..core.ranks.transport import Transport
-from .netselect import RDMA_TRANSPORTS, SHIM_BACKEND, gloo_ifnames, ifname_set, nccl_net_name
+# The network choice and the NCCL options live in netselect (a leaf the shim imports too); named here as well.
+from .netselect import (SHIM_BACKEND, gloo_ifnames, ifname_set,  # noqa: F401
+                        nccl_options, network_of, with_net_name)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,29 @@ class GroupSpec:
 
 
 @dataclass(frozen=True)
+class ShimOptions:
+    """What a het_shim group is told at creation (torch hands ``pg_options`` to the backend creator); the policy
+    gives it to every cross-vendor group, the shim (:mod:`het_plugin.comm`, which names it too) reads it.
+
+    ``vendors``: every global rank's vendor (at least the group's members). ``transport_of``: the
+    transport of a set of global ranks (``Plan.transport_of``), so each vendor subgroup's gloo
+    communicator uses its own fabric's interface (``HET_PLUGIN_GLOO_IFNAMES``); None: no choice.
+    ``net_name_of``: the same for its NCCL/RCCL communicator (a one-vendor subgroup spanning an IB and a RoCE
+    cluster must be a Socket communicator).
+    """
+    vendors: Mapping[int, str]
+    transport_of: Optional[Callable[[Sequence[int]], str]] = None
+    # The NCCL net_name of a vendor subgroup over these global ranks (netselect.network_of, the one network
+    # choice); None: NCCL's own choice.
+    net_name_of: Optional[Callable[[Sequence[int]], Optional[str]]] = None
+
+    @classmethod
+    def from_plan(cls, plan) -> "ShimOptions":
+        return cls({r: plan.vendor_of(r) for r in range(plan.world_size)}, plan.transport_of,
+                   functools.partial(network_of, plan))
+
+
+@dataclass(frozen=True)
 class GroupRecord:
     """One group created under a plan (for the start-up report, checks and tests)."""
     ranks: list[int]
@@ -103,7 +129,6 @@ def spec_for(plan, ranks: Optional[Sequence[int]], policy: Policy, *, backend: O
     if transport == Transport.HOST_STAGED and backend in (None, "nccl"):
         shim = _shim_backend(policy)
         if shim is not None:
-            from ..comm import ShimOptions
             chosen, options = shim, ShimOptions.from_plan(plan)
     effective = str(chosen or policy.default_backend).lower()
     if transport == Transport.HOST_STAGED and "nccl" in effective and chosen != SHIM_BACKEND:
@@ -131,62 +156,6 @@ def spec_for(plan, ranks: Optional[Sequence[int]], policy: Policy, *, backend: O
                      by_logical)
 
 
-def network_of(plan, members: Sequence[int], transport: Optional[str] = None) -> Optional[str]:
-    """The one network choice: the NCCL net_name forced on a communicator over ``members`` (physical ranks),
-    or None where NCCL keeps its own (RDMA without a declared network, or inside a node)."""
-    transport = plan.transport_of(members) if transport is None else transport
-    rdma = plan.rdma_net_of(members) if transport in RDMA_TRANSPORTS else None
-    return nccl_net_name(transport, rdma)
-
-
-# Torch added ProcessGroupNCCL.Options.config (the ncclConfig_t binding, net_name among its fields) in 2.1
-# (pytorch/pytorch v2.1.0 torch/csrc/distributed/c10d/init.cpp); NCCL reads config.netName from 2.17
-# (NVIDIA/nccl v2.17.1-1 src/init.cc). Older builds have no per-communicator network.
-OPTIONS_CONFIG_FIX = ("use torch >= 2.1 built with NCCL >= 2.17 (RCCL of ROCm >= 5.6), whose "
-                      "ProcessGroupNCCL.Options has config.net_name")
-
-
-def nccl_options(net_name: Optional[str], options: Any = None, *, timeout: Optional[timedelta] = None) -> Any:
-    """Every NCCL options object het_plugin builds or changes: the framework's own (Megatron passes its
-    per-group config) or new ones, ``config.net_name`` = ``net_name`` when given; None where this torch has
-    no NCCL (a CPU build: nothing to select). A build whose Options has no ``config`` is refused."""
-    if options is None:
-        import torch.distributed as tdist
-        pg_nccl = getattr(tdist, "ProcessGroupNCCL", None)
-        if pg_nccl is None:
-            return None
-        options = pg_nccl.Options()
-    if timeout is not None:
-        options._timeout = timeout
-    if net_name is not None:
-        config = getattr(options, "config", None)
-        if config is None:
-            raise ConfigError(f"this torch's ProcessGroupNCCL.Options has no 'config', so a communicator cannot be "
-                              f"given the network {net_name!r} (torch {_torch_version()}, NCCL {_nccl_version()})",
-                              field="torch", fix=OPTIONS_CONFIG_FIX)
-        config.net_name = net_name
-    return options
-
-
-def with_net_name(options: Any, net_name: str) -> Any:
-    """NCCL options selecting ``net_name`` (:func:`nccl_options`; kept for callers of the old name)."""
-    return nccl_options(net_name, options)
-
-
-def _torch_version() -> str:
-    try:
-        import torch
-        return str(torch.__version__)
-    except ImportError:
-        return "not installed"
-
-
-def _nccl_version() -> str:
-    from ..core.nccl_version import version_text
-    from .nccl_version import loaded_nccl_version
-    return version_text(loaded_nccl_version())
-
-
 def check_torch_keeps_order() -> None:
     """A permuted plan needs ``new_group(sort_ranks=False)`` (added to torch in March 2026, pytorch#176580);
     an older torch would give members group ranks in ascending order and the framework would deadlock."""
@@ -199,11 +168,17 @@ def check_torch_keeps_order() -> None:
                               "launch the nodes in the plan's order (launch.node_order) so the plan is the identity")
 
 
+def spans_vendors(plan) -> bool:
+    """Whether some group of ``plan`` may span accelerator vendors, so that the caller imports
+    :mod:`het_plugin.comm` (registering ``het_shim``) before creating groups. Runtime never imports comm."""
+    return len({plan.vendor_of(r) for r in range(plan.world_size)}) > 1
+
+
 def _shim_backend(policy: Policy) -> Optional[str]:
     if not policy.shim_checked:
         policy.shim_checked = True
-        from ..comm import registered_backend     # registers het_shim; imported only for cross-vendor groups
-        policy.shim_backend = registered_backend()
+        import torch.distributed as tdist       # `import het_plugin.comm` registered it (the adapters: spans_vendors)
+        policy.shim_backend = SHIM_BACKEND if SHIM_BACKEND in getattr(tdist.Backend, "backend_list", []) else None
         if policy.shim_backend is None:
             policy.warnings.append("a group spans accelerator vendors but this torch did not accept the het_shim "
                                    "backend; such groups use the default backend")

@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Optional
 from ..core.errors import ConfigError
 from ..core.launch import SharePlan
 from ..core.plan import Plan
-from .exchange import encode_error
+from .exchange import encode_error, timeout_s as bound
 
 ENV_OFF = "HET_PLUGIN_PLAN_ONCE"
 ENV_DIR = "HET_PLUGIN_PLAN_DIR"
@@ -83,7 +83,6 @@ def node_sharing(env: Optional[Mapping[str, str]] = None, *, timeout_s: Optional
         return None
     base = Path(root or env.get(ENV_DIR) or tempfile.gettempdir())
     folder = base / f"het_plugin-plan-{job_key(env)}"
-    from .exchange import timeout_s as bound
     wait_s = min(WAIT_S, bound(timeout_s, env))
     return lambda digest, search: share_on_node(digest, search, local_rank=local_rank, folder=folder, wait_s=wait_s)
 

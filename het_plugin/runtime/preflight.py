@@ -27,6 +27,8 @@ from ..core.nccl_env import (
     world_warning,
 )
 from .exchange import Exchange
+from .netselect import SHIM_BACKEND
+from . import nccl_version      # its loaded_nccl_version is looked up at each call (tests replace it)
 
 log = logging.getLogger("het_plugin")
 
@@ -38,7 +40,6 @@ VERSION_KEY = "het_plugin:nccl_version"    # in the gathered entry beside the se
 
 def checked_backend(backend: str) -> bool:
     """The world backends whose launch runs NCCL/RCCL communicators: nccl, mixed ('cpu:gloo,cuda:nccl'), het_shim."""
-    from .netselect import SHIM_BACKEND
     text = backend.lower()
     return "nccl" in text or SHIM_BACKEND in text
 
@@ -98,8 +99,7 @@ def exchange_check(plan, rank: int, *, store, cluster=None, env: Optional[Mappin
     env = os.environ if env is None else env
     ex = Exchange(store, "preflight", index=rank, members=range(plan.world_size), what="the NCCL pre-flight",
                   timeout=timeout_s)
-    from .nccl_version import loaded_nccl_version
-    version = loaded_nccl_version()
+    version = nccl_version.loaded_nccl_version()
     reply = ex.decide({**nccl_settings(env), VERSION_KEY: list(version) if version else None},
                       judge=lambda entries: judge(plan, cluster, {e.rank: e.value for e in entries}, backend, net_name),
                       stops=lambda reply: reply.error is not None or bool((reply.value or {}).get("refusals")))

@@ -37,6 +37,12 @@ from ..core.cost.measured import (
     reporting_ranks,
 )
 from ..core.plan import Plan
+from ..core.errors import ConfigError
+from ..core.replan_command import ReplanInputs, inputs_beside, new_plan_path, replan_command
+from ..core.files import dump_data
+from .restart_replan import ran_plan_path
+from ..core.cost.plan_costs import plan_analysis
+from ..core.inputs.cluster import load_cluster
 
 log = logging.getLogger("het_plugin")
 
@@ -58,7 +64,6 @@ class ProfileSettings:
     exit_wait_s: float = 10.0            # rank 0 at exit: the longest wait for the other ranks' final sums
 
     def __post_init__(self):
-        from ..core.errors import ConfigError
         if not str(self.path):
             raise ConfigError("the measured-profile path is empty", field="profile_out", fix="name a .yaml or .json file")
         if Path(self.path).suffix.lower() not in (".yaml", ".yml", ".json"):
@@ -355,7 +360,6 @@ class ProfileRecorder:
             log.warning("het_plugin: cannot write the measured profile %s: %s", self.settings.path, exc)
             return None
         if self.written is None and self.settings.replan_on_restart:
-            from .restart_replan import ran_plan_path
             try:
                 self.plan.save(ran_plan_path(self.settings.path))
             except Exception as exc:      # noqa: BLE001 -- the next start then plans as usual
@@ -373,13 +377,10 @@ class ProfileRecorder:
         the plan came from, else the settings' cluster file; (None, None) when neither is there or matches the
         plan (the slot cost is then not fitted)."""
         if self._fit is None:
-            from ..core.cost.plan_costs import plan_analysis
-            from ..core.errors import ConfigError
             self._fit = (None, None)
             try:
                 cluster = self.cluster
                 if cluster is None and self.settings.cluster:
-                    from ..core.inputs.cluster import load_cluster
                     cluster = self.cluster = load_cluster(self.settings.cluster)
                 if cluster is not None:
                     self._fit = (cluster, plan_analysis(self.plan, cluster))
@@ -393,7 +394,6 @@ class ProfileRecorder:
         micro-batch size; a model (or discovered cluster) that is no file is written beside the profile first."""
         if self.settings.replan:
             return self.settings.replan
-        from ..core.replan_command import ReplanInputs, inputs_beside, new_plan_path, replan_command
         beside = inputs_beside(self.settings.path)
         cluster, model = self.settings.cluster, self.settings.model
         if self._inputs is None:
@@ -408,8 +408,6 @@ class ProfileRecorder:
 
     @staticmethod
     def _write_beside(path: str, data: dict, what: str) -> Optional[str]:
-        from ..core.errors import ConfigError
-        from ..core.inputs.yamlio import dump_data
         try:
             dump_data(data, path)
             return path

@@ -27,6 +27,9 @@ from typing import Optional
 from ..core.checkpoint_fit import CheckpointShape, resume_problem
 from ..core.errors import ConfigError
 from ..core.plan import Plan
+from ..core.cost.plan_costs import split_costs
+from ..core.inputs.profile import load_profile
+from ..core.launch import Resolved
 
 #: a re-plan is taken when it predicts at least this fraction less time per iteration than the plan it replaces
 DEFAULT_MIN_GAIN = 0.02
@@ -60,7 +63,6 @@ def _predicted(plan: Plan, cluster, profile) -> Optional[float]:
     """The plan's iteration time predicted with ``profile`` on ``cluster`` (None: it does not fit these nodes)."""
     if plan.cluster_digest != cluster.digest or plan.world_size != cluster.world_size:
         return None
-    from ..core.cost.plan_costs import split_costs
     try:
         return split_costs(plan, cluster, profile).predict(plan.layers_per_stage).iteration_s
     except (ValueError, ConfigError):
@@ -74,7 +76,6 @@ def _describe(plan: Plan) -> str:
 
 def load_last_run(profile_path: str):
     """(the measured profile, the plan that run ran) the last attempt wrote; None for what is not there."""
-    from ..core.inputs.profile import load_profile
     profile = load_profile(profile_path) if Path(profile_path).is_file() else None
     plan_path = Path(ran_plan_path(profile_path))
     last = Plan.load(plan_path) if plan_path.is_file() else None
@@ -137,7 +138,6 @@ def resolve_on_restart(resolve, profile_path: str, *, checkpoint=None, min_gain:
     """For an adapter: ``resolve(profile) -> Resolved`` is its plan resolution (profile None: as usual);
     ``checkpoint``: a CheckpointShape, or a callable returning one (None: nothing to resume). Returns (the
     Resolved this start runs, the RestartDecision)."""
-    from ..core.launch import Resolved
     resolved = resolve(None)
     profile, last = load_last_run(profile_path)
     shape = checkpoint() if callable(checkpoint) else checkpoint

@@ -12,6 +12,8 @@ from typing import Any, Iterable, Optional
 
 from ..core.plan import Plan, Prediction
 from ..core.ranks.dims import format_ranks
+from ..core.planner import replica_split_text
+from ..core.subsets import launch_lines
 
 
 def spans(values: Iterable[int]) -> str:
@@ -271,7 +273,6 @@ def alt_split(plan: Plan) -> str:
     """The plan's replica split as the alternatives write it."""
     if not plan.uneven_replicas:
         return "even"
-    from ..core.planner import replica_split_text
     return replica_split_text(plan.replica_counts)
 
 
@@ -417,6 +418,7 @@ def render_text(plan: Plan, cluster=None) -> str:
         lines.append(f"  {STALE_NOTE}")
     else:
         lines.extend(_prediction_lines(plan.prediction))
+        lines.extend(cost_lines(plan.price_per_hour, plan.prediction, plan.world_size))
     lines.append("baseline (framework-default placement, uniform layers):")
     if plan.baseline is None:
         lines.append("  not available")
@@ -432,6 +434,10 @@ def render_text(plan: Plan, cluster=None) -> str:
     if shapes:
         lines.append("")
         lines.extend(shapes)
+    left = left_out_lines(plan)
+    if left:
+        lines.append("")
+        lines.extend(left)
     if plan.alternatives:
         lines.append("")
         lines.append("alternatives considered (next best, then the best of each other shape):")
@@ -442,6 +448,62 @@ def render_text(plan: Plan, cluster=None) -> str:
         for w in plan.warnings:
             lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def cost_lines(price_per_hour: Optional[float], p: Prediction, devices: int, indent: str = "  ") -> list[str]:
+    """What an iteration and a million tokens cost at the cluster file's prices ([] without prices)."""
+    if price_per_hour is None or p.iteration_s <= 0:
+        return []
+    per_iteration = price_per_hour * p.iteration_s / 3600.0
+    per_million = price_per_hour / 3600.0 / p.tokens_per_s * 1e6
+    return [f"{indent}cost: {per_iteration:.4g} per iteration, {per_million:.4g} per million tokens ({devices} devices "
+            f"at {price_per_hour:.4g} per hour, the cluster file's price_per_device_hour)"]
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    return " ".join(names) if len(names) <= limit else f"{' '.join(names[:limit - 2])} ... {names[-1]} ({len(names)})"
+
+
+def left_out_lines(plan: Plan) -> list[str]:
+    """The nodes the plan leaves out and why: each left-out group with the best plan that adds it back (or the
+    compute floor that ruled it out), the best plan with every node, and how to launch the kept nodes."""
+    lo = plan.left_out
+    if not lo:
+        return []
+    total = len(plan.nodes) + len(lo["nodes"])
+    cost = lo.get("objective") == "cost"
+    p = plan.prediction
+    lines = [f"left out: {len(lo['nodes'])} of {total} nodes ({lo['world_size'] - plan.world_size} of "
+             f"{lo['world_size']} devices); the plan is predicted {'cheaper' if cost else 'faster'} without them "
+             f"({lo['searched']} node subsets planned, {lo['pruned']} ruled out by their compute floor)"]
+    for g in lo["groups"]:
+        if "with_it_s" in g:
+            why = (f"the best plan with them predicts {_fmt_s(g['with_it_s'])}"
+                   + (f" ({g['with_it_s'] / p.iteration_s:.2f}x this plan's iteration)" if p else ""))
+        elif "floor_with_it_s" in g:
+            why = (f"cannot shorten the iteration: with them even the compute alone (every device busy, no "
+                   f"communication) needs {_fmt_s(g['floor_with_it_s'])}")
+        else:
+            why = g.get("with_it", "no plan with them")
+        lines.append(f"  {g['group']}: {g['devices']} devices on {_names(g['nodes'])}: {why}")
+    every = lo.get("all_nodes")
+    if every:
+        lines.append(f"  with every node ({every['world_size']} ranks): tp {every['tp']} pp {every['pp']} dp "
+                     f"{every['dp']} micro-batch {every['micro_batch_size']}, layers {every['layers_per_stage']}: "
+                     f"iteration {_fmt_s(every['iteration_s'])}, {every['tokens_per_s']:,.0f} tokens/s")
+        if every.get("price_per_hour") is not None:
+            lines.extend(cost_lines(every["price_per_hour"], Prediction(every["iteration_s"], every["tokens_per_s"],
+                                                                        0.0), every["world_size"], "    "))
+    else:
+        lines.append(f"  with every node: no plan ({lo.get('all_nodes_error', 'none found')})")
+    if p:
+        ratio = f", {every['iteration_s'] / p.iteration_s:.2f}x faster" if every else ""
+        lines.append(f"  without them (this plan, {plan.world_size} ranks): iteration {_fmt_s(p.iteration_s)}, "
+                     f"{p.tokens_per_s:,.0f} tokens/s{ratio}")
+    lines.append("  to use every node anyway (already allocated, say): re-plan with --use-all-nodes")
+    lines.append("launch only the kept nodes:")
+    lines.extend(f"  {line}" for line in launch_lines(plan))
+    return lines
 
 
 #: what a report shows instead of the numbers of a plan changed after it was predicted (Plan.prediction_stale)

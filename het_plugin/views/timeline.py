@@ -22,6 +22,7 @@ from ..core.plan import Plan
 from ..core.inputs.profile import Profile
 from ..core.inputs.profile_schema import MeasuredRun
 from .svg import Line, Rect, Shape, Text, to_png, to_svg
+from .report import stage_summary
 
 COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "send": "#9d9d9d", "reduction": "#59a14f",
           "optimizer": "#b07aa1", "bubble": "#f2f2f2", "other": "#d4a6c8", "measured": "#e15759"}
@@ -91,7 +92,6 @@ def plan_timeline(plan: Plan, cluster, profile: Optional[Profile] = None) -> Tim
             ops.append(Op(s, "other", done, done + other))
         if pred.optimizer_s > 0:
             ops.append(Op(s, "optimizer", done + other, done + other + pred.optimizer_s))
-    from .report import stage_summary
     devices = [", ".join(sorted(st["where"])) for st in stage_summary(plan)]
     note = ""
     if len(sc.replica_groups) > 1 or plan.uneven_replicas:

@@ -38,6 +38,12 @@ def main() -> None:
                                          "Block's forward (a slower device; for the measured-profile test)")
     p.add_argument("--layer-delay-ms", type=float, default=0.0)
     p.add_argument("--clip", type=float, help="gradient_clipping of the config (DeepSpeed's default: 1.0)")
+    p.add_argument("--tied", action="store_true", help="the first and last layers are one TiedLayerSpec('io', "
+                                                           "InProj) (as GPT pipelines tie embedding and output layer)")
+    p.add_argument("--data-rank", choices=["grid", "topology"], default="grid",
+                   help="where the script reads its data rank: DeepSpeed's grid, or the topology object it built")
+    p.add_argument("--checkpoint-interval", type=int, default=0, help="activation_checkpoint_interval")
+    p.add_argument("--no-seed-layers", action="store_true", help="seed_layers=False (layers from torch's own RNG)")
     p.add_argument("--parts", help="baseline only: force DeepSpeed's layer boundaries, e.g. 0,6,10 (what the plan "
                                    "splits), instead of partition_method='uniform'")
     args = p.parse_args()
@@ -56,10 +62,16 @@ def main() -> None:
     dp = world // (args.pp * args.mp)
     layers = [LayerSpec(InProj, hidden, hidden)] + [LayerSpec(Block, hidden) for _ in range(BLOCKS)] + \
         [LayerSpec(Head, hidden, hidden)]
+    if args.tied:
+        from deepspeed.pipe import TiedLayerSpec
+        layers[0] = layers[-1] = TiedLayerSpec("io", InProj, hidden, hidden)
     topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.mp, num_dp=dp)
     # partition_method as the baseline's: a homogeneous plan keeps the script's own (DeepSpeed 0.19.8's default,
     # 'parameters', gives numpy boundaries, which seed_layers=True hands to random.seed: a TypeError).
-    common = dict(loss_fn=torch.nn.MSELoss(), seed_layers=True, base_seed=1234, partition_method="uniform")
+    common = dict(loss_fn=torch.nn.MSELoss(), seed_layers=not args.no_seed_layers, base_seed=1234,
+                  partition_method="uniform", activation_checkpoint_interval=args.checkpoint_interval)
+    if args.no_seed_layers:
+        torch.manual_seed(1234)          # as scripts do: one seed on every rank, then each builds its own stage
     if args.baseline:
         config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": ACCUM,
                   "train_batch_size": micro * ACCUM * dp, "steps_per_print": 10 ** 6}
@@ -84,7 +96,8 @@ def main() -> None:
     engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
 
     grid = model.mpu()
-    data_id = grid.get_data_parallel_rank()
+    data_id = grid.get_data_parallel_rank() if args.data_rank == "grid" else topo.get_coord(tdist.get_rank()).data
+    tied_before = tied_weight(model)
 
     def batches():
         gen = torch.Generator().manual_seed(1000 + data_id)
@@ -117,7 +130,15 @@ def main() -> None:
         "records": [[g.ranks, g.transport, g.gloo_ifname] for g in (model.het_applied.records if getattr(model, "het_applied", None) else [])],
         "gloo_ifname_after": os.environ.get("GLOO_SOCKET_IFNAME"),
         "tx": {k: after[k] - before[k] for k in after},
+        "tied": [tied_before, tied_weight(model)],
+        "groups_data_rank": deepspeed.utils.groups._get_data_parallel_rank(),     # what deepspeed.utils.groups says
     })
+
+
+def tied_weight(model):
+    """The tied layer's weight on this rank (None where the stage holds no copy)."""
+    tied = getattr(model, "tied_modules", {})
+    return tied["io"].weight.detach().flatten().tolist() if "io" in tied else None
 
 
 def forced_split(parts):

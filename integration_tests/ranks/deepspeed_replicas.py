@@ -31,6 +31,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--dry", type=int, default=None)
+    p.add_argument("--bf16", action="store_true", help="bf16 training (DeepSpeed's bf16 section; bf16 samples)")
+    p.add_argument("--loader", choices=["training_data", "strided", "replica", "deepspeed_io"],
+                   default="training_data",
+                   help="pipe mode: training_data= to initialize; or the script's own RepeatingLoader handed to "
+                        "train_batch over a strided even split (sample i on data rank i %% dp), over "
+                        "hds.replica_sampler, or over engine.deepspeed_io(dataset) (DeepSpeed's default sampler)")
     args = p.parse_args()
 
     import torch
@@ -54,6 +60,8 @@ def main() -> None:
             gen = torch.Generator().manual_seed(7)
             self.x = torch.randn(n, HIDDEN, generator=gen)
             self.y = torch.sin(self.x.flip(-1))
+            if args.bf16:
+                self.x, self.y = self.x.bfloat16(), self.y.bfloat16()
 
         def __len__(self):
             return len(self.x)
@@ -64,6 +72,8 @@ def main() -> None:
     data = Samples(args.samples)
     index_of = {tuple(row.tolist()): i for i, row in enumerate(data.x)}
     config = json.loads(Path(args.config).read_text())
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
     rank = tdist.get_rank()
     if args.mode == "pipe":
         pp = config["heterogeneous"]["pp"]
@@ -74,7 +84,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = torch.nn.Sequential(InProj(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    training_data = data if args.dry is None else None
+    training_data = data if args.dry is None and args.loader == "training_data" else None
     engine, _, loader, _ = hds.initialize(model=model, optimizer=optimizer, config=config,
                                           training_data=training_data)
     plan = engine.het_plan
@@ -84,6 +94,16 @@ def main() -> None:
     losses, consumed = [], []
     if args.mode == "pipe":
         it = None
+        if args.loader != "training_data":
+            from deepspeed.utils import RepeatingLoader
+            dp_rank, dp = engine.grid.get_data_parallel_rank(), plan.dp
+            if args.loader == "deepspeed_io":
+                loader = engine.deepspeed_io(data)
+            else:
+                sampler = list(range(dp_rank, len(data), dp)) if args.loader == "strided" else \
+                    hds.replica_sampler(engine, len(data))
+                loader = torch.utils.data.DataLoader(data, batch_size=plan.micro_batch_size, sampler=sampler)
+            it = iter(RepeatingLoader(loader))
         if args.dry is not None:
             # Replica 0 gets a finite iterator of --dry micro-batches (its share is count per step).
             micro = plan.micro_batch_size
@@ -107,7 +127,7 @@ def main() -> None:
             losses.append(float(total) / sum(plan.replica_counts))
             consumed.append(_indices(seen, index_of))
             seen.clear()
-    params = {name: p.detach().flatten().tolist() for name, p in engine.module.named_parameters()}
+    params = {name: p.detach().float().flatten().tolist() for name, p in engine.module.named_parameters()}
     report({"rank": rank, "replica": replica, "count": count, "gas": engine.gradient_accumulation_steps(),
             "train_batch_size": engine.train_batch_size(), "losses": losses, "consumed": consumed,
             "params": params, "global_samples": engine.global_samples,

@@ -243,6 +243,8 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
+    from het_plugin.megatron.collection import collection_kwargs     # explicit process groups where it takes them
+
     torch.manual_seed(cfg.seed)
     config_kwargs = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                          num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
@@ -293,7 +295,7 @@ def train(cfg: TinyGPT, *, tp: int = 1, pp: int = 1, steps: int = 4, cluster=Non
         model = GPTModel(config, spec, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
-                         share_embeddings_and_output_weights=True, **extra)
+                         share_embeddings_and_output_weights=True, **extra, **collection_kwargs(GPTModel))
         deterministic_init(model, cfg.seed)
         chunks.append(model)
     chunk_layer_numbers = [[layer.layer_number for layer in m.decoder.layers] for m in chunks]

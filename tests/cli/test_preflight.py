@@ -11,7 +11,9 @@ from het_plugin.cli import main as cli_main
 from het_plugin.core.inputs.cluster import load_cluster
 from het_plugin.discovery import cluster_from_views, discover_node
 from het_plugin.core.errors import ConfigError
-from het_plugin.core.nccl_env import NameFilter, check_launch, groups_from_plan, render_env
+from het_plugin.core.nccl_env import check_launch, groups_from_plan
+from het_plugin.core.nccl_names import NameFilter
+from het_plugin.views.nccl_env import render_env
 from sysfs_tree import ACTIVE, RATES, Hca, NetIf, Port, ib_node, loopback, roce_node, write_tree
 
 HOLMES = Path(__file__).resolve().parents[2] / "het_plugin" / "core" / "inputs" / "presets" / "clusters" / "holmes-ib-roce.yaml"

@@ -106,8 +106,8 @@ def test_examples_load(examples_dir):
     sizes = {}
     for path in sorted((examples_dir / "clusters").glob("*.yaml")):
         sizes[path.stem] = load_cluster(path).world_size
-    assert sizes == {"h100-a100": 64, "hethub-mix": 768, "holmes-ib-roce": 64, "homogeneous-ib": 64,
-                     "two-clusters-25gbe": 64}
+    assert sizes == {"h100-a100": 64, "h100-old-ethernet": 80, "hethub-mix": 768, "holmes-ib-roce": 64,
+                     "homogeneous-ib": 64, "two-clusters-25gbe": 64}
     assert load_cluster(examples_dir / "clusters" / "homogeneous-ib.yaml").is_homogeneous
     assert not load_cluster(examples_dir / "clusters" / "holmes-ib-roce.yaml").is_homogeneous
 

@@ -1,4 +1,4 @@
-"""het_plugin.core.nccl_env.NameFilter against a literal model of NCCL's list matching (property test).
+"""het_plugin.core.nccl_names.NameFilter against a literal model of NCCL's list matching (property test).
 
 The model below follows NVIDIA/nccl v2.30.7-1 step by step, C string semantics included: src/misc/utils.cc
 parseStringList (strtok_r on ',', strsep on ':', snprintf into char prefix[64], atoi of the port, -1 when
@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from het_plugin.core.nccl_env import NameFilter, nccl_auto_interfaces, socket_ifname_value
+from het_plugin.core.nccl_names import NameFilter, nccl_auto_interfaces, socket_ifname_value
 
 
 # ---- the model: C semantics, one character at a time -------------------------------------------------------

@@ -101,3 +101,33 @@ def test_the_checks_see_an_impure_import(tmp_path):
     imports = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert [i for i in imports if _forbidden(i)] == ["torch"]
     assert any(isinstance(n, ast.Assign) and ast.unparse(n.targets[0].value) == "os.environ" for n in ast.walk(tree))
+
+
+WRITER = Path("core") / "files.py"          # the core's one writer (its docstring says why it is allowed)
+_WRITE_CALLS = {"os.replace", "os.rename", "os.fdopen", "os.unlink", "os.remove", "os.chmod", "os.mkdir",
+                "os.makedirs", "tempfile.mkstemp", "tempfile.NamedTemporaryFile", "shutil.copy", "shutil.move"}
+_WRITE_METHODS = {"write_text", "write_bytes", "touch", "mkdir", "unlink", "savefig"}
+
+
+def _file_writes(tree: ast.AST) -> list[int]:
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        mode = node.args[1] if name == "open" and len(node.args) > 1 else \
+            next((k.value for k in node.keywords if k.arg == "mode"), None) if name == "open" else None
+        if name in _WRITE_CALLS or (isinstance(node.func, ast.Attribute) and node.func.attr in _WRITE_METHODS) \
+                or (isinstance(mode, ast.Constant) and set(str(mode.value)) & set("wax+")):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_core_writes_files_only_through_its_one_writer():
+    """Plans and profiles are written where a caller asks (Plan.save, MeasuredProfile.save, the CLI's -o), all
+    through core/files.py; no other module of the core opens a file for writing. (The views write one thing:
+    the picture a caller names, views/svg.py and views/timeline.py.)"""
+    writes = {str(p.relative_to(PACKAGE)): _file_writes(ast.parse(p.read_text()))
+              for p in sorted((PACKAGE / "core").rglob("*.py"))}
+    assert {p: lines for p, lines in writes.items() if lines and p != str(WRITER)} == {}
+    assert writes[str(WRITER)], "the check finds the writer's own writes (it is not vacuous)"

@@ -65,10 +65,10 @@ def test_install_records_and_uninstall_restores(fresh_hook):
     before = (deepspeed.initialize, PipelineModule.__init__, PipelineModule._partition_layers)
     fresh_hook.install()
     assert sorted(fresh_hook.patched()) == [("PipelineModule", "__init__"), ("PipelineModule", "_partition_layers"),
-                                            ("deepspeed", "initialize")]
+                                            ("ProcessTopology", "__init__"), ("deepspeed", "initialize")]
     assert deepspeed.initialize is not before[0] and fresh_hook.original_initialize() is before[0]
     fresh_hook.install()                                   # idempotent
-    assert len(fresh_hook.patched()) == 3
+    assert len(fresh_hook.patched()) == 4
     fresh_hook.uninstall()
     assert (deepspeed.initialize, PipelineModule.__init__, PipelineModule._partition_layers) == before
     assert fresh_hook.patched() == []
@@ -146,7 +146,7 @@ def test_the_pth_line_patches_deepspeed_when_imported(tmp_path):
             "print(any(type(f).__name__ == 'HetPluginDeepSpeedTrigger' for f in sys.meta_path))\n")
     out = _run_pth(tmp_path, code, site=True)
     assert out[0] == str(sorted([("PipelineModule", "__init__"), ("PipelineModule", "_partition_layers"),
-                                 ("deepspeed", "initialize")]))
+                                 ("ProcessTopology", "__init__"), ("deepspeed", "initialize")]))
     assert out[1] == "False"                                # the trigger removed itself
     out = _run_pth(tmp_path, code, env={"HET_PLUGIN_NO_HOOK": "1"}, site=True)
     assert out[0] == str([("deepspeed", "initialize")])    # the guard only

@@ -160,3 +160,13 @@ def test_build_groups_on_a_homogeneous_cluster_passes_megatrons_settings_through
     assert calls[0]["nccl_communicator_config_path"] is None
     assert Plan.load(tmp_path / "p.json").hash == plan.hash
     assert capsys.readouterr().out.count("homogeneous: the framework's own groups") == 1
+
+
+def test_gtp_rematerialisation_is_refused_on_a_permuted_plan_only(plan8):
+    from het_plugin.megatron import mcore as core
+    with pytest.raises(ConfigError) as e:
+        core.check_kwargs_fit(plan8, {"gtp_remat_size": 2})
+    assert e.value.field == "gtp_remat_size" and "gtp_remat_size=1" in e.value.fix
+    core.check_kwargs_fit(plan8, {"gtp_remat_size": 1})
+    identity = make_plan(load_cluster(DATA / "megatron-homogeneous-4.yaml"), MODEL, tp=2, pp=2)
+    core.check_kwargs_fit(identity, {"gtp_remat_size": 2})       # Megatron's own numbering: Megatron's to judge

@@ -40,3 +40,34 @@ def test_the_drop_in_refuses_an_untested_megatron_before_touching_it(monkeypatch
     monkeypatch.setattr(mv, "installed_version", lambda: "0.99.0")
     with pytest.raises(ConfigError, match="megatron-core 0.99.0 is outside"):
         core.initialize_model_parallel(1, 1)
+
+
+# ---- one statement of the supported versions (issue 31): each place that states it says the same ----------
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def test_pyprojects_megatron_extra_requires_the_gates_releases():
+    import re
+    text = (ROOT / "pyproject.toml").read_text()
+    (line,) = [ln for ln in text.splitlines() if re.match(r"\s*megatron\s*=\s*\[", ln)]
+    assert f'"{mv.extra_requirement()}"' in line
+    lo, hi = re.search(r"megatron-core>=([\d.]+),<([\d.]+)", line).groups()
+    assert mv.parse(lo) == mv.TESTED[0] and mv.parse(hi) == (mv.TESTED[1][0], mv.TESTED[1][1] + 1)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/megatron.md"])
+def test_readme_and_docs_state_the_gates_range_word_for_word(doc):
+    text = " ".join((ROOT / doc).read_text().split())
+    assert mv.supported_range() in text
+
+
+@pytest.mark.parametrize("v,accepted", [("0.19.9", True), ("0.20.0", True), ("0.20.0rc0", True),
+                                        ("0.20.1", False), ("0.20.10", False), ("0.21.0", False)])
+def test_only_mains_version_is_accepted_beyond_the_releases(v, accepted, monkeypatch):
+    monkeypatch.delenv(mv.ENV_ANY, raising=False)
+    if accepted:
+        assert mv.check_megatron_version(v) == v
+    else:
+        with pytest.raises(ConfigError, match="Megatron-LM main reporting 0.20.0"):
+            mv.check_megatron_version(v)

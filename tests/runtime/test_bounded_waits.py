@@ -268,9 +268,7 @@ def test_a_creation_that_outlives_the_bound_ends_the_process():
 def test_naming_the_late_ranks_costs_a_few_store_round_trips_not_one_per_rank():
     """Every finished rank that times out looks for the late ones: on a large world that must not be one
     store request per rank (16k ranks x 16k requests on rank 0's store)."""
-    import types
-
-    from het_plugin.runtime import guard as guard_mod
+    from het_plugin.runtime.guard_protocol import DESCRIBE_LIMIT, GuardKeys
 
     class CountingStore:
         def __init__(self, done):
@@ -281,13 +279,11 @@ def test_naming_the_late_ranks_costs_a_few_store_round_trips_not_one_per_rank():
             return all(k in self.done for k in keys)
 
     world, late = 16384, {5, 9000, 16383}
-    fake = types.SimpleNamespace(world_size=world, prefix="p")
-    fake._k = types.MethodType(guard_mod.GroupGuard._k, fake)
-    fake.store = CountingStore({fake._k("done", r) for r in range(world) if r not in late})
-    assert guard_mod.GroupGuard._not_done(fake) == sorted(late)
-    assert fake.store.calls <= 2 * len(late) * 15, fake.store.calls
-    fake.store = CountingStore(set())                         # nobody done: at most DESCRIBE_LIMIT named
-    assert guard_mod.GroupGuard._not_done(fake) == list(range(guard_mod.DESCRIBE_LIMIT))
+    keys = GuardKeys("p", world)
+    store = CountingStore({keys.key("done", r) for r in range(world) if r not in late})
+    assert keys.not_done(store) == sorted(late)
+    assert store.calls <= 2 * len(late) * 15, store.calls
+    assert keys.not_done(CountingStore(set())) == list(range(DESCRIBE_LIMIT))   # nobody done: at most the limit
 
 
 def test_a_store_gone_before_the_guard_starts_is_named_not_torchs_socket_error(monkeypatch):

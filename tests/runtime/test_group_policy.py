@@ -40,8 +40,10 @@ def test_net_name_per_group_kind(plan8):
 def test_the_frameworks_own_nccl_settings_are_kept(plan8):
     mine = nccl_options(max_ctas=8, cga_cluster_size=2)
     spec = spec_for(plan8, plan8.groups["pp"][0].ranks, Policy("nccl"), pg_options=mine)
-    assert spec.pg_options is mine and vars(mine.config) == {"max_ctas": 8, "cga_cluster_size": 2, "net_name": "Socket"}
-    assert spec.new_group_kwargs()["pg_options"] is mine
+    assert vars(spec.pg_options.config) == {"max_ctas": 8, "cga_cluster_size": 2, "net_name": "Socket"}
+    assert spec.pg_options is not mine and vars(mine.config) == {"max_ctas": 8, "cga_cluster_size": 2}, \
+        "the network is written on the group's own copy: the framework may pass this object to other groups"
+    assert spec.new_group_kwargs()["pg_options"] is spec.pg_options
     dp = nccl_options(max_ctas=8)
     assert spec_for(plan8, plan8.groups["dp"][0].ranks, Policy("nccl"), pg_options=dp).pg_options is dp
     assert vars(dp.config) == {"max_ctas": 8}, "an RDMA group keeps the framework's options untouched"

@@ -1,6 +1,6 @@
-"""Every NCCL communicator het_plugin builds takes its options from the one group policy
-(het_plugin.runtime.group_policy.nccl_options / network_of): a source scan of the package, and the shim's vendor
-subgroups recorded under a stand-in ProcessGroupNCCL (CPU torch has none)."""
+"""Every NCCL communicator het_plugin builds takes its options from the one builder the group policy and the shim
+share (het_plugin.runtime.netselect.nccl_options / network_of, also named in runtime.group_policy): a source scan
+of the package, and the shim's vendor subgroups recorded under a stand-in ProcessGroupNCCL (CPU torch has none)."""
 from __future__ import annotations
 
 import ast
@@ -14,7 +14,7 @@ import het_plugin
 from het_plugin.runtime.group_policy import Policy, spec_for
 
 PACKAGE = Path(het_plugin.__file__).resolve().parent
-POLICY_FILE = PACKAGE / "runtime" / "group_policy.py"
+POLICY_FILE = PACKAGE / "runtime" / "netselect.py"
 
 
 def _functions(tree):
@@ -68,7 +68,7 @@ def test_every_nccl_construction_gets_its_options_from_the_policy():
     assert constructs, "the scan must see the shim's ProcessGroupNCCL construction"
     for path, fn, _, source in constructs:
         assert source == "nccl_options", f"{path.relative_to(PACKAGE)}:{fn} builds ProcessGroupNCCL with options " \
-                                         f"from {source!r}, not from runtime.group_policy.nccl_options"
+                                         f"from {source!r}, not from runtime.netselect.nccl_options"
     others = [(p.relative_to(PACKAGE), fn, kind) for p, fn, kind, _ in found
               if kind != "construct" and not (p == POLICY_FILE and fn == "nccl_options")]
     assert others == [], f"NCCL Options built or net_name set outside the group policy: {others}"

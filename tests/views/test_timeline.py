@@ -74,7 +74,7 @@ def test_timeline_is_the_plans_prediction(plan, cluster):
 def test_timeline_svg_has_a_row_per_stage_and_each_kind_of_box(plan, cluster, tmp_path, capsys):
     out = tmp_path / "schedule.svg"
     rc = main(["plan", str(IB_ROCE_4), "--model", str(model_file(tmp_path)), "--pp", "2", "--tp", "1",
-               "--timeline", str(out)])
+               "--use-all-nodes", "--timeline", str(out)])
     assert rc == 0
     assert f"schedule picture written to {out}" in capsys.readouterr().out
     svg = out.read_text()
@@ -112,7 +112,7 @@ def report(capsys, tmp_path, plan, prof) -> str:
     path = tmp_path / "measured.yaml"
     prof.save(path)
     rc = main(["plan", str(IB_ROCE_4), "--model", str(model_file(tmp_path)), "--pp", "2", "--tp", "1",
-               "--micro-batch-size", str(plan.micro_batch_size), "--profile", str(path)])
+               "--use-all-nodes", "--micro-batch-size", str(plan.micro_batch_size), "--profile", str(path)])
     out = capsys.readouterr().out
     assert rc == 0
     assert f"measured run of plan {plan.hash} (Megatron)" in out

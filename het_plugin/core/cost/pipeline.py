@@ -10,6 +10,7 @@ from ..inputs.profile import Profile
 from .analysis import Analysis
 from .network import Tier, _hops_s
 from .stage import StageModel, _dp_reduce_s
+from .interleaved import simulate_interleaved
 
 # ---- 1F1B simulation ------------------------------------------------------------------------------
 
@@ -124,7 +125,6 @@ def _interleaved_pipeline(sts: list[StageModel], virtual_layers: Sequence[Sequen
                           distributed_optimizer: bool, profile: Optional[Profile]) -> tuple[list[float], list[float]]:
     """Each stage's finish of the interleaved schedule and the end of its gradient reduction: with overlap, each
     chunk's share (by parameters) starts at its last backward's start and the shares run one after another."""
-    from .interleaved import simulate_interleaved
     fwd, bwd = _virtual_times(sts, virtual_layers)
     # every chunk's forward and backward is a slot of the schedule (its own forward_step, p2p and hooks)
     fwd = [[t + st.slot_s for t in row] for st, row in zip(sts, fwd)]

@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
@@ -21,6 +22,8 @@ from .stage import (
     StageModel, _dp_reduce_s, _max_layers_fitting, _memory_bytes, _optimizer_s, _stage_cost_parts, _stage_costs,
     _stage_models, exposed_reduction_s,
 )
+from ..layer_split import virtual_split
+from .interleaved import check_micro_batches, warmup_count
 
 # ---- prediction -----------------------------------------------------------------------------------
 
@@ -77,7 +80,6 @@ def group_pipelines(sc: "SplitCosts", layers_per_stage: Sequence[int], record: b
     dims = sc.analysis.placement.dims
     virtual = None
     if sc.vpp > 1:
-        from ..layer_split import virtual_split
         virtual = virtual_split(layers_per_stage, sc.vpp)
     reds = stage_reductions(sc, layers_per_stage)
     out = []
@@ -189,9 +191,7 @@ class SplitCosts:
         self.overlap_p2p_comm = (vpp > 1) if overlap_p2p_comm is None else bool(overlap_p2p_comm) and vpp > 1
         self.wrap_send_s = 0.0
         if vpp > 1:
-            import dataclasses
 
-            from .interleaved import check_micro_batches, warmup_count
             m, pp = self.num_micro_batches, dims.pp
             if pp < 2:
                 raise ValueError(f"an interleaved pipeline (vpp={vpp}) needs pp >= 2")

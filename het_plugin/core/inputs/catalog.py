@@ -4,6 +4,8 @@ Numbers are vendor peak dense BF16 TFLOPS, memory as the framework sees one devi
 shows up as two GCDs, so one catalog entry is one GCD), and intra-node bandwidth per device in
 Gbit/s (NVLink / xGMI / PCIe, one direction). ``efficiency`` is the share of peak a transformer
 layer sustains; a measured profile (see ``het_plugin.core.inputs.profile``) overrides the analytic estimate.
+The catalog has no prices (they differ by buyer and change by the month): a cluster file gives
+``price_per_device_hour`` per node group where the user wants costs (het_plugin.core.subsets).
 """
 from __future__ import annotations
 

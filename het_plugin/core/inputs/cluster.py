@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
@@ -37,6 +37,7 @@ LATENCY_US_MAX = 1e6                 # one second
 TFLOPS_RANGE = (0.001, 1e6)
 MEMORY_GIB_MAX = 2.0 ** 20
 EFFICIENCY_MIN = 0.01
+PRICE_MAX = 1e6                      # per device-hour, in whatever currency the file uses
 
 
 def not_bool(v):
@@ -143,6 +144,12 @@ class NodeGroupSpec(_Strict):
     efficiency: Optional[Efficiency] = None
     nics: list[NicSpec] = []
     hostnames: Optional[list[str]] = None
+    # What one device of this group costs per hour (any currency, the same in the whole file); the catalog has no
+    # prices. Unset: the report shows no cost and ``--objective cost`` refuses the file.
+    price_per_device_hour: Optional[Annotated[float, BeforeValidator(not_bool), Field(allow_inf_nan=False),
+                                              in_range(0, PRICE_MAX, "per device-hour",
+                                                       "give what one device of this group costs per hour, e.g. "
+                                                       "2.5 (one currency for the whole file)")]] = None
 
     @field_validator("accelerator")
     @classmethod
@@ -175,7 +182,6 @@ class NodeGroupSpec(_Strict):
         if self.efficiency is not None:
             changes["efficiency"] = self.efficiency
         if changes:
-            from dataclasses import replace
             base = replace(base, **changes)
         return base
 
@@ -276,6 +282,7 @@ class Node:
     num_accelerators: int
     nics: tuple[NicSpec, ...] = ()
     spec_path: str = ""        # where the file describes it, e.g. 'clusters[1].nodes[0]' (for error messages)
+    price_per_device_hour: Optional[float] = None   # the node group's price (None: not given)
 
     @property
     def vendor(self) -> str:
@@ -372,6 +379,7 @@ class Cluster:
         """Content hash of what the planner reads (not of the file's formatting)."""
         payload = {
             "nodes": [[n.name, n.cluster, n.fabric.digest_fields(), n.accelerator.__dict__, n.num_accelerators]
+                      + ([n.price_per_device_hour] if n.price_per_device_hour is not None else [])   # only when set
                       for n in self.nodes],
             "links": sorted([sorted(k), v.__dict__] for k, v in self.links.items()),
         }
@@ -399,7 +407,7 @@ def build_cluster(spec: ClusterFile, source: str = "<memory>") -> Cluster:
             for i in range(g.count):
                 name = g.hostnames[i] if g.hostnames else f"{c.name}-{k}"
                 nodes.append(Node(0, name, c.name, c.fabric, acc, g.accelerators_per_node, tuple(g.nics),
-                                  f"clusters[{ci}].nodes[{gi}]"))
+                                  f"clusters[{ci}].nodes[{gi}]", g.price_per_device_hour))
                 k += 1
     names = [n.name for n in nodes]
     dup = sorted(n for n, k in Counter(names).items() if k > 1)     # linear: 16,384 nodes in milliseconds
@@ -420,7 +428,6 @@ def build_cluster(spec: ClusterFile, source: str = "<memory>") -> Cluster:
                                   "<cluster>-<i> when hostnames are not given (e.g. " + ", ".join(names[:3]) + ")")
         by_name = {n.name: n for n in nodes}
         nodes = [by_name[n] for n in order]
-    from dataclasses import replace
     nodes = [replace(n, index=i) for i, n in enumerate(nodes)]
 
     links: dict[frozenset, Link] = {}

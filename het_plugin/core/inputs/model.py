@@ -8,6 +8,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from .yamlio import load_validated
+from ..errors import ConfigError
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -289,7 +290,6 @@ PRESETS_DIR = Path(__file__).resolve().parent / "presets" / "models"
 def preset_model(name: str) -> ModelSpec:
     path = PRESETS_DIR / f"{name}.yaml"
     if not path.exists():
-        from ..errors import ConfigError
         known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
         raise ConfigError(f"no model preset {name!r}", fix=f"use one of {known} or a model file path")
     return load_model(path)

@@ -30,7 +30,8 @@ from typing import Iterable, Optional, Sequence, Union
 from ..errors import ConfigError
 from .compute_curve import curve_at, extrapolations, fixed_plus_per_sample  # noqa: F401 (re-exported)
 from .profile_schema import FORMAT_V1, FORMAT_V2, FORMATS, LINK_TIERS, MeasuredRun, ProfileFile, ProfileFileV2
-from .yamlio import dump_data, read_data, read_text, validate
+from ..files import dump_data
+from .yamlio import read_data, read_text, validate
 
 FORMAT = FORMAT_V2                    # what ``save`` writes for a new profile
 __all__ = ["Profile", "ComputeTime", "load_profile", "bandwidth_at", "curve_at", "LINK_TIERS", "FORMAT"]

@@ -16,9 +16,10 @@ import torch.distributed as dist
 
 from ...core.cost.network import FRAMEWORK_OVERHEAD_GIB
 from ...core.inputs.model import ModelSpec
-from . import layers
+from . import layers, megatron_layers
 from .records import ComputeRecord, OptimizerRecord, OverheadRecord, SlotRecord, window_mean
 from .settings import OPTIMIZER_MAX_PARAMS, ComputeJob
+from ...core.errors import ConfigError
 
 MAX_REPEATS = 10_000
 
@@ -95,7 +96,6 @@ class Modules:
             self.key, self.module = None, None
             torch.manual_seed(0)                # the TP ranks build the same router (same routing, same work)
             if self.megatron:
-                from . import megatron_layers
                 self.module = megatron_layers.build(job.kind, model, job.tp, dev.dtype, dev.is_cuda)
             else:
                 with dev.torch_device:
@@ -155,7 +155,6 @@ def refuse_if_short(job: ComputeJob, model: ModelSpec, dev: Device, need_bytes: 
 
 
 def _short(job: ComputeJob, model: ModelSpec, what: str):
-    from ...core.errors import ConfigError
     return ConfigError(f"{job.kind} of {model.name} at micro-batch {job.micro_batch_size} with tp={job.tp} on "
                        f"{job.device}: {what}", field="--micro-batch-sizes",
                        fix="measure smaller micro-batches (--micro-batch-sizes) or larger TP degrees (--tp), or "

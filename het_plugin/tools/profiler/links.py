@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ...runtime.netselect import gloo_network, nccl_net_name
+from ...runtime.netselect import gloo_network, nccl_net_name, with_net_name
 from ...core.ranks.transport import Transport
 from .records import AllReduceRecord, LatencyRecord, Record, TransferRecord
 from .settings import LATENCY_BYTES, LinkJob, sender_counts
@@ -36,7 +36,6 @@ class LinkGroups:
                 with gloo_network(job.transport):
                     g = dist.new_group(list(job.members), backend="gloo", timeout=timeout)
             else:
-                from ...runtime.group_policy import with_net_name
                 net = nccl_net_name(job.transport)
                 options = with_net_name(None, net) if net else None
                 g = dist.new_group(list(job.members), backend="nccl", pg_options=options, timeout=timeout)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...core.inputs.model import ModelSpec
+from ...megatron.collection import collection_kwargs     # explicit process groups where GPTModel takes them
 
 SEED = 1234
 
@@ -76,7 +77,7 @@ def _gpt(model: ModelSpec, tp: int, moe: bool, dtype, on_cuda: bool):
     spec = get_gpt_layer_local_spec(num_experts=model.num_moe_experts if moe else None, moe_grouped_gemm=False)
     gpt = GPTModel(TransformerConfig(**kwargs), spec, vocab_size=model.vocab_size,
                    max_sequence_length=model.seq_length, pre_process=True, post_process=True,
-                   share_embeddings_and_output_weights=model.tie_embeddings)
+                   share_embeddings_and_output_weights=model.tie_embeddings, **collection_kwargs(GPTModel))
     return gpt.to(dtype)
 
 

@@ -13,12 +13,18 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from importlib.metadata import version
 from typing import Callable, Optional
 
 from ...core.inputs.cluster import Cluster, load_cluster
 from ...core.errors import ConfigError, HetPluginError
 from ...core.inputs.model import ModelSpec
 from ...core.inputs.profile import Profile
+from ...core.files import check_writable
+from ...core.launch import DISCOVER
+from ...discovery import env_store, gather_discovery
+from ...runtime.exchange import Exchange, first_error, timeout_s as resolve_timeout
+from ...runtime.netselect import gloo_network
 from . import records as rec
 from .settings import (
     Settings,
@@ -53,9 +59,7 @@ def _log(rank: int) -> Callable[[str], None]:
 
 def load_cluster_arg(arg: str, store, rank: int, world: int, timeout_s: Optional[float]) -> Cluster:
     """A cluster file, or ``discover``: every rank's node gathered over the bootstrap store."""
-    from ...core.launch import DISCOVER
     if arg in DISCOVER:
-        from ...discovery import gather_discovery
         return gather_discovery(store, rank, world, timeout_s=timeout_s).cluster
     try:
         return load_cluster(arg)
@@ -73,7 +77,6 @@ _START_CHECKS = (("on_gpu", "accelerator", "launch the profile on nodes where to
 def _judge_start(views) -> None:
     """Rank 0, before any process group: a rank that refused stops every rank with its reason; views that
     differ (backend, whose layers) stop every rank naming the ranks."""
-    from ...runtime.exchange import first_error
     refused = first_error(views)
     if refused is not None:
         if refused.error.get("config"):
@@ -93,8 +96,6 @@ def profile_launch(cluster_arg: str, model: ModelSpec, settings: Settings, outpu
     import torch
     import torch.distributed as dist
 
-    from ...discovery import env_store
-    from ...runtime.exchange import Exchange, first_error, timeout_s as resolve_timeout
 
     start = time.monotonic()
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -188,7 +189,6 @@ def profile_launch(cluster_arg: str, model: ModelSpec, settings: Settings, outpu
 
 def check_output(path: str) -> None:
     """Rank 0 writes the profile: a name whose format it knows, in a folder it can write (checked first)."""
-    from ...core.inputs.yamlio import check_writable
     if not str(path).endswith((".yaml", ".yml", ".json")):
         raise ConfigError(f"cannot tell the format of {path!r}", field="-o/--output",
                           fix="use a name ending in .yaml or .json")
@@ -216,7 +216,6 @@ def use_megatron(layers: str, on_gpu: bool, world: int, rounds) -> bool:
 
 def _megatron_version() -> str:
     try:
-        from importlib.metadata import version
         return version("megatron-core")
     except Exception:
         return "(version unknown)"
@@ -227,7 +226,6 @@ def _measure(cluster: Cluster, model: ModelSpec, settings: Settings, rounds, dev
              cross_vendor: bool = False) -> list[rec.Record]:
     import torch.distributed as dist
 
-    from ...runtime.netselect import gloo_network
     from . import compute, links
 
     dev = compute.local_device(model, local_rank)

@@ -14,7 +14,7 @@ from ...core.inputs.cluster import Cluster
 from ...core.cost.network import FRAMEWORK_OVERHEAD_GIB, GIB, GRAD_BYTES, LOGITS_BYTES
 from ...core.cost.stage import _activation_bytes_per_layer
 from ...core.errors import ConfigError
-from ...core.inputs.model import ModelSpec
+from ...core.inputs.model import LIMITS, ModelSpec
 from ...core.ranks.placement import cluster_transport
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -60,7 +60,6 @@ def make_settings(*, quick: bool = False, micro_batch_sizes: Optional[Sequence[i
     """Defaults (``quick``: fewer sizes, shorter windows: a minute-scale run) overridden by what is given. The
     default micro-batch sizes include ``model_micro_batch`` (the model file's own), so a plan for that size
     reads a measured point, not an extrapolation."""
-    from ...core.inputs.model import LIMITS
     default = (QUICK_MICRO_BATCHES if quick else DEFAULT_MICRO_BATCHES) + ((model_micro_batch,) if model_micro_batch
                                                                            else ())
     mbs = _sorted_unique(list(micro_batch_sizes or default), "--micro-batch-sizes", 1, LIMITS["micro_batch_size"],

@@ -1,0 +1,123 @@
+"""Groups Megatron makes after ``initialize_model_parallel``, on the plan's placement too.
+
+Megatron does not create all its groups in the initialize window that :func:`~het_plugin.megatron.groups.
+planned_groups` patches: Megatron-LM's ``get_model`` calls ``parallel_state.create_all_gather_groups``
+(``--create-all-gather-group``; megatron-core 0.19, absent in 0.16) with a fresh ``RankGenerator``, model code
+may build its own generator, and ``HyperCommGrid`` (megatron-core 0.16-0.19 hyper_comm_grid.py; Megatron-LM
+main's RL inference shards) numbers ranks with ``np.arange`` and creates its groups through
+``torch.distributed.new_subgroups_by_enumeration``. For the whole run after the window (until
+``forget_plan``):
+
+* ``RankGenerator.get_ranks`` maps Megatron's numbering through the plan (non-identity plans);
+* ``parallel_state.create_group`` goes through the one group policy (backend, network, member order);
+* ``HyperCommGrid.create_pg`` maps its enumeration through the plan and creates each group through the policy,
+  and ``HyperCommGrid.get_rank_enum`` answers in launch ranks (groups a caller makes from it with
+  ``dist.new_group`` get the plan's members, with NCCL's own network choice);
+* ``parallel_state.destroy_model_parallel`` ends all of this with Megatron's groups.
+
+On a homogeneous identity plan nothing is patched: Megatron's own groups and options.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from ..runtime.applied import AppliedPlan
+from ..runtime.patches import PATCHES
+from .groups import option_notes, planned_create_group, planned_get_ranks
+
+LABEL = "megatron.groups.run"
+
+
+def install(applied: AppliedPlan, *, parallel_state=None, hyper_comm_grid: Any = None) -> bool:
+    """Patch the creation paths above for the rest of the run; False where the plan changes nothing."""
+    uninstall()
+    if applied.policy.native_network and applied.plan.is_identity:
+        return False
+    if parallel_state is None:
+        from megatron.core import parallel_state
+    if hyper_comm_grid is None:
+        try:
+            from megatron.core import hyper_comm_grid
+        except ImportError:
+            hyper_comm_grid = None
+    if not applied.plan.is_identity:
+        PATCHES.apply(parallel_state.RankGenerator, "get_ranks", planned_get_ranks(applied), label=LABEL)
+    PATCHES.apply(parallel_state, "create_group", planned_create_group(applied), label=LABEL)
+    PATCHES.apply(parallel_state, "destroy_model_parallel", _ending, label=LABEL)
+    grid = getattr(hyper_comm_grid, "HyperCommGrid", None)
+    if grid is not None:
+        PATCHES.apply(grid, "create_pg", planned_create_pg(applied, hyper_comm_grid.dist), label=LABEL)
+        if not applied.plan.is_identity and hasattr(grid, "get_rank_enum"):
+            PATCHES.apply(grid, "get_rank_enum", planned_rank_enum(applied), label=LABEL)
+    return True
+
+
+def uninstall() -> int:
+    return PATCHES.undo(LABEL)
+
+
+def _ending(orig_destroy):
+    """Megatron's groups destroyed: the plan's placement ends with them (a later initialize is someone else's)."""
+    def destroy_model_parallel(*args, **kwargs):
+        try:
+            return orig_destroy(*args, **kwargs)
+        finally:
+            uninstall()
+    return destroy_model_parallel
+
+
+def planned_create_pg(applied: AppliedPlan, dist_module):
+    """``make`` for HyperCommGrid.create_pg: its ``new_subgroups_by_enumeration`` call is answered by
+    :func:`planned_subgroups` for the duration of the call."""
+    def make(orig_create_pg):
+        def create_pg(self, dims, *args, **kwargs):
+            with PATCHES.temporarily("megatron.groups.hyper", [(dist_module, "new_subgroups_by_enumeration",
+                                                                 lambda orig: planned_subgroups(applied))]):
+                return orig_create_pg(self, dims, *args, **kwargs)
+        return create_pg
+    return make
+
+
+def planned_rank_enum(applied: AppliedPlan):
+    """``make`` for HyperCommGrid.get_rank_enum: the lists callers build their own groups from (Megatron-LM main's
+    inference shards make the embedding groups from the pp enumeration with ``dist.new_group``) in launch ranks."""
+    perm = applied.plan.rank_of_logical
+
+    def make(orig):
+        def get_rank_enum(self, *args, **kwargs):
+            return [[perm[r] for r in ranks] for ranks in orig(self, *args, **kwargs)]
+        return get_rank_enum
+    return make
+
+
+def planned_subgroups(applied: AppliedPlan):
+    """torch's ``new_subgroups_by_enumeration`` with the plan's placement: each enumerated list is logical
+    (HyperCommGrid's ``np.arange`` numbering), mapped to launch ranks, and created through the group policy."""
+    import torch.distributed as dist
+    perm = applied.plan.rank_of_logical
+    notes = option_notes(applied)
+
+    def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=None, pg_options=None,
+                                     group_desc: Optional[str] = None):
+        me = dist.get_rank()
+        mine, groups = None, []
+        for logical in ranks_per_subgroup_list:
+            if max(logical) >= len(perm):
+                raise RuntimeError(f"HyperCommGrid asks for rank {max(logical)}, the plan places {len(perm)}")
+            physical = [perm[r] for r in logical]
+
+            def make(spec):
+                note = notes.check(group_desc or "HYPER_COMM_GRID", spec.ranks, pg_options, spec.net_name)
+                if note:
+                    logging.getLogger("het_plugin.megatron").warning("het_plugin: %s", note)
+                ranks = list(spec.torch_ranks) if not spec.sort_ranks else sorted(spec.ranks)
+                return dist.new_group(ranks=ranks, group_desc=group_desc, **spec.new_group_kwargs())
+
+            group = applied.create(make, physical, backend=backend, pg_options=pg_options,
+                                   desc=group_desc or "HYPER_COMM_GRID", timeout=timeout)
+            groups.append(group)
+            if me in physical:
+                mine = group
+        return mine, groups
+    return new_subgroups_by_enumeration
