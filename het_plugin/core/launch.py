@@ -20,6 +20,7 @@ from .errors import ConfigError
 from .inputs.model import ModelSpec, load_model, preset_model
 from .plan import Plan, looks_like_plan
 from .ranks.dims import Degrees, parse_order
+from .request import Launch, LaunchRequest, Schedule
 
 PathLike = Union[str, Path]
 ModelArg = Union[ModelSpec, dict, PathLike, None, Callable[[], ModelSpec]]
@@ -27,14 +28,6 @@ Source = Union[Plan, dict, Cluster, PathLike, None]
 
 DISCOVER = ("discover", "auto")      # what the adapters call "find the cluster yourself"
 SharePlan = Callable[[str, Callable[[], Plan]], Plan]
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What the launcher started (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE)."""
-    world_size: int
-    rank: Optional[int] = None
-    local_world_size: Optional[int] = None
 
 
 def model_from_arg(model: ModelArg) -> Optional[ModelSpec]:
@@ -89,42 +82,51 @@ class Resolved:
     cluster: Optional[Cluster] = None
 
 
-def resolve_plan(source: Source, *, launch: Launch, model: ModelArg = None,
-                 degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
-                 names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
-                 overlap_p2p_comm: Optional[bool] = None, discover: Callable[[], Cluster] = no_discovery) -> Plan:
-    """The plan this launch runs (see the module docstring). ``degrees``: what the user fixed (None
-    entries are the planner's to choose); ``names``: what the user calls tp/pp/dp/cp, for messages.
-    ``vpp``: virtual pipeline stages per rank (an interleaved pipeline; None: 1, or what a plan file says) and
+def resolve_plan(source: Source, request: Optional[LaunchRequest] = None, *, model: ModelArg = None,
+                 discover: Callable[[], Cluster] = no_discovery, **keywords: Any) -> Plan:
+    """The plan this launch runs (see the module docstring): :func:`resolve_launch` without the cluster."""
+    return resolve_launch(source, request, model=model, discover=discover, **keywords).plan
+
+
+def request_of(*, launch: Launch, degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
+               names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
+               overlap_p2p_comm: Optional[bool] = None, use_all_nodes: bool = True,
+               optimizer_instances: bool = True) -> LaunchRequest:
+    """The request of :func:`resolve_launch`'s keyword form. ``degrees``: what the user fixed (None entries are
+    the planner's to choose); ``names``: what the user calls tp/pp/dp/cp, for messages. ``vpp``: virtual
+    pipeline stages per rank (an interleaved pipeline; None: 1, or what a plan file says) and
     ``overlap_p2p_comm`` (None: the planner's default, on with vpp > 1), taken as given."""
-    return resolve_launch(source, launch=launch, model=model, degrees=degrees, micro_batch_size=micro_batch_size,
-                          names=names, vpp=vpp, overlap_p2p_comm=overlap_p2p_comm, discover=discover).plan
+    return LaunchRequest(launch, degrees or Degrees(launch.world_size), Schedule(vpp, overlap_p2p_comm),
+                         micro_batch_size, names=names or {}, use_all_nodes=use_all_nodes,
+                         optimizer_instances=optimizer_instances)
 
 
-def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
-                   degrees: Optional[Degrees] = None, micro_batch_size: Optional[int] = None,
-                   names: Optional[dict[str, str]] = None, vpp: Optional[int] = None,
-                   overlap_p2p_comm: Optional[bool] = None,
+def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, model: ModelArg = None,
                    discover: Callable[[], Cluster] = no_discovery, profile: Any = None,
-                   share_plan: Optional[SharePlan] = None, use_all_nodes: bool = True,
-                   optimizer_instances: bool = True) -> Resolved:
-    """:func:`resolve_plan`, with the cluster the plan was made from. ``discover``: what finds the cluster when
-    the source names none (on ranks: ``het_plugin.discovery.discover_cluster``). ``profile``: a measured profile
-    the planner uses (re-planning on restart, :mod:`het_plugin.runtime.restart_replan`; not for a plan file).
-    ``share_plan(digest, plan)``: where the search runs (None: here), see the module docstring.
-    ``use_all_nodes``: plan for every node of the cluster (True, what a launch of all of them needs); False: the
-    planner may leave out node groups (:mod:`het_plugin.core.subsets`) -- the caller then checks the launch with
-    :func:`subsets.check_launch_nodes` (a re-plan on restart plans for the nodes that came back)."""
-    degrees = degrees or Degrees(launch.world_size)
-    names = names or {}
+                   share_plan: Optional[SharePlan] = None, **keywords: Any) -> Resolved:
+    """The plan this launch runs, with the cluster the plan was made from. ``request``: the launch's
+    :class:`~het_plugin.core.request.LaunchRequest` (or its keyword form, :func:`request_of`: ``launch=``,
+    ``degrees=``, ...). ``discover``: what finds the cluster when the source names none (on ranks:
+    ``het_plugin.discovery.discover_cluster``). ``profile``: a measured profile the planner uses (re-planning on
+    restart, :mod:`het_plugin.runtime.restart_replan`; not for a plan file). ``share_plan(digest, plan)``: where
+    the search runs (None: here), see the module docstring. The request's ``use_all_nodes``: plan for every node
+    of the cluster (True, what a launch of all of them needs); False: the planner may leave out node groups
+    (:mod:`het_plugin.core.subsets`) -- the caller then checks the launch with :func:`subsets.check_launch_nodes`
+    (a re-plan on restart plans for the nodes that came back)."""
+    if request is None:
+        request = request_of(**keywords)
+    elif keywords:
+        raise TypeError(f"resolve_launch: pass the request or its keywords, not both ({', '.join(keywords)})")
+    degrees, names = request.degrees, dict(request.names)
     loaded = load_source(source)
     if isinstance(loaded, Plan):
         where = str(source) if isinstance(source, (str, Path)) else "<plan>"
-        check_plan_fits(loaded, launch, degrees, model_from_arg(model), where, names)
-        check_launch_settings(loaded, {"vpp": vpp, "overlap_p2p_comm": overlap_p2p_comm}, where, names)
+        check_plan_fits(loaded, request, model_from_arg(model), where)
+        check_launch_settings(loaded, request.settings(), where, names)
         return Resolved(loaded)
     cluster = loaded if loaded is not None else discover()
     from .ranks.placement import check_world_size
+    launch = request.launch
     check_world_size(cluster, launch.world_size, rank=launch.rank, local_world_size=launch.local_world_size)
     spec = model_from_arg(model)
     if spec is None:
@@ -133,20 +135,20 @@ def resolve_launch(source: Source, *, launch: Launch, model: ModelArg = None,
     from .planner import make_plan, placeable_degrees
     from .subsets import plan_nodes
     fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
+
     def search() -> Plan:
-        return plan_nodes(cluster, spec, use_all_nodes=use_all_nodes, plan_fn=make_plan, tp=fixed["tp"],
-                          pp=fixed["pp"], dp=fixed["dp"], cp=degrees.cp, ep=degrees.ep, etp=degrees.etp,
-                          order=degrees.order, micro_batch_size=micro_batch_size, vpp=vpp or 1,
-                          overlap_p2p_comm=overlap_p2p_comm, profile=profile,
-                          optimizer_instances=optimizer_instances)     # False: DeepSpeed (no partial ZeRO)
+        # every subset of nodes is planned for with the planner's keyword form: its world size is the subset's
+        return plan_nodes(cluster, spec, use_all_nodes=request.use_all_nodes, plan_fn=make_plan, profile=profile,
+                          **request.planner_options())
 
     try:
         if share_plan is None:
             return Resolved(search(), cluster)
-        digest = planning_digest(cluster, spec, degrees, micro_batch_size=micro_batch_size, vpp=vpp,
-                                 overlap_p2p_comm=overlap_p2p_comm, profile=profile,
-                                 optimizer_instances=optimizer_instances,
-                                 **({} if use_all_nodes else {"use_all_nodes": False}))
+        digest = planning_digest(cluster, spec, degrees, micro_batch_size=request.micro_batch_size,
+                                 vpp=request.schedule.vpp, overlap_p2p_comm=request.schedule.overlap_p2p_comm,
+                                 profile=profile,
+                                 **({} if request.optimizer_instances else {"optimizer_instances": False}),
+                                 **({} if request.use_all_nodes else {"use_all_nodes": False}))
         return Resolved(share_plan(digest, search), cluster)
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):
@@ -212,9 +214,9 @@ def check_launch_settings(plan: Plan, given: dict[str, Any], where: Optional[str
                           source=where, field=name, fix="re-plan with the same setting, or drop it")
 
 
-def check_plan_fits(plan: Plan, launch: Launch, degrees: Degrees, model: Optional[ModelSpec], where: str,
-                    names: dict[str, str]) -> None:
+def check_plan_fits(plan: Plan, request: LaunchRequest, model: Optional[ModelSpec], where: str) -> None:
     """A plan file made for another launch would build wrong groups or split layers that do not exist."""
+    launch, degrees, names = request.launch, request.degrees, dict(request.names)
     if plan.world_size != launch.world_size:
         raise ConfigError(f"the plan is for {plan.world_size} ranks, but {launch.world_size} were launched",
                           source=where, field="world_size",

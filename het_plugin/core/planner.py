@@ -41,6 +41,7 @@ from .nccl_version import NcclBuild
 from .inputs.profile import Profile
 from .plan import GroupPlan, LinkPlan, NodePlan, Plan, Prediction, check_replica_split, replica_split_conflict
 from .ranks.dims import DEFAULT_ORDER, EXPERT_KINDS, GROUP_KINDS, Degrees, ParallelDims
+from .request import LaunchRequest, Schedule
 
 
 #: ``progress(done, total, best_iteration_s)``: called after each degree combination of a search (``done`` of
@@ -640,7 +641,7 @@ def _replica_request(cluster: Cluster, model: ModelSpec, replica_split, dp: Opti
 
 
 def _interleaved_options(model: ModelSpec, options: list[ParallelDims], pp: Optional[int], fixed_mb: Optional[int],
-                         vpp: int, overlap_p2p_comm: Optional[bool]) -> tuple[list[ParallelDims], tuple[int, bool]]:
+                         vpp: int, overlap_p2p_comm: Optional[bool]) -> tuple[list[ParallelDims], Schedule]:
     """The degree options an interleaved pipeline of ``vpp`` virtual stages per rank can run, and the schedule
     (vpp, overlap_p2p_comm). Megatron needs pp >= 2 (pp > 2 without p2p overlap: Megatron-LM's validate_args),
     at least one layer per virtual stage here, and a micro-batch count that pp divides."""
@@ -648,7 +649,7 @@ def _interleaved_options(model: ModelSpec, options: list[ParallelDims], pp: Opti
         raise ConfigError(f"vpp={vpp!r} is not a positive integer", field="vpp",
                           fix="give the virtual pipeline stages per rank (1: not interleaved)")
     if vpp == 1:
-        return options, (1, False)
+        return options, Schedule(1, False)
     overlap = True if overlap_p2p_comm is None else bool(overlap_p2p_comm)
     least = 2 if overlap else 3
     if pp is not None and pp < least:
@@ -666,16 +667,22 @@ def _interleaved_options(model: ModelSpec, options: list[ParallelDims], pp: Opti
                           f"micro_batch_size)) to be a multiple of pp; none of pp {sorted({d.pp for d in keep})} "
                           f"gets that from global_batch_size={model.global_batch_size}", field="global_batch_size",
                           fix="use a global batch size that gives a multiple of pp micro-batches, or vpp=1")
-    return keep, (vpp, overlap)
+    return keep, Schedule(vpp, overlap)
 
 
-def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
-              dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
-              progress: Optional[Progress] = None, profile: Optional[Profile] = None, ep: Optional[int] = 1,
-              etp: Optional[int] = None, order: str = DEFAULT_ORDER, vpp: int = 1,
-              overlap_p2p_comm: Optional[bool] = None, replica_split: "str | Sequence[int]" = "auto",
-              nccl: Optional[NcclBuild] = None, optimizer_instances: bool = True) -> Plan:
-    """Best plan for ``cluster`` and ``model``; degrees given here (or in the model) are respected.
+# make_plan's keyword form: the request's fields under the names the planner always took (tests, docs, the CLI)
+_KEYWORDS = {"tp": None, "pp": None, "dp": None, "cp": 1, "micro_batch_size": None, "ep": 1, "etp": None,
+             "order": DEFAULT_ORDER, "vpp": 1, "overlap_p2p_comm": None, "replica_split": "auto", "nccl": None,
+             "optimizer_instances": True}
+
+
+def make_plan(cluster: Cluster, model: ModelSpec, request: Optional[LaunchRequest] = None, *,
+              progress: Optional[Progress] = None, profile: Optional[Profile] = None, **keywords) -> Plan:
+    """Best plan for ``cluster`` and ``model``; degrees given in ``request`` (a
+    :class:`~het_plugin.core.request.LaunchRequest`) or in the model are respected. The keyword form
+    (``tp=``, ``pp=``, ``dp=``, ``cp=``, ``micro_batch_size=``, ``ep=``, ``etp=``, ``order=``, ``vpp=``,
+    ``overlap_p2p_comm=``, ``replica_split=``, ``nccl=``, ``optimizer_instances=``) is kept for one release; its degrees are checked by the search
+    itself, which names the values that fit first.
 
     ``ep``/``etp`` (expert parallel sizes) and ``order`` (Megatron's rank order) are the framework's, taken
     as given: on a homogeneous cluster the plan is the framework's own numbering in that order. ``ep=1``
@@ -708,15 +715,30 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
     baseline) may use Megatron's partial distributed optimizer; False for DeepSpeed, whose pipeline engine has no
     such mode (ZeRO-1 shards over the whole data-parallel group; docs/deepspeed.md).
     """
+    if request is not None and keywords:
+        raise TypeError(f"make_plan: pass the request or its keywords, not both ({', '.join(keywords)})")
+    unknown = sorted(set(keywords) - set(_KEYWORDS))
+    if unknown:
+        raise TypeError(f"make_plan() got an unexpected keyword argument {unknown[0]!r}")
+    asked = {**_KEYWORDS, **(request.planner_options() if request is not None else keywords)}
+    return _make_plan(cluster, model, asked, progress, profile)
+
+
+def _make_plan(cluster: Cluster, model: ModelSpec, asked: dict, progress: Optional[Progress],
+               profile: Optional[Profile]) -> Plan:
+    """:func:`make_plan` on the request's fields (``asked``: :meth:`LaunchRequest.planner_options`)."""
+    tp, pp, dp, cp, ep, etp, order = (asked[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp", "order"))
+    micro_batch_size, replica_split = asked["micro_batch_size"], asked["replica_split"]
+    nccl, optimizer_instances = asked["nccl"], asked["optimizer_instances"]
     multinet = (nccl or NcclBuild()).multinet
     plan_fn = multinet_transport if multinet else cluster_transport
     fixed_mb = micro_batch_size or model.micro_batch_size
     if fixed_mb is not None and model.global_batch_size % fixed_mb:
         raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of micro_batch_size "
                           f"{fixed_mb}", field="micro_batch_size", fix="use a divisor of global_batch_size")
-    replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, vpp)
+    replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, asked["vpp"])
     options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
-    options, sched = _interleaved_options(model, options, pp, fixed_mb, vpp, overlap_p2p_comm)
+    options, sched = _interleaved_options(model, options, pp, fixed_mb, asked["vpp"], asked["overlap_p2p_comm"])
     overlap = True
     if cluster.is_homogeneous:
         for dist_opt in (False, True):      # Megatron's default first; the distributed optimizer if needed
@@ -795,7 +817,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, p
                          prediction=best.prediction, baseline=baseline, overlap_grad_reduce=overlap,
                          distributed_optimizer=best.distributed_optimizer,
                          alternatives=[c.summary(model.is_moe, shapes=het) for c in others], extra_warnings=warnings,
-                         vpp=sched[0], overlap_p2p_comm=bool(sched[1]), replica_micro_batches=best.replica_counts,
+                         vpp=sched.vpp, overlap_p2p_comm=bool(sched.overlap_p2p_comm), replica_micro_batches=best.replica_counts,
                          transport_fn=plan_fn, baseline_previous=baseline_previous,
                          distributed_optimizer_instances=best.instances)
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 import copy
 import inspect
 
-from ..runtime.agreement import agree_on_plan
 from ..core.errors import ConfigError
 from .config import SECTION, BatchSettings, check_plan, load_ds_config, section_of, strip_section
 from ..runtime.applied import AppliedPlan
-from ..runtime.exchange import configured_timeout
+from ..runtime.startup import bounded, startup
 from .groups import planned_groups
 from .replicas import ReplicaShare, apply_replica_split, check_batch_settings, rank_config
-from .plan_source import RunShape, resolve_section
+from .plan_source import RunShape, section_planning
 
 
 def initialize(*args, profile_out=None, **kwargs):
@@ -115,7 +114,7 @@ def _pipeline_plan(model, section, source):
                               "pass it as --deepspeed_config FILE on the command line or export "
                               "HET_PLUGIN_DEEPSPEED_CONFIG=FILE (scripts that hard-code their config); or build it with "
                               "het_plugin.deepspeed.PipelineModule(..., config=<the same config>)")
-    # with replan_on_restart the module's plan may be this start's re-plan (plan_source.replan_on_restart)
+    # with replan_on_restart the module's plan may be this start's re-plan (plan_source.section_planning)
     if section.plan_hash is not None and plan.hash != section.plan_hash and not section.replan_on_restart:
         raise ConfigError(f"the PipelineModule was built with plan {plan.hash}, this config holds "
                           f"{section.plan_hash}", source=source, field=f"{SECTION}.plan_hash",
@@ -143,19 +142,17 @@ def _data_parallel_setup(arguments, section, batch, source, cfg) -> AppliedPlan:
     world_size, rank = dist.get_world_size(), dist.get_rank()
     shape = RunShape(world_size=world_size, pp=1, tp=1)
     model = arguments["model"]
-    resolved = []
 
-    def make():
-        resolved.append(resolve_section(section, shape, source=source, rank=rank,
-                                        derive_model=lambda: model_from_module(model, batch, world_size)))
-        plan = resolved[-1].plan
-        check_plan(plan, dp=batch.dp, source=source)
-        check_batch_settings(plan, cfg, source)
-        return plan
+    def check(resolved) -> None:
+        check_plan(resolved.plan, dp=batch.dp, source=source)
+        check_batch_settings(resolved.plan, cfg, source)
 
-    with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
-        plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
-        applied = AppliedPlan.begin(plan, rank, cluster=resolved[-1].cluster, timeout_s=section.timeout_s)
+    planning = section_planning(section, shape, source=source, check=check,
+                                derive_model=lambda: model_from_module(model, batch, world_size))
+    request = shape.start_request(section, source, rank)
+    started = startup(request, planning)
+    plan, applied = started.plan, started.applied
+    with bounded(request):
         if not plan.is_identity:
             with planned_groups(applied, "het_plugin.deepspeed.initialize (the data-parallel grid)",
                                 section.timeout_s):

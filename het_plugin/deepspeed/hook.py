@@ -118,12 +118,12 @@ def _wrap_init(original):
         found = process_section()
         if found is None:
             return original(self, layers, num_stages, topology, *args, **kwargs)
-        from .pipe import build_with_plan
+        from .pipe import Wrapped, build_with_plan
         section, source = found
         cfg, _ = load_ds_config(source)
         object.__setattr__(self, "_het_explicit", True)      # the inner DeepSpeed __init__ call runs plain
-        build_with_plan(self, functools.partial(original, self), layers, num_stages, topology, args, kwargs, cfg,
-                        section, source)
+        build_with_plan(self, functools.partial(original, self), layers, num_stages, topology, args, kwargs,
+                        Wrapped(cfg, section, source))
     return __init__
 
 

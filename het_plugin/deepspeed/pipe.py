@@ -23,27 +23,25 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from deepspeed.pipe import LayerSpec
 from deepspeed.pipe import PipelineModule as _DeepSpeedPipelineModule
 
-from ..runtime.agreement import agree_on_plan
 from ..core.errors import ConfigError
 from ..core.inputs.model import ModelSpec
-from ..core.plan import Plan
 from ..views.report import startup_summary
-from ..runtime.applied import AppliedPlan
 from ..runtime.exchange import configured_timeout
-from .config import SECTION, BatchSettings, load_ds_config, section_of
+from ..runtime.startup import startup
+from .config import SECTION, BatchSettings, HetSection, load_ds_config, section_of
 from .foreign_groups import check_no_launch_order_groups
 from .grid_ranks import align_model_parallel_rank
 from .groups import planned_groups
 from .p2p import route_pipeline_hops
 from .partition import counted_layers, plan_parts
 from .replicas import check_batch_settings
-from .plan_source import RunShape, resolve_section
+from .plan_source import RunShape, section_planning
 from .process_topology import PlanTopology
 from . import script_topology
 from .tied import start_tied_weights_on_first_stage
@@ -65,7 +63,8 @@ class PipelineModule(_DeepSpeedPipelineModule):
             self.het_applied = None
             self.het_section = None
             return
-        build_with_plan(self, init, layers, num_stages, topology, args, kwargs, cfg, section, source, layer_pattern)
+        build_with_plan(self, init, layers, num_stages, topology, args, kwargs, Wrapped(cfg, section, source),
+                        layer_pattern)
 
     def _partition_layers(self, method="uniform"):
         """The plan's split; DeepSpeed's methods when there is no plan (or the plan keeps DeepSpeed's)."""
@@ -94,10 +93,18 @@ def _partition_method(args, kwargs) -> tuple[str, bool]:
     return "parameters", False
 
 
-def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, cfg: dict, section, source: str,
+class Wrapped(NamedTuple):
+    """A wrapped DeepSpeed config: the config, its ``"heterogeneous"`` section, and where it came from."""
+    cfg: dict
+    section: HetSection
+    source: str
+
+
+def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, wrapped: Wrapped,
                     layer_pattern: Optional[str] = None) -> None:
     """DeepSpeed's ``PipelineModule.__init__`` (``init``, bound to ``module``) under the section's plan: what
     :class:`PipelineModule` and the import hook (:mod:`het_plugin.deepspeed.hook`) both do."""
+    cfg, section, source = wrapped
     object.__setattr__(module, "_het_parts", None)
     import deepspeed.comm as dist
     if not dist.is_initialized():
@@ -110,18 +117,14 @@ def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, cf
     counted = counted_layers([layer_name(s) for s in specs], pattern)
     shape = RunShape(world_size=world_size, pp=pp, tp=tp, num_layers=len(counted))
     batch = BatchSettings.of(cfg, source)
-    resolved = []
+    if section.pp is not None and section.pp != pp:      # also when the plan is made here, at start-up
+        raise ConfigError(f"the config was wrapped for {section.pp} pipeline stages but the model has {pp}",
+                          source=source, field=f"{SECTION}.pp",
+                          fix=f"re-wrap with pp={pp} (`het-plugin wrap-config --pp {pp}`), or build the "
+                              f"PipelineModule with num_stages={section.pp}")
 
-    def make() -> Plan:
-        if section.pp is not None and section.pp != pp:      # also when the plan is made here, at start-up
-            raise ConfigError(f"the config was wrapped for {section.pp} pipeline stages but the model has {pp}",
-                              source=source, field=f"{SECTION}.pp",
-                              fix=f"re-wrap with pp={pp} (`het-plugin wrap-config --pp {pp}`), or build the "
-                                  f"PipelineModule with num_stages={section.pp}")
-        resolved.append(resolve_section(section, shape, source=source, rank=rank,
-                                        derive_model=lambda: model_from_layers(specs, counted, batch,
-                                                                               shape.degrees(source).dp, tp)))
-        plan = resolved[-1].plan
+    def check(resolved) -> None:
+        plan = resolved.plan
         if topo_dp is not None and topo_dp != plan.dp:
             raise ConfigError(f"the topology has data degree {topo_dp}, the plan (and the {world_size} launched "
                               f"ranks) {plan.dp}", source=source, field="topology",
@@ -135,11 +138,12 @@ def build_with_plan(module, init, layers, num_stages, topology, args, kwargs, cf
         script_topology.check(plan, topology, source)   # the script's own topology objects (issue 33)
         # The split must fit this layer list (raises the layer-count ConfigError on every rank).
         plan_parts(len(specs), counted, plan.layers_per_stage, source)
-        return plan
 
-    with configured_timeout(section.timeout_s, f"{SECTION}.timeout_s", source):
-        plan = agree_on_plan(make, rank=rank, world_size=world_size, timeout_s=section.timeout_s)
-        applied = AppliedPlan.begin(plan, rank, cluster=resolved[-1].cluster, timeout_s=section.timeout_s)
+    planning = section_planning(section, shape, source=source, check=check,
+                                derive_model=lambda: model_from_layers(specs, counted, batch,
+                                                                       shape.degrees(source).dp, tp))
+    started = startup(shape.start_request(section, source, rank), planning)
+    plan, applied = started.plan, started.applied
     method, method_given = _partition_method(args, kwargs)
     parts = plan_parts(len(specs), counted, plan.layers_per_stage, source)
     native = applied.policy.native_network

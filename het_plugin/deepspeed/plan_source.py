@@ -2,11 +2,13 @@
 
 Three sources, in order: the plan stored in the section (wrap's default); a plan file; a cluster file
 or discovery plus the planning model, planned here by :func:`het_plugin.core.launch.resolve_plan` (then the
-hash must equal the one wrap recorded, if it recorded one). Every failure is a ConfigError; the caller
-runs this inside ``agree_on_plan`` so one rank's failure stops all ranks with the same message.
+hash must equal the one wrap recorded, if it recorded one). Every failure is a ConfigError; the adapters run
+this inside the start-up sequence (:func:`het_plugin.runtime.startup.startup`, as :func:`section_planning`) so one
+rank's failure stops all ranks with the same message.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -15,8 +17,10 @@ from ..core.inputs.model import ModelSpec
 from ..core.plan import Plan
 from ..core.inputs.cluster import Cluster
 from ..discovery import discover_cluster
-from ..core.launch import Launch, Resolved, load_source, resolve_launch
+from ..core.launch import Resolved, load_source, resolve_launch
+from ..core.request import Launch, LaunchRequest, Timeout
 from ..runtime.plan_once import node_sharing
+from ..runtime.startup import Planning, Replan, resolve_start
 from ..core.ranks.dims import Degrees
 from .config import AUTO, DEEPSPEED_NAMES, SECTION, HetSection, check_plan
 
@@ -32,6 +36,18 @@ class RunShape:
         """tp and pp as given, dp inferred from the world size (a ConfigError when they do not divide it)."""
         return Degrees(self.world_size, tp=self.tp, pp=self.pp, dp=-1, names=DEEPSPEED_NAMES, source=source)
 
+    def request(self, source: str, *, micro_batch_size: Optional[int] = None) -> LaunchRequest:
+        """The launch request the plan is resolved for: the model's degrees (checked here), DeepSpeed's names; no
+        optimizer instances (DeepSpeed's pipeline engine shards ZeRO-1 over all of data parallelism)."""
+        return LaunchRequest(Launch(self.world_size), self.degrees(source), micro_batch_size=micro_batch_size,
+                             names=DEEPSPEED_NAMES, optimizer_instances=False)     # no partial ZeRO (docs/deepspeed.md)
+
+    def start_request(self, section: HetSection, source: str, rank: int) -> LaunchRequest:
+        """What the start-up sequence needs before any plan: this rank and the section's ``timeout_s``. The
+        degrees are checked where the plan is resolved (:meth:`request`), after the section's own checks."""
+        return LaunchRequest.of(self.world_size, rank=rank,
+                                timeout=Timeout(section.timeout_s, f"{SECTION}.timeout_s", source))
+
 
 def resolve_section_plan(section: HetSection, shape: RunShape, *, derive_model: Optional[Callable[[], ModelSpec]] = None,
                  source: str = "<config>") -> Plan:
@@ -44,45 +60,54 @@ def resolve_section(section: HetSection, shape: RunShape, *, derive_model: Optio
                     source: str = "<config>", rank: int = 0) -> Resolved:
     """:func:`resolve_section_plan` with the cluster the plan came from (for the pre-flight's NICs): the one
     planned from, or, for an embedded plan, the section's cluster file when it is still the one planned from.
-    With ``replan_on_restart``: :func:`replan_on_restart` (``rank``: this rank; rank 0 prints its reasoning)."""
-    if section.replan_on_restart:
-        return replan_on_restart(section, shape, derive_model=derive_model, source=source, rank=rank)
-    return _as_wrapped(section, shape, derive_model, source)
+    With ``replan_on_restart``: re-planned on restart (:func:`section_planning`; ``rank``: this rank; rank 0
+    prints its reasoning)."""
+    return resolve_start(section_planning(section, shape, derive_model=derive_model, source=source), rank)
 
 
-def replan_on_restart(section: HetSection, shape: RunShape, *,
-                      derive_model: Optional[Callable[[], ModelSpec]] = None, source: str = "<config>",
-                      rank: int = 0) -> Resolved:
-    """Re-plan on restart (:mod:`het_plugin.runtime.restart_replan`, the rule Megatron-LM's
+def section_planning(section: HetSection, shape: RunShape, *,
+                     derive_model: Optional[Callable[[], ModelSpec]] = None, source: str = "<config>",
+                     check: Optional[Callable[[Resolved], None]] = None) -> Planning:
+    """How a wrapped config's run gets its plan, for the start-up sequence (``check``: the adapter's checks).
+
+    Re-plan on restart (:mod:`het_plugin.runtime.restart_replan`, the rule Megatron-LM's
     ``--heterogeneous-replan-on-restart`` uses): the plan as wrapped, or, when the last attempt left a measured
     profile at ``profile_out``, one planned with it for the nodes of this start (the section's cluster file as it
     is now, or discovery) with the model's own pipeline and tensor degrees and the config's micro-batch size; not
-    taken when the checkpoint in ``resume_from`` would not load under it. Rank 0 prints the reasoning."""
-    from ..runtime.restart_replan import resolve_on_restart
+    taken when the checkpoint in ``resume_from`` would not load under it."""
+    if not section.replan_on_restart:
+        return Planning(lambda profile: _as_wrapped(section, shape, derive_model, source), check=check)
     from .checkpoints import read_shape
-    wrapped = _as_wrapped(section, shape, derive_model, source)
-    cluster: Optional[Cluster] = wrapped.cluster        # the one planned from, when it is still this start's
-    if cluster is None and section.cluster == AUTO:
-        cluster = discover_cluster()
-    elif cluster is None:
-        loaded = load_source(section.cluster)
-        cluster = loaded if isinstance(loaded, Cluster) else None      # a plan file: nothing to re-plan for
+    checkpoint = (lambda: read_shape(section.resume_from)) if section.resume_from else None
+    return Planning(_restart_resolve(section, shape, derive_model, source), check=check,
+                    replan=Replan(section.profile_out, checkpoint=checkpoint))
+
+
+def _restart_resolve(section: HetSection, shape: RunShape, derive_model, source: str):
+    """``resolve(profile)`` for a re-plan: the plan as wrapped (profile None), else one planned with the profile
+    for the cluster of this start."""
+    @functools.lru_cache(maxsize=1)
+    def this_start() -> Resolved:
+        wrapped = _as_wrapped(section, shape, derive_model, source)
+        cluster: Optional[Cluster] = wrapped.cluster        # the one planned from, when it is still this start's
+        if cluster is None and section.cluster == AUTO:
+            cluster = discover_cluster()
+        elif cluster is None:
+            loaded = load_source(section.cluster)
+            cluster = loaded if isinstance(loaded, Cluster) else None      # a plan file: nothing to re-plan for
+        return Resolved(wrapped.plan, cluster)
 
     def resolve(profile) -> Resolved:
+        start = this_start()
         if profile is None:
-            return Resolved(wrapped.plan, cluster)
+            return start
         model = lambda: _planning_model(section, derive_model, source)  # noqa: E731
-        resolved = resolve_launch(cluster, launch=Launch(shape.world_size), model=model,
-                                  degrees=shape.degrees(source), micro_batch_size=wrapped.plan.micro_batch_size,
-                                  names=DEEPSPEED_NAMES, profile=profile, optimizer_instances=False)
+        request = shape.request(source, micro_batch_size=start.plan.micro_batch_size)
+        resolved = resolve_launch(start.cluster, request, model=model, profile=profile)
         check_plan(resolved.plan, world_size=shape.world_size, pp=shape.pp, tp=shape.tp, dp=resolved.plan.dp,
                    num_layers=shape.num_layers, source=source)
         return resolved
-    checkpoint = (lambda: read_shape(section.resume_from)) if section.resume_from else None
-    chosen, decision = resolve_on_restart(resolve, section.profile_out, checkpoint=checkpoint)
-    if rank == 0:
-        print("\n".join(f"het_plugin: {line}" for line in decision.lines), flush=True)
-    return chosen
+    return resolve
 
 
 def _as_wrapped(section: HetSection, shape: RunShape, derive_model, source: str) -> Resolved:
@@ -105,9 +130,8 @@ def _as_wrapped(section: HetSection, shape: RunShape, derive_model, source: str)
                                   f"recorded {section.cluster_digest})", source=section.cluster, field="cluster",
                                   fix="re-wrap the config with `het-plugin wrap-config`")
             model = lambda: _planning_model(section, derive_model, source)  # noqa: E731 - derived only if needed
-            resolved = resolve_launch(loaded, launch=Launch(shape.world_size), model=model, degrees=degrees,
-                                      micro_batch_size=None, names=DEEPSPEED_NAMES, discover=discover_cluster,
-                                      share_plan=node_sharing(), optimizer_instances=False)
+            resolved = resolve_launch(loaded, shape.request(source), model=model, discover=discover_cluster,
+                                      share_plan=node_sharing())
             plan, cluster = resolved.plan, resolved.cluster
     if section.plan_hash is not None and plan.hash != section.plan_hash:
         raise ConfigError(f"the plan here ({plan.hash}) is not the one the config was wrapped with "

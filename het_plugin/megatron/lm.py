@@ -3,14 +3,15 @@
 Two calls, at the two moments Megatron-LM gives us:
 
 * :func:`prepare_args` right after ``parse_args`` (before ``validate_args``): with a cluster or plan
-  file the plan is computed here (pure: no process group yet) and written into ``args`` (degrees,
-  ``pipeline_model_parallel_layout``, ``overlap_grad_reduce``), so Megatron validates and builds the
-  model for it. A planning error is kept, not raised: it is published at the agreement so *every*
-  rank stops with it (raising here would leave the other ranks waiting in init_process_group).
+  file the plan is computed here (``runtime.startup.resolve_start``, pure: no process group yet) and
+  written into ``args`` (degrees, ``pipeline_model_parallel_layout``, ``overlap_grad_reduce``), so Megatron
+  validates and builds the model for it. A planning error is kept, not raised: it is published at the
+  agreement so *every* rank stops with it (raising here would leave the other ranks waiting in
+  init_process_group). The plan or error waits in :mod:`het_plugin.megatron.launch_state`.
 * :func:`planned_initialize_model_parallel` in place of ``parallel_state.initialize_model_parallel``
-  (called by ``_initialize_distributed`` after ``init_process_group``): ranks agree on the plan (the
-  bare flag discovers the cluster and plans here, with the degrees Megatron already validated), then
-  every group is built on the plan's placement.
+  (called by ``_initialize_distributed`` after ``init_process_group``): the start-up sequence
+  (``runtime.startup.startup``: ranks agree on the plan; the bare flag discovers the cluster and plans
+  there, with the degrees Megatron already validated), then every group is built on the plan's placement.
 
 megatron.training 0.19+ scripts build the model, DDP and optimizer configs from ``args`` *before*
 ``pretrain(cfg_container, ...)`` initialises anything. With a file the plan is in ``args`` by then; with
@@ -23,32 +24,27 @@ import functools
 import inspect
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any, Optional
 
 from ..core.errors import ConfigError, HetPluginError
+from ..core.launch import Resolved
+from ..core.request import LaunchRequest, Timeout
 from ..runtime.patches import PATCHES
-from .args import DISCOVER, apply_plan_to_args, check_compatible, degrees_given
+from ..runtime.startup import Planning, Replan, bounded, resolve_start, startup
+from . import launch_state
+from .args import DISCOVER, TIMEOUT_FLAG, apply_plan_to_args, check_compatible, degrees_given
+from .launch_state import LaunchState
 
 PATCH_LABEL = "megatron.lm"    # Megatron-LM's init_process_group, initialize_model_parallel, setup_model_and_optimizer,
 #                                load_checkpoint
 
 
-@dataclass
-class LaunchState:
-    args: Any = None
-    source: Optional[str] = None
-    argv: tuple = ()
-    plan_out: Optional[str] = None
-    plan: Any = None
-    cluster: Any = None          # the Cluster the plan came from (its nodes' NICs, for the pre-flight)
-    error: Optional[BaseException] = None
-    changes: list[str] = field(default_factory=list)
-
-
-# Megatron-LM calls parse_args and, later, initialize_model_parallel with nothing passed between them
-# that het_plugin could use: the plan computed at the first moment waits here for the second.
-state = LaunchState()
+def __getattr__(name: str) -> Any:
+    """``lm.state``: the launch state (:mod:`het_plugin.megatron.launch_state`), read where it was kept before."""
+    if name == "state":
+        return launch_state.current()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
@@ -59,7 +55,6 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
     ``parse_args(ignore_unknown_args=True)`` for a look at their own flags): every namespace gets the plan,
     planned once per command line.
     """
-    global state
     source = getattr(args, "heterogeneous_nic", None)
     if source is None or getattr(args, "_het_plugin_prepared", False):
         return args
@@ -67,24 +62,40 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
     from .version import check_megatron_version
     check_megatron_version()      # the same install on every rank: raising here stops all alike
     check_compatible(args)
+    state = launch_state.current()
     if state.args is None or (state.source, state.argv) != (source, tuple(argv)):
-        state = LaunchState(args=args, source=source, argv=tuple(argv),
-                            plan_out=getattr(args, "heterogeneous_plan_out", None))
+        # written first: the profile settings read while planning name this launch's cluster file
+        state = launch_state.write(LaunchState(args=args, source=source, argv=tuple(argv),
+                                               plan_out=getattr(args, "heterogeneous_plan_out", None)))
         if source != DISCOVER:
-            try:
-                resolved = _resolve(args, degrees_given(args, argv), source)
-                state.plan, state.cluster = resolved.plan, resolved.cluster
-                # kept for the agreement like a planning error; the plan still goes into args, so that
-                # validate_args passes (its own assertion would pre-empt the message) and every rank reaches it
-                check_replica_batch(args, state.plan)
-            except HetPluginError as exc:
-                state.error = exc
+            state = _plan_file(state, argv)
     if state.plan is not None:
-        state.changes = apply_plan_to_args(args, state.plan) or state.changes
+        state = replace(state, changes=tuple(apply_plan_to_args(args, state.plan)) or state.changes)
+    launch_state.write(state)
     args._het_plugin_prepared = True
     install_initialize_wrapper()
     install_world_group_network()
     return args
+
+
+def _plan_file(state: LaunchState, argv: list[str]) -> LaunchState:
+    """Plan a cluster or plan file at parse_args (no process group yet); an error is kept for the agreement, where
+    every rank stops with it (raising here would leave the other ranks waiting in init_process_group)."""
+    args = state.args
+    try:
+        world = int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
+        request = megatron_request(world, rank_of(args), degrees_given(args, argv), args)
+        resolved = resolve_start(megatron_planning(args, request, state.source), request.launch.rank)
+    except HetPluginError as exc:
+        return replace(state, error=exc)
+    state = replace(state, plan=resolved.plan, cluster=resolved.cluster)
+    try:
+        # kept for the agreement like a planning error; the plan still goes into args, so that
+        # validate_args passes (its own assertion would pre-empt the message) and every rank reaches it
+        check_replica_batch(args, resolved.plan)
+    except HetPluginError as exc:
+        return replace(state, error=exc)
+    return state
 
 
 def world_needs_own_network(plan: Any) -> bool:
@@ -106,7 +117,7 @@ def install_world_group_network() -> None:
 def _world_network_init(current):
     def init_process_group(*a, **kw):
         backend = kw.get("backend", a[0] if a else None)
-        if (world_needs_own_network(state.plan) and "nccl" in str(backend or "").lower()
+        if (world_needs_own_network(launch_state.current().plan) and "nccl" in str(backend or "").lower()
                 and kw.get("pg_options") is None and len(a) < 8):     # 8th positional: pg_options
             from ..runtime.netselect import world_group_options
             options = world_group_options()
@@ -141,49 +152,53 @@ def megatron_args() -> Any:
     """The namespace Megatron-LM trains with: its global args once set, else the first one parsed for this launch."""
     global_vars = sys.modules.get("megatron.training.global_vars")
     args = getattr(global_vars, "_GLOBAL_ARGS", None)
-    return args if getattr(args, "_het_plugin_prepared", False) else state.args
+    return args if getattr(args, "_het_plugin_prepared", False) else launch_state.current().args
 
 
-def _resolve(args: Any, given: dict, source: Optional[str], rank: Optional[int] = None,
-             world_size: Optional[int] = None):
-    """:func:`_plan_for`; with ``--heterogeneous-replan-on-restart`` the plan re-planning on restart chooses from
-    the profile the last attempt wrote and the checkpoint in ``--load`` (het_plugin.runtime.restart_replan), its
-    reasoning printed on rank 0."""
+def rank_of(args: Any) -> int:
+    """This rank as Megatron-LM knows it (its args once set, else the launcher's RANK)."""
+    return int(getattr(args, "rank", None) or os.environ.get("RANK", "0"))
+
+
+def megatron_request(world_size: int, rank: int, given: dict, args: Any) -> LaunchRequest:
+    """The launch request of a Megatron-LM launch: the degrees ``given`` (:func:`het_plugin.megatron.args.degrees_given`
+    at parse_args, Megatron's validated arguments at initialisation) and ``--heterogeneous-timeout``."""
+    from .mcore import launch_request
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    timeout = Timeout(getattr(args, "heterogeneous_timeout", None), TIMEOUT_FLAG, "command line")
+    return launch_request(world_size, rank=rank, local_world_size=int(lws) if lws else None, timeout=timeout,
+                          **given)
+
+
+def megatron_planning(args: Any, request: LaunchRequest, source: Optional[str]) -> Planning:
+    """How a Megatron-LM launch plans: for ``source`` (a file, or DISCOVER), the model read from ``args``; with
+    ``--heterogeneous-replan-on-restart`` re-planned from the profile the last attempt wrote and the checkpoint in
+    ``--load`` (het_plugin.runtime.restart_replan)."""
+    from .mcore import plan_megatron
+    from .modelspec import model_from_args
+
+    def resolve(profile: Any) -> Resolved:
+        d = request.degrees
+        dp_guess = max(1, request.launch.world_size // ((d.tp or 1) * (d.pp or 1) * (d.cp or 1)))
+        model = model_from_args(args, data_parallel_size=dp_guess)
+        return plan_megatron(None if source == DISCOVER else source, request, model=model, profile=profile)
+
+    return Planning(resolve, replan=_replan(args))
+
+
+def _replan(args: Any) -> Optional[Replan]:
+    """``--heterogeneous-replan-on-restart`` as the start-up's Replan (None without it)."""
     from .args import PROFILE_OUT_FLAG, REPLAN_FLAG
     if not getattr(args, "heterogeneous_replan_on_restart", False):
-        return _plan_for(args, given, source, rank, world_size)
+        return None
     settings = launch_profile_settings(args)
     if settings is None:
         raise ConfigError(f"{REPLAN_FLAG} needs {PROFILE_OUT_FLAG}: the next start re-plans from the measured profile "
                           "this run writes there", source="command line", field=REPLAN_FLAG,
                           fix=f"add {PROFILE_OUT_FLAG} FILE (on storage every rank sees, e.g. beside the checkpoints)")
-    from ..runtime.restart_replan import resolve_on_restart
     from .checkpoints import checkpoint_shape
-    chosen, decision = resolve_on_restart(
-        lambda profile: _plan_for(args, given, source, rank, world_size, profile=profile), settings.path,
-        checkpoint=lambda: checkpoint_shape(args),
-        distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
-    if (rank if rank is not None else int(os.environ.get("RANK", "0") or 0)) == 0:
-        print("\n".join(f"het_plugin: {line}" for line in decision.lines), flush=True)
-    return chosen
-
-
-def _plan_for(args: Any, given: dict, source: Optional[str], rank: Optional[int] = None,
-              world_size: Optional[int] = None, profile: Any = None):
-    """The plan (and its cluster) for these Megatron arguments (het_plugin.core.launch.Resolved); ``profile``: a
-    measured profile to plan with."""
-    from .mcore import resolve_megatron_launch
-    from .modelspec import model_from_args
-    world = world_size or int(getattr(args, "world_size", None) or os.environ.get("WORLD_SIZE", "1"))
-    rank = rank if rank is not None else int(getattr(args, "rank", None) or os.environ.get("RANK", "0"))
-    dp_guess = max(1, world // ((given["tp"] or 1) * (given["pp"] or 1) * (given["cp"] or 1)))
-    model = model_from_args(args, data_parallel_size=dp_guess)
-    lws = os.environ.get("LOCAL_WORLD_SIZE")
-    return resolve_megatron_launch(None if source == DISCOVER else source, model=model, world_size=world, rank=rank,
-                        local_world_size=int(lws) if lws else None, tp=given["tp"], pp=given["pp"],
-                        cp=given["cp"], micro_batch_size=given["micro_batch_size"], ep=given.get("ep", 1),
-                        etp=given.get("etp"), order=given.get("order") or "tp-cp-ep-dp-pp", vpp=given.get("vpp"),
-                        overlap_p2p_comm=given.get("overlap_p2p_comm"), profile=profile)
+    return Replan(settings.path, checkpoint=lambda: checkpoint_shape(args),
+                  distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
 
 
 def install_initialize_wrapper() -> None:
@@ -212,8 +227,9 @@ def _planned_initialize(current):
 def _planned_setup(setup):
     def setup_model_and_optimizer(*a, **kw):
         container = kw.get("cfg_container")
-        if container is not None and state.plan is not None:
-            changes = apply_plan_to_container(container, state.plan)
+        plan = launch_state.current().plan
+        if container is not None and plan is not None:
+            changes = apply_plan_to_container(container, plan)
             if changes and int(getattr(megatron_args(), "rank", 0) or 0) == 0:
                 print("het_plugin: pretrain's config container set from the plan: " + ", ".join(changes),
                       flush=True)
@@ -228,7 +244,7 @@ def _checked_load(load):
     def load_checkpoint(*a, **kw):
         from .checkpoints import check_before_load
         margs = megatron_args()
-        if state.plan is not None and margs is not None:
+        if launch_state.current().plan is not None and margs is not None:
             notes = check_before_load(margs, kw.get("load_arg", "load"))
             if notes and int(getattr(margs, "rank", 0) or 0) == 0:
                 print("\n".join(notes), flush=True)
@@ -274,52 +290,63 @@ def apply_plan_to_container(container: Any, plan: Any, take_settings: Optional[b
 
 
 def planned_initialize_model_parallel(*args, **kwargs):
-    """Megatron-LM's call to initialize_model_parallel, on the plan (pass-through without the flag)."""
+    """Megatron-LM's call to initialize_model_parallel, on the plan (pass-through without the flag): the start-up
+    sequence (:func:`het_plugin.runtime.startup.startup`) on the plan of a file, planned at parse_args, or, with the
+    bare flag, discovered and planned here with the degrees Megatron validated; then every group on its placement."""
     import torch.distributed as dist
-    from ..runtime.agreement import agree_on_plan
     from .mcore import build_groups, original_initialize_model_parallel
 
     original = original_initialize_model_parallel()
+    state = launch_state.current()
     if state.args is None:
         return original(*args, **kwargs)
     names = list(inspect.signature(original).parameters)
     kwargs = {**dict(zip(names, args)), **kwargs}
     rank, world = dist.get_rank(), dist.get_world_size()
-
     margs = megatron_args()
-
-    def make():
-        if state.error is not None:
-            raise state.error
-        if state.plan is not None:
-            return state.plan
-        from .mcore import plan_degrees
-        fixed = {"tp": kwargs.get("tensor_model_parallel_size", 1), "pp": kwargs.get("pipeline_model_parallel_size", 1),
-                 "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": margs.micro_batch_size,
-                 **plan_degrees(kwargs),
-                 # validated by Megatron already: its interleaved schedule overlaps p2p unless told not to
-                 "overlap_p2p_comm": None if getattr(margs, "overlap_p2p_comm", True) else False}
-        resolved = _resolve(margs, fixed, DISCOVER, rank=rank, world_size=world)
-        state.cluster = resolved.cluster
-        check_replica_batch(margs, resolved.plan)
-        return resolved.plan
-
-    from ..runtime.exchange import configured_timeout
-    from .args import TIMEOUT_FLAG
-    timeout_s = getattr(margs, "heterogeneous_timeout", None)
-    with configured_timeout(timeout_s, TIMEOUT_FLAG, "command line"):
-        plan = agree_on_plan(make, rank=rank, world_size=world, timeout_s=timeout_s)
+    request, planning = _initialize_planning(state, margs, kwargs, rank, world)
+    started = startup(request, planning)
+    plan = started.plan
+    with bounded(request):
         if state.plan is None:        # discovered: the model is built after this, so args still take the split
-            state.plan = plan
-            state.changes = apply_plan_to_args(margs, plan)
+            state = launch_state.write(replace(state, plan=plan, cluster=started.cluster,
+                                               changes=tuple(apply_plan_to_args(margs, plan))))
         if rank == 0 and state.changes:
             print("het_plugin: Megatron arguments set from the plan: " + ", ".join(state.changes), flush=True)
         from .settings import offer
         note = offer(margs, plan) if rank == 0 else None
         if note:
             print(note, flush=True)
-        return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None, timeout_s=timeout_s,
-                            cluster=state.cluster, profile=launch_profile_settings(margs))
+        return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None,
+                            timeout_s=request.timeout.seconds, cluster=started.cluster,
+                            profile=launch_profile_settings(margs), applied=started.applied)
+
+
+def _initialize_planning(state: LaunchState, margs: Any, kwargs: dict, rank: int,
+                         world: int) -> tuple[LaunchRequest, Planning]:
+    """The request and planning of Megatron-LM's initialisation: the file's plan (or error) from parse_args, or,
+    with the bare flag, discovery with Megatron's validated degrees (``kwargs``: its initialize_model_parallel
+    arguments). Both check the plan against those arguments before the ranks agree."""
+    from .mcore import check_kwargs_fit, plan_degrees
+
+    def check(resolved: Resolved) -> None:
+        check_replica_batch(margs, resolved.plan)
+        check_kwargs_fit(resolved.plan, kwargs)
+
+    request = LaunchRequest.of(world, rank=rank, timeout=Timeout(getattr(margs, "heterogeneous_timeout", None),
+                                                                  TIMEOUT_FLAG, "command line"))
+    if state.error is not None or state.plan is not None:
+        return request, Planning(check=check, earlier=state.error or Resolved(state.plan, state.cluster))
+    fixed = {"tp": kwargs.get("tensor_model_parallel_size", 1), "pp": kwargs.get("pipeline_model_parallel_size", 1),
+             "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": margs.micro_batch_size,
+             **plan_degrees(kwargs),
+             # validated by Megatron already: its interleaved schedule overlaps p2p unless told not to
+             "overlap_p2p_comm": None if getattr(margs, "overlap_p2p_comm", True) else False}
+    try:
+        request = megatron_request(world, rank, fixed, margs)
+        return request, replace(megatron_planning(margs, request, DISCOVER), check=check)
+    except HetPluginError as exc:        # published at the agreement: every rank stops with it
+        return request, Planning(earlier=exc)
 
 
 def launch_profile_settings(args: Any):
@@ -329,7 +356,8 @@ def launch_profile_settings(args: Any):
     path = getattr(args, "heterogeneous_profile_out", None)
     every = getattr(args, "heterogeneous_profile_interval", None)
     try:
-        settings = profile_settings(path, every, state.source, field=PROFILE_OUT_FLAG, every_field=PROFILE_INTERVAL_FLAG)
+        settings = profile_settings(path, every, launch_state.current().source, field=PROFILE_OUT_FLAG,
+                                    every_field=PROFILE_INTERVAL_FLAG)
     except ConfigError as exc:
         raise ConfigError(exc.problem, source="command line", field=exc.field, fix=exc.fix) from None
     if settings is not None and getattr(args, "heterogeneous_replan_on_restart", False):

@@ -14,18 +14,18 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from ..runtime.agreement import agree_on_plan
 from ..core.inputs.cluster import Cluster
 from ..core.errors import ConfigError
 from ..core.inputs.model import ModelSpec
 from ..core.plan import Plan
 from ..views.report import startup_summary
 from ..discovery import discover_cluster
-from ..core.launch import Launch, Resolved, check_launch_settings, resolve_launch
+from ..core.launch import Resolved, check_launch_settings, resolve_launch
+from ..core.request import LaunchRequest, Timeout
 from ..runtime.plan_once import node_sharing
 from ..runtime.applied import AppliedPlan
-from ..runtime.exchange import configured_timeout
-from ..core.ranks.dims import DEFAULT_ORDER, Degrees
+from ..runtime.startup import Planning, Replan, bounded, startup
+from ..core.ranks.dims import DEFAULT_ORDER
 
 if TYPE_CHECKING:
     from ..runtime.recorder import ProfileSettings
@@ -89,12 +89,29 @@ def resolve_megatron_launch(source: Union[Plan, Cluster, PathLike, None] = None,
                             vpp: Optional[int] = None, overlap_p2p_comm: Optional[bool] = None,
                             profile: Any = None) -> Resolved:
     """:func:`resolve_megatron_plan` with the cluster the plan was made from (the pre-flight reads its NICs);
-    ``profile``: a measured profile to plan with (re-planning on restart)."""
-    degrees = Degrees(world_size, tp=tp, pp=pp, cp=cp or 1, ep=ep or 1, etp=etp, order=order or DEFAULT_ORDER,
-                      names=MEGATRON_NAMES, source="Megatron arguments")
-    return resolve_launch(source, launch=Launch(world_size, rank, local_world_size), model=model, degrees=degrees,
-                          micro_batch_size=micro_batch_size, names=MEGATRON_NAMES, vpp=vpp,
-                          overlap_p2p_comm=overlap_p2p_comm, discover=discover_cluster, profile=profile,
+    ``profile``: a measured profile to plan with (re-planning on restart). The keyword form of
+    :func:`launch_request` + :func:`plan_megatron`."""
+    request = launch_request(world_size, rank=rank, local_world_size=local_world_size, tp=tp, pp=pp, cp=cp,
+                             micro_batch_size=micro_batch_size, ep=ep, etp=etp, order=order, vpp=vpp,
+                             overlap_p2p_comm=overlap_p2p_comm)
+    return plan_megatron(source, request, model=model, profile=profile)
+
+
+def launch_request(world_size: int, *, rank: Optional[int] = None, local_world_size: Optional[int] = None,
+                   timeout: Timeout = Timeout(), **degrees: Any) -> LaunchRequest:
+    """A Megatron launch's request: ``degrees`` are tp, pp, cp, ep, etp, order, vpp, overlap_p2p_comm and
+    micro_batch_size as Megatron gives them (None: the planner chooses; ep None: 1, Megatron's default), named in
+    messages as Megatron names them."""
+    degrees["ep"] = degrees.get("ep", 1) or 1
+    return LaunchRequest.of(world_size, rank=rank, local_world_size=local_world_size, names=MEGATRON_NAMES,
+                            source="Megatron arguments", timeout=timeout, **degrees)
+
+
+def plan_megatron(source: Union[Plan, Cluster, PathLike, None], request: LaunchRequest, *,
+                  model: Union[ModelSpec, PathLike, None] = None, profile: Any = None) -> Resolved:
+    """The plan of a Megatron launch (:func:`het_plugin.core.launch.resolve_launch`): the cluster discovered when
+    ``source`` names none, the search shared by a node's ranks (runtime.plan_once)."""
+    return resolve_launch(source, request, model=model, discover=discover_cluster, profile=profile,
                           share_plan=node_sharing())
 
 
@@ -134,13 +151,14 @@ def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
 
 def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLike] = None,
                  timeout_s: Optional[float] = None, cluster: Optional[Cluster] = None,
-                 profile: Optional["ProfileSettings"] = None) -> AppliedPlan:
+                 profile: Optional["ProfileSettings"] = None, applied: Optional[AppliedPlan] = None) -> AppliedPlan:
     """Create every Megatron-Core group on the (agreed) plan's placement; rank 0 logs the summary once.
     First, under NCCL, the network pre-flight (``cluster``: the Cluster the plan came from, for the nodes'
     NICs; runtime.preflight). A rank that fails or disappears meanwhile stops every rank within ``timeout_s``
     (None: ``HET_PLUGIN_TIMEOUT`` or 300 s) with a GroupCreationTimeout naming it (runtime.guard).
     ``profile``: time each stage's forward and backward while training and write the measured profile
-    (:mod:`het_plugin.megatron.recorder_hooks`)."""
+    (:mod:`het_plugin.megatron.recorder_hooks`). ``applied``: what the start-up sequence began
+    (:func:`het_plugin.runtime.startup.startup`; None: begun here, for a plan agreed elsewhere)."""
     global _current
     import torch.distributed as dist
     from .groups import planned_groups
@@ -156,7 +174,8 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
     for key in RANK_CALLBACKS:
         if kwargs.get(key) is not None:
             kwargs[key] = through_plan(plan, kwargs[key])
-    applied = AppliedPlan.begin(plan, dist.get_rank(), cluster=cluster, timeout_s=timeout_s)
+    if applied is None:
+        applied = AppliedPlan.begin(plan, dist.get_rank(), cluster=cluster, timeout_s=timeout_s)
     if applied.rank == 0:
         print(startup_summary(plan, "Megatron"), flush=True)
         if plan_out:
@@ -260,36 +279,23 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     cp = megatron_kwargs.pop("context_parallel_size", None)
     settings = profile_settings(profile_out, profile_every, cluster if cluster is not None else plan, model=model)
+    replan = None
     if replan_on_restart:
         if settings is None:
             raise ConfigError("replan_on_restart needs profile_out: the next start re-plans from the measured "
                               "profile this run writes there", field="replan_on_restart", fix="add profile_out=FILE")
         settings.replan_on_restart = True
-    resolved: list[Resolved] = []
-
-    def resolve(profile=None) -> Resolved:
-        return resolve_megatron_launch(
-            plan if plan is not None else cluster, model=model, world_size=world, rank=rank,
-            local_world_size=int(lws) if lws else None, tp=tensor_model_parallel_size,
-            pp=pipeline_model_parallel_size, cp=cp, micro_batch_size=micro_batch_size, profile=profile,
-            **plan_degrees(megatron_kwargs))
-
-    def make() -> Plan:
-        if not replan_on_restart:
-            resolved.append(resolve())
-            return resolved[-1].plan
-        from ..runtime.restart_replan import resolve_on_restart
-        chosen, decision = resolve_on_restart(resolve, settings.path, checkpoint=checkpoint)
-        if rank == 0:
-            print("\n".join(f"het_plugin: {line}" for line in decision.lines), flush=True)
-        resolved.append(chosen)
-        return chosen.plan
-
-    with configured_timeout(timeout_s):
-        agreed = agree_on_plan(make, rank=rank, world_size=world, timeout_s=timeout_s)
-        build_groups(agreed, megatron_kwargs, plan_out=plan_out, timeout_s=timeout_s, cluster=resolved[-1].cluster,
-                     profile=settings)
-    return agreed
+        replan = Replan(settings.path, checkpoint=checkpoint)
+    request = launch_request(world, rank=rank, local_world_size=int(lws) if lws else None, timeout=Timeout(timeout_s),
+                             tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size, cp=cp,
+                             micro_batch_size=micro_batch_size, **plan_degrees(megatron_kwargs))
+    source = plan if plan is not None else cluster
+    started = startup(request, Planning(lambda profile: plan_megatron(source, request, model=model, profile=profile),
+                                        replan=replan, check=lambda r: check_kwargs_fit(r.plan, megatron_kwargs)))
+    with bounded(request):
+        build_groups(started.plan, megatron_kwargs, plan_out=plan_out, timeout_s=timeout_s, cluster=started.cluster,
+                     profile=settings, applied=started.applied)
+    return started.plan
 
 
 def profile_settings(profile_out: Optional[PathLike], every: Optional[int], cluster: Any = None,

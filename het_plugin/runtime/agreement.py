@@ -72,19 +72,24 @@ def _error_text(err: dict) -> str:
     return where + err.get("problem", "?") + (f" (fix: {err['fix']})" if err.get("fix") else "")
 
 
-def agree_on_plan(make, *, rank: int, world_size: int, store=None, timeout_s: Optional[float] = None):
+def agree_on_plan(make, *, rank: int, world_size: int, store=None, timeout_s: Optional[float] = None,
+                  hash_of=None):
     """Call ``make()`` (returns a Plan), then check every rank got the same one; raise on any failure.
+    ``hash_of(value)``: what is compared when ``make`` returns more than the plan (default: ``value.hash``);
+    the value itself is returned.
 
     A rank whose own planning failed tells the others first, then raises *its* error (the file, field
-    and fix of its problem); the other ranks raise PlanMismatchError naming it.
+    and fix of its problem); the other ranks raise PlanMismatchError naming it. Called by
+    :func:`het_plugin.runtime.startup.startup` only: one start-up sequence for every adapter.
     """
     try:
-        plan = make()
+        value = make()
     except Exception as exc:
         try:
             check_plan_agreement("", rank=rank, world_size=world_size, store=store, timeout_s=timeout_s, error=exc)
         except PlanMismatchError:
             pass                # expected: this rank's own error is the clearer message
         raise
-    check_plan_agreement(plan.hash, rank=rank, world_size=world_size, store=store, timeout_s=timeout_s)
-    return plan
+    digest = hash_of(value) if hash_of is not None else value.hash
+    check_plan_agreement(digest, rank=rank, world_size=world_size, store=store, timeout_s=timeout_s)
+    return value

@@ -11,7 +11,7 @@ import pytest
 
 from het_plugin.core.errors import ConfigError
 from het_plugin.megatron import args as hargs
-from het_plugin.megatron import hook, lm
+from het_plugin.megatron import hook, launch_state, lm
 from het_plugin.megatron.pipeline_layout import layout_string
 from het_plugin.core.plan import Plan
 
@@ -82,7 +82,7 @@ def argv(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(lm, "install_initialize_wrapper", lambda: None)   # no megatron import here
-    monkeypatch.setattr(lm, "state", lm.LaunchState())
+    monkeypatch.setattr(launch_state, "_state", launch_state.LaunchState())
     return set_argv
 
 
@@ -279,8 +279,8 @@ def test_repeated_parses_of_one_command_line_plan_once_and_all_get_the_plan(argv
     computed once, and a later parse does not take the launch over."""
     argv(*MODEL, "--pipeline-model-parallel-size", "2", "--heterogeneous-nic", str(CLUSTER_8))
     calls = []
-    real = lm._plan_for
-    monkeypatch.setattr(lm, "_plan_for", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lm._plan_file
+    monkeypatch.setattr(lm, "_plan_file", lambda *a, **k: calls.append(1) or real(*a, **k))
     mod = fake_arguments_module()
     hook.patch_arguments_module(mod)
     first = mod.parse_args(None, ignore_unknown_args=True)         # inprocess_restart's look at its flags
@@ -428,6 +428,7 @@ def test_the_timeout_flag_bounds_the_plan_check_and_group_creation(argv, monkeyp
     seen = {}
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")     # AppliedPlan.begin reads the world's
     monkeypatch.setattr(agreement, "agree_on_plan", lambda make, **kw: seen.update(agree=kw["timeout_s"]) or make())
     monkeypatch.setattr(core, "build_groups", lambda plan, kwargs, **kw: seen.update(build=kw["timeout_s"]))
     monkeypatch.setattr(core, "original_initialize_model_parallel",
@@ -471,17 +472,17 @@ def test_megatron_lms_world_group_gets_its_own_network_when_the_plan_spans_fabri
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append(kw))
     sentinel = object()
     monkeypatch.setattr(netselect, "world_group_options", lambda net_name="Socket": sentinel)
-    monkeypatch.setattr(lm, "state", lm.LaunchState())
+    monkeypatch.setattr(launch_state, "_state", launch_state.LaunchState())
     lm.install_world_group_network()
     lm.install_world_group_network()                       # once
     spanning = make_plan(load_cluster(CLUSTER_8), MODEL, tp=1, pp=2)
     inside = make_plan(load_cluster(DATA / "megatron-homogeneous-4.yaml"), MODEL, tp=1, pp=2)
     assert lm.world_needs_own_network(spanning) and not lm.world_needs_own_network(inside)
-    lm.state.plan = spanning
+    launch_state.write(launch_state.LaunchState(plan=spanning))
     dist.init_process_group(backend="nccl", world_size=8, rank=0)
     dist.init_process_group("cpu:gloo,cuda:nccl")
     dist.init_process_group(backend="gloo")
     dist.init_process_group(backend="nccl", pg_options="mine")
-    lm.state.plan = inside
+    launch_state.write(launch_state.LaunchState(plan=inside))
     dist.init_process_group(backend="nccl")
     assert [c.get("pg_options") for c in calls] == [sentinel, sentinel, None, "mine", None]

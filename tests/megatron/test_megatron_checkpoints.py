@@ -135,7 +135,7 @@ def test_megatron_lms_load_checkpoint_is_checked_first_and_the_patch_is_labelled
     import sys
     import types
 
-    from het_plugin.megatron import lm
+    from het_plugin.megatron import launch_state, lm
     from het_plugin.runtime.patches import PATCHES
     pytest.importorskip("megatron.core")
     calls = []
@@ -145,7 +145,7 @@ def test_megatron_lms_load_checkpoint_is_checked_first_and_the_patch_is_labelled
     write_legacy(tmp_path, 4, megatron_args(ckpt_format="torch", pipeline_model_parallel_layout="Etttt|tL"))
     run = megatron_args(ckpt_format="torch", pipeline_model_parallel_layout="Et|ttttL", load=str(tmp_path),
                         no_load_optim=True, finetune=False, _het_plugin_prepared=True, rank=0)
-    monkeypatch.setattr(lm, "state", lm.LaunchState(args=run, plan=object()))
+    monkeypatch.setattr(launch_state, "_state", launch_state.LaunchState(args=run, plan=object()))
     try:
         lm.install_initialize_wrapper()
         assert PATCHES.labels(training, "load_checkpoint") == [lm.PATCH_LABEL]

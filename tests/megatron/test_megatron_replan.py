@@ -10,7 +10,7 @@ import pytest
 from het_plugin.core.checkpoint_fit import MEGATRON, TORCH_LEGACY, CheckpointShape
 from het_plugin.core.cost.measured import RankTimes, measured_profile
 from het_plugin.core.errors import ConfigError
-from het_plugin.megatron import checkpoints, hook, lm
+from het_plugin.megatron import checkpoints, hook, launch_state, lm
 from het_plugin.megatron.args import REPLAN_FLAG
 from het_plugin.runtime.restart_replan import ran_plan_path
 from tests.core.test_measured import IB_ROCE_4
@@ -19,7 +19,7 @@ from tests.megatron.test_megatron_args import MODEL, argv, fake_arguments_module
 
 def start(argv, monkeypatch, *extra):
     """One start of the same command line (a fresh process: fresh launch state)."""
-    monkeypatch.setattr(lm, "state", lm.LaunchState())
+    monkeypatch.setattr(launch_state, "_state", launch_state.LaunchState())
     argv(*MODEL, "--pipeline-model-parallel-size", "2", "--heterogeneous-nic", str(IB_ROCE_4), *extra)
     mod = fake_arguments_module()
     hook.patch_arguments_module(mod)

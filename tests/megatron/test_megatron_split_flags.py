@@ -112,7 +112,7 @@ def test_megatron_lms_validate_args_takes_the_users_account_flag_on_a_homogeneou
     import sys
 
     import megatron.training.arguments as margs
-    from het_plugin.megatron import hook, lm
+    from het_plugin.megatron import hook, launch_state, lm
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     monkeypatch.setattr(sys, "argv", [
         "pretrain_gpt.py", "--num-layers", "15", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -124,7 +124,7 @@ def test_megatron_lms_validate_args_takes_the_users_account_flag_on_a_homogeneou
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(lm, "install_initialize_wrapper", lambda: None)
-    monkeypatch.setattr(lm, "state", lm.LaunchState())
+    monkeypatch.setattr(launch_state, "_state", launch_state.LaunchState())
     monkeypatch.setattr(margs, "parse_args", margs.parse_args)      # the wrapper goes again after the test
     hook.patch_arguments_module(margs)
     args = margs.parse_args()
