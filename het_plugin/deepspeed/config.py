@@ -240,6 +240,13 @@ def check_plan(plan: Plan, *, world_size: Optional[int] = None, pp: Optional[int
     if plan.cp != 1 or plan.ep != 1:
         raise ConfigError(f"the plan uses cp={plan.cp}, ep={plan.ep}; DeepSpeed's pipeline topology has no such axes",
                           source=source, field=f"{SECTION}.plan", fix="plan with cp=1")
+    if plan.distributed_optimizer_instances > 1:
+        # Megatron's partial distributed optimizer; DeepSpeed's pipeline engine shards ZeRO-1 over all of data
+        # parallelism (no partial ZeRO), so the plan's prediction of sharded instances would not hold
+        raise ConfigError(f"the plan shards the optimizer in {plan.distributed_optimizer_instances} instances "
+                          "(Megatron's partial distributed optimizer); DeepSpeed's pipeline engine has no partial "
+                          "ZeRO", source=source, field=f"{SECTION}.plan.distributed_optimizer_instances",
+                          fix="re-plan for DeepSpeed: `het-plugin wrap-config` plans without instances")
     if world_size is not None and plan.world_size != world_size:
         raise ConfigError(f"the plan is for {plan.world_size} ranks but {world_size} were launched", source=source,
                           field=f"{SECTION}.plan.world_size",

@@ -190,5 +190,10 @@ def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
     if take_plan_settings(args):          # only on request: the optimizer and overlap are the user's (settings.py)
         for name, value in planned_settings(plan).items():
             put(name, value)
+    from .dist_opt import ARG as INSTANCES, apply_instances
+    before = getattr(args, INSTANCES, 1)
+    apply_instances(args, plan)           # after the settings: only with the distributed optimizer on; rank 0's
+    if getattr(args, INSTANCES, 1) != before:     # line on what is kept or left comes from settings.offer
+        changes.append(f"{INSTANCES}={getattr(args, INSTANCES)}")
     args.heterogeneous_plan_hash = plan.hash      # saved with Megatron's args in every checkpoint (checkpoints.py)
     return changes

@@ -284,8 +284,15 @@ def apply_plan_to_container(container: Any, plan: Any, take_settings: Optional[b
         names = {f.name for f in fields(config)}
         differ = {k: v for k, v in wanted.items() if k in names and getattr(config, k) != v}
         if differ:
-            setattr(container, name, replace(config, **differ))
+            config = replace(config, **differ)
+            setattr(container, name, config)
             changes += [f"{name}.{k}={v}" for k, v in differ.items()]
+        if name == "ddp":
+            from .dist_opt import ARG as INSTANCES, apply_to_ddp_config
+            updated = apply_to_ddp_config(config, plan) if INSTANCES in names else config
+            if updated is not config:         # the plan's count, where the distributed optimizer is on
+                setattr(container, name, updated)
+                changes.append(f"ddp.{INSTANCES}={getattr(updated, INSTANCES)}")
     return changes
 
 

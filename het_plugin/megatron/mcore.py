@@ -166,6 +166,8 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
 
     check_megatron_version()
     check_kwargs_fit(plan, megatron_kwargs)
+    from .dist_opt import check_groups_kwarg
+    check_groups_kwarg(plan, megatron_kwargs)     # an optimizer instance that would span clusters: refused here
     kwargs = dict(megatron_kwargs)
     kwargs.update(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
                   context_parallel_size=plan.cp)
@@ -254,7 +256,9 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     Call after ``torch.distributed.init_process_group``. Give ``plan`` (a Plan or a plan file), or
     ``cluster`` (a Cluster or cluster file) plus ``model`` (ModelSpec, model file or preset); with
     neither, the cluster is discovered. Degrees passed are respected, the rest the planner chooses.
-    Other keyword arguments go to Megatron-Core unchanged. Returns the plan: build the model with
+    Other keyword arguments go to Megatron-Core unchanged, but for ``num_distributed_optimizer_instances``: the plan's
+    count (an optimizer instance per fabric) where none is given, a given count refused where an instance would span
+    clusters (:mod:`het_plugin.megatron.dist_opt`). Returns the plan: build the model with
     ``plan.tp``/``plan.pp`` and :func:`apply_plan_to_config` (layer split), and DDP with
     :func:`ddp_config_for_plan`; :func:`current_plan` holds what was applied (groups created).
     ``timeout_s`` bounds every wait of het_plugin in this call (the plan check, group creation; default
@@ -290,9 +294,19 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
                              tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size, cp=cp,
                              micro_batch_size=micro_batch_size, **plan_degrees(megatron_kwargs))
     source = plan if plan is not None else cluster
+    from .dist_opt import groups_kwargs
+
+    def check(resolved: Resolved) -> None:
+        check_kwargs_fit(resolved.plan, megatron_kwargs)
+        groups_kwargs(resolved.plan, megatron_kwargs)    # the caller's instance count, refused before the groups
+
     started = startup(request, Planning(lambda profile: plan_megatron(source, request, model=model, profile=profile),
-                                        replan=replan, check=lambda r: check_kwargs_fit(r.plan, megatron_kwargs)))
+                                        replan=replan, check=check))
     with bounded(request):
+        # num_distributed_optimizer_instances: the caller's, or the plan's where none was given (said on rank 0)
+        megatron_kwargs, note = groups_kwargs(started.plan, megatron_kwargs)
+        if note and rank == 0:
+            print(note, flush=True)
         build_groups(started.plan, megatron_kwargs, plan_out=plan_out, timeout_s=timeout_s, cluster=started.cluster,
                      profile=settings, applied=started.applied)
     return started.plan

@@ -114,4 +114,7 @@ def ddp_config_for_plan(plan: Plan, **overrides: Any):
     kwargs = {"overlap_grad_reduce": plan.overlap_grad_reduce,
               "use_distributed_optimizer": plan.distributed_optimizer}
     kwargs.update(overrides)
+    if kwargs["use_distributed_optimizer"] and plan.distributed_optimizer_instances > 1:
+        # the instances initialize_model_parallel built for the plan (dist_opt.groups_kwargs)
+        kwargs.setdefault("num_distributed_optimizer_instances", plan.distributed_optimizer_instances)
     return DistributedDataParallelConfig(**kwargs)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..core.plan import Plan
+from .dist_opt import instances_note
 
 TAKE_FLAG = "--heterogeneous-take-plan-settings"
 
@@ -54,12 +55,14 @@ def missing_settings(args: Any, plan: Plan) -> list[Setting]:
 
 
 def offer(args: Any, plan: Plan) -> Optional[str]:
-    """One line for rank 0 where the run lacks a setting the plan assumed (None where it has them all)."""
+    """One line for rank 0 where the run lacks a setting the plan assumed (None where it has them all), and one where
+    the optimizer instances differ from the plan's (a user's count kept, or 1 without the distributed optimizer)."""
+    instances = instances_note(args, plan)     # applied already (args.py): what is kept or left at 1 is said
     missing = missing_settings(args, plan)
     if not missing:
-        return None
+        return instances
     said = "; ".join(f"{s.flag} ({s.why})" for s in missing)
     flags = " ".join(s.flag for s in missing)
     return (f"het_plugin: plan {plan.hash} assumed {said}; this run keeps the command line's settings, so its "
             f"prediction does not hold as made. To run as planned add {flags} (or {TAKE_FLAG}); a run resumed "
-            f"from a checkpoint keeps the optimizer it was saved with")
+            f"from a checkpoint keeps the optimizer it was saved with" + (f"\n{instances}" if instances else ""))

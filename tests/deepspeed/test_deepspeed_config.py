@@ -270,3 +270,31 @@ def test_replan_on_restart_without_a_profile_yet_runs_the_wrapped_plan(cluster_f
                               replan_on_restart=True))
     assert resolve_section_plan(section, SHAPE).hash == section.plan_hash
     assert "no measured profile from a previous attempt; plan as usual" in capsys.readouterr().out
+
+
+def instances_plan(instances: int) -> Plan:
+    """dp 4 over two IB and two RoCE nodes (IB first): the optimizer sharded in ``instances`` instances."""
+    data = hetero_cluster()
+    del data["launch"]
+    cluster = cluster_from_dict(data)
+    return assemble_plan(cluster, TINY, place(cluster, ParallelDims(pp=1, dp=4)), [8], 2, distributed_optimizer=True,
+                         distributed_optimizer_instances=instances)
+
+
+DS_DP4 = {**DS, "gradient_accumulation_steps": 1}        # 8 samples = 2 per micro-batch x dp 4
+
+
+def test_a_plan_with_optimizer_instances_is_refused_from_a_file_and_embedded(tmp_path):
+    plan = instances_plan(2)
+    plan_path = tmp_path / "plan.json"
+    plan.save(plan_path)
+    with pytest.raises(ConfigError) as err:
+        wrap(DS_DP4, plan_path)
+    assert err.value.field == f"{SECTION}.plan.distributed_optimizer_instances"
+    assert "no partial ZeRO" in str(err.value) and "wrap-config" in err.value.fix
+    # a section carrying such a plan (written by hand or by another tool) stops every rank alike
+    section = section_of(wrap(DS_DP4, instances_plan(1)))
+    section.plan, section.plan_hash = plan.to_dict(), plan.hash
+    with pytest.raises(ConfigError, match="no partial ZeRO"):
+        resolve_section_plan(section, RunShape(world_size=4, pp=1, tp=1, num_layers=8))
+    assert Plan.from_dict(section_of(wrap(DS_DP4, instances_plan(1))).plan).distributed_optimizer_instances == 1
