@@ -164,10 +164,12 @@ def megatron_request(world_size: int, rank: int, given: dict, args: Any) -> Laun
     """The launch request of a Megatron-LM launch: the degrees ``given`` (:func:`het_plugin.megatron.args.degrees_given`
     at parse_args, Megatron's validated arguments at initialisation) and ``--heterogeneous-timeout``."""
     from .mcore import launch_request
+    from ..runtime.all_nodes import use_all_nodes
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     timeout = Timeout(getattr(args, "heterogeneous_timeout", None), TIMEOUT_FLAG, "command line")
+    every = use_all_nodes(getattr(args, "heterogeneous_use_all_nodes", None) or None)   # the flag, else the env
     return launch_request(world_size, rank=rank, local_world_size=int(lws) if lws else None, timeout=timeout,
-                          **given)
+                          use_all_nodes=every, **given)
 
 
 def megatron_planning(args: Any, request: LaunchRequest, source: Optional[str]) -> Planning:
