@@ -144,6 +144,12 @@ def _as_wrapped(section: HetSection, shape: RunShape, derive_model, source: str)
                           f"({section.plan_hash}): the cluster, the model or het_plugin's planner changed",
                           source=source, field=f"{SECTION}.plan_hash",
                           fix="re-wrap the config, or wrap with the plan embedded (the default)")
+    if plan.left_out:          # a plan for its kept nodes (issue 32): a launch of more is refused naming them
+        from ..core.subsets import check_launch_nodes
+        try:
+            check_launch_nodes(plan, world_size=shape.world_size)
+        except ConfigError as exc:
+            raise ConfigError(exc.problem, source=source, field=exc.field, fix=exc.fix) from None
     check_plan(plan, world_size=shape.world_size, pp=shape.pp, tp=shape.tp, dp=degrees.dp,
                num_layers=shape.num_layers, source=source)
     return Resolved(plan, cluster)

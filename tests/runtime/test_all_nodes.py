@@ -94,3 +94,55 @@ def test_a_restart_accepts_a_previous_plan_that_left_nodes_out(kept_plan, gpt):
     # and the re-plan for the nodes that came back refuses the same way (its resolve is resolve_launch)
     with pytest.raises(LeftOutRefused):
         resolve_launch(whole, request(80, False), model=gpt, profile=None)
+
+
+# ---- the asks, per adapter ---------------------------------------------------------------------------------
+
+
+def test_megatron_lm_flag_is_carried_into_the_request(monkeypatch):
+    import argparse
+    from types import SimpleNamespace
+    from het_plugin.megatron import args as hargs, lm
+    parser = hargs.add_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    given = parser.parse_args([hargs.FLAG, "c.yaml", hargs.USE_ALL_NODES_FLAG])
+    absent = parser.parse_args([hargs.FLAG, "c.yaml"])
+    assert given.heterogeneous_use_all_nodes is True and absent.heterogeneous_use_all_nodes is None
+    assert lm.megatron_request(4, 0, {}, given).use_all_nodes is True
+    assert lm.megatron_request(4, 0, {}, absent).use_all_nodes is False
+    monkeypatch.setenv(ENV, "1")
+    assert lm.megatron_request(4, 0, {}, SimpleNamespace()).use_all_nodes is True
+
+
+def test_megatron_core_keyword_reaches_the_request():
+    import inspect
+    from het_plugin.megatron import mcore
+    assert inspect.signature(mcore.initialize_model_parallel).parameters["use_all_nodes"].default is None
+    assert mcore.launch_request(4, use_all_nodes=True).use_all_nodes is True
+    assert mcore.launch_request(4).use_all_nodes is True           # the keyword form's default: today's plan
+
+
+def test_deepspeed_section_option_and_wrap_config(tmp_path, monkeypatch, capsys, kept_plan):
+    import json
+    from het_plugin.cli import main as cli_main
+    from het_plugin.deepspeed import SECTION, HetSection
+    from het_plugin.deepspeed.plan_source import RunShape, resolve_section_plan
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 1}))
+    plan_path = tmp_path / "plan.json"
+    kept_plan.save(plan_path)
+    out = tmp_path / "wrapped.json"
+    assert cli_main(["wrap-config", str(ds), "--cluster", str(plan_path), "--use-all-nodes", "-o", str(out)]) == 0
+    section = HetSection.from_dict(json.loads(out.read_text())[SECTION])
+    assert section.use_all_nodes is True
+    shape = RunShape(world_size=80, pp=kept_plan.pp, tp=kept_plan.tp)
+    assert shape.request("s", use_all_nodes=True).use_all_nodes is True
+    assert shape.request("s").use_all_nodes is False
+    assert shape.request("s", use_all_nodes=False).use_all_nodes is False
+    monkeypatch.setenv(ENV, "1")
+    assert shape.request("s").use_all_nodes is True
+    # the wrapped plan left nodes out: a launch of every node stops naming them, whatever the ask
+    with pytest.raises(ConfigError, match="annex-0 annex-1"):
+        resolve_section_plan(section, shape, source="ds.json")
+    with pytest.raises(ConfigError) as exc:
+        HetSection.from_dict(dict(section.to_dict(), use_all_nodes="yes"))
+    assert exc.value.field == f"{SECTION}.use_all_nodes"
