@@ -21,6 +21,7 @@ from .inputs.model import ModelSpec, load_model, preset_model
 from .plan import Plan, looks_like_plan
 from .ranks.dims import Degrees, parse_order
 from .request import Launch, LaunchRequest, Schedule
+from .subsets import check_launch_nodes, plan_nodes
 
 PathLike = Union[str, Path]
 ModelArg = Union[ModelSpec, dict, PathLike, None, Callable[[], ModelSpec]]
@@ -122,7 +123,6 @@ def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, m
     if isinstance(loaded, Plan):
         where = str(source) if isinstance(source, (str, Path)) else "<plan>"
         if loaded.left_out:         # a plan for the kept nodes: the launch must be those (issue 32)
-            from .subsets import check_launch_nodes
             try:
                 check_launch_nodes(loaded, request.launch.nodes, request.launch.world_size)
             except ConfigError as exc:
@@ -139,7 +139,6 @@ def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, m
         raise ConfigError("a cluster needs a model to plan for", field="model",
                           fix="pass a model (ModelSpec, model file or preset name), or a plan file")
     from .planner import make_plan, placeable_degrees
-    from .subsets import plan_nodes
     fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
 
     def search() -> Plan:

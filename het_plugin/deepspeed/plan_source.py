@@ -18,6 +18,7 @@ from ..core.plan import Plan
 from ..core.inputs.cluster import Cluster
 from ..discovery import discover_cluster
 from ..core.launch import Resolved, load_source, resolve_launch
+from ..core.subsets import check_launch_nodes
 from ..core.request import Launch, LaunchRequest, Timeout
 from ..runtime.all_nodes import use_all_nodes as all_nodes_asked
 from ..runtime.plan_once import node_sharing
@@ -145,7 +146,6 @@ def _as_wrapped(section: HetSection, shape: RunShape, derive_model, source: str)
                           source=source, field=f"{SECTION}.plan_hash",
                           fix="re-wrap the config, or wrap with the plan embedded (the default)")
     if plan.left_out:          # a plan for its kept nodes (issue 32): a launch of more is refused naming them
-        from ..core.subsets import check_launch_nodes
         try:
             check_launch_nodes(plan, world_size=shape.world_size)
         except ConfigError as exc:

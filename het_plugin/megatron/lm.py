@@ -30,6 +30,7 @@ from typing import Any, Optional
 from ..core.errors import ConfigError, HetPluginError
 from ..core.launch import Resolved
 from ..core.request import LaunchRequest, Timeout
+from ..runtime.all_nodes import use_all_nodes
 from ..runtime.patches import PATCHES
 from ..runtime.startup import Planning, Replan, bounded, resolve_start, startup
 from . import launch_state
@@ -164,7 +165,6 @@ def megatron_request(world_size: int, rank: int, given: dict, args: Any) -> Laun
     """The launch request of a Megatron-LM launch: the degrees ``given`` (:func:`het_plugin.megatron.args.degrees_given`
     at parse_args, Megatron's validated arguments at initialisation) and ``--heterogeneous-timeout``."""
     from .mcore import launch_request
-    from ..runtime.all_nodes import use_all_nodes
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     timeout = Timeout(getattr(args, "heterogeneous_timeout", None), TIMEOUT_FLAG, "command line")
     every = use_all_nodes(getattr(args, "heterogeneous_use_all_nodes", None) or None)   # the flag, else the env

@@ -22,6 +22,7 @@ from ..views.report import startup_summary
 from ..discovery import discover_cluster
 from ..core.launch import Resolved, check_launch_settings, resolve_launch
 from ..core.request import LaunchRequest, Timeout
+from ..runtime.all_nodes import use_all_nodes as all_nodes_asked
 from ..runtime.plan_once import node_sharing
 from ..runtime.applied import AppliedPlan
 from ..runtime.startup import Planning, Replan, bounded, startup
@@ -291,7 +292,6 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
                               "profile this run writes there", field="replan_on_restart", fix="add profile_out=FILE")
         settings.replan_on_restart = True
         replan = Replan(settings.path, checkpoint=checkpoint)
-    from ..runtime.all_nodes import use_all_nodes as all_nodes_asked
     request = launch_request(world, rank=rank, local_world_size=int(lws) if lws else None, timeout=Timeout(timeout_s),
                              use_all_nodes=all_nodes_asked(use_all_nodes), tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size, cp=cp,
                              micro_batch_size=micro_batch_size, **plan_degrees(megatron_kwargs))
