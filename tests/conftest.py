@@ -1,6 +1,11 @@
+import os
 from pathlib import Path
 
 import pytest
+
+# Tests not about issue 32's launch refusal plan with every node they launch, as before (tiny models on small example
+# clusters would otherwise be planned over node subsets); the tests of the refusal unset it (tests/runtime/test_all_nodes.py).
+os.environ.setdefault("HET_PLUGIN_USE_ALL_NODES", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"

@@ -32,6 +32,9 @@ def register(sub) -> None:
     p.add_argument("--resume-from", metavar="DIR",
                    help="with --replan-on-restart: the checkpoint folder the script loads (its load_dir); a re-plan "
                         "that checkpoint would not load under is not taken")
+    p.add_argument("--use-all-nodes", action="store_true",
+                   help="the run plans with every node it launches (default: a cluster planned at start-up may "
+                        "leave node groups out, and a launch including them stops naming them)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
     p.set_defaults(func=run)
 
@@ -68,7 +71,8 @@ def run(args) -> int:
     wrapped = wrap(args.config, cluster=args.cluster, model=args.model, pp=args.pp, tp=args.tp,
                    layer_pattern=args.layer_pattern, embed_plan=not args.no_embed_plan,
                    profile_out=args.profile_out, profile_every=args.profile_every,
-                   replan_on_restart=args.replan_on_restart, resume_from=args.resume_from)
+                   replan_on_restart=args.replan_on_restart, resume_from=args.resume_from,
+                   use_all_nodes=args.use_all_nodes)
     section = wrapped[SECTION]
     if args.output:
         write_atomic(args.output, json.dumps(wrapped, indent=2) + "\n", "wrapped config")

@@ -21,6 +21,7 @@ from .inputs.model import ModelSpec, load_model, preset_model
 from .plan import Plan, looks_like_plan
 from .ranks.dims import Degrees, parse_order
 from .request import Launch, LaunchRequest, Schedule
+from .subsets import check_launch_nodes, plan_nodes
 
 PathLike = Union[str, Path]
 ModelArg = Union[ModelSpec, dict, PathLike, None, Callable[[], ModelSpec]]
@@ -121,6 +122,11 @@ def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, m
     loaded = load_source(source)
     if isinstance(loaded, Plan):
         where = str(source) if isinstance(source, (str, Path)) else "<plan>"
+        if loaded.left_out:         # a plan for the kept nodes: the launch must be those (issue 32)
+            try:
+                check_launch_nodes(loaded, request.launch.nodes, request.launch.world_size)
+            except ConfigError as exc:
+                raise ConfigError(exc.problem, source=where, field=exc.field, fix=exc.fix) from None
         check_plan_fits(loaded, request, model_from_arg(model), where)
         check_launch_settings(loaded, request.settings(), where, names)
         return Resolved(loaded)
@@ -133,7 +139,6 @@ def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, m
         raise ConfigError("a cluster needs a model to plan for", field="model",
                           fix="pass a model (ModelSpec, model file or preset name), or a plan file")
     from .planner import make_plan, placeable_degrees
-    from .subsets import plan_nodes
     fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
 
     def search() -> Plan:
@@ -143,13 +148,15 @@ def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, m
 
     try:
         if share_plan is None:
-            return Resolved(search(), cluster)
+            return refuse_left_out(Resolved(search(), cluster), request)
         digest = planning_digest(cluster, spec, degrees, micro_batch_size=request.micro_batch_size,
                                  vpp=request.schedule.vpp, overlap_p2p_comm=request.schedule.overlap_p2p_comm,
                                  profile=profile,
                                  **({} if request.optimizer_instances else {"optimizer_instances": False}),
                                  **({} if request.use_all_nodes else {"use_all_nodes": False}))
-        return Resolved(share_plan(digest, search), cluster)
+        return refuse_left_out(Resolved(share_plan(digest, search), cluster), request)
+    except LeftOutRefused:
+        raise
     except ConfigError as exc:
         if all(v is None for v in fixed.values()):
             raise
@@ -159,6 +166,37 @@ def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, m
         raise ConfigError(f"the degrees passed ({given}, cp={degrees.cp}) cannot be placed on {cluster.name}: "
                           f"{exc.problem}", source=exc.source, field=exc.field,
                           fix=f"{exc.fix + '; ' if exc.fix else ''}degrees this cluster can hold: {listed}") from None
+
+
+class LeftOutRefused(ConfigError):
+    """The launch started nodes the best plan leaves out (not re-worded as a degrees problem)."""
+
+
+#: how each adapter's user asks for a plan with every node (what the refusal names)
+USE_ALL_NODES_ASKS = ("--heterogeneous-use-all-nodes (Megatron-LM), use_all_nodes=True (Megatron-Core's "
+                      "initialize_model_parallel, the DeepSpeed section: `het-plugin wrap-config --use-all-nodes`), "
+                      "or HET_PLUGIN_USE_ALL_NODES=1 in the launch's environment")
+
+
+def refuse_left_out(resolved: Resolved, request: LaunchRequest) -> Resolved:
+    """A cluster file or discovery describes the nodes the launch started (its world size was checked): when the
+    best plan over subsets leaves some out, those ranks would get no place in any group, so every rank stops here
+    (inside the start-up's resolution, before any group) naming the nodes, the predicted gain and both fixes."""
+    plan, cluster = resolved.plan, resolved.cluster
+    if not plan.left_out or request.use_all_nodes:
+        return resolved
+    left, kept = plan.left_out["nodes"], [n.name for n in plan.nodes]
+    every = plan.left_out.get("all_nodes", {}).get("iteration_s")
+    mine = plan.prediction.iteration_s if plan.prediction else None
+    gain = (f"; it predicts {mine:.4g} s/iteration against {every:.4g} s with every node ({every / mine:.2f}x)"
+            if every and mine else "")
+    raise LeftOutRefused(
+        f"the best plan for {cluster.name} leaves out {len(left)} of its {len(left) + len(kept)} nodes "
+        f"({' '.join(left)}){gain}, but this launch started every node", source=cluster.source, field="nodes",
+        fix=f"launch only the kept {len(kept)} nodes ({' '.join(kept[:16])}{' ...' if len(kept) > 16 else ''}) "
+            f"with the plan file of `het-plugin plan ... -o PLAN --hostfile-out HOSTS` (deepspeed --hostfile HOSTS, "
+            f"torchrun --nnodes {len(kept)}; Megatron-LM: --heterogeneous-nic PLAN); or plan with every node: "
+            + USE_ALL_NODES_ASKS)
 
 
 def _plain(value: Any) -> Any:

@@ -16,10 +16,12 @@ DEGREE_FIELDS = ("tp", "pp", "dp", "cp", "ep", "etp", "order")
 
 @dataclass(frozen=True)
 class Launch:
-    """What the launcher started (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE)."""
+    """What the launcher started (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE) and, where known, the hostnames of its
+    nodes in node_rank order (None: not known; a plan that leaves nodes out is then checked by world size)."""
     world_size: int
     rank: Optional[int] = None
     local_world_size: Optional[int] = None
+    nodes: Optional[tuple[str, ...]] = None
 
 
 class Schedule(NamedTuple):
@@ -51,12 +53,13 @@ class LaunchRequest:
     replica_split: Union[str, Sequence[int]] = "auto"
     timeout: Timeout = Timeout()
     names: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
-    use_all_nodes: bool = True           # False: the planner may leave node groups out (core.subsets)
+    use_all_nodes: bool = True           # False: the planner may leave node groups out (core.subsets); the
+    #                                      adapters set it from the user's ask (runtime.all_nodes)
     optimizer_instances: bool = True     # False: no partial distributed optimizer (DeepSpeed has none)
 
     @classmethod
     def of(cls, world_size: int, *, rank: Optional[int] = None, local_world_size: Optional[int] = None,
-           names: Optional[Mapping[str, str]] = None, source: Optional[str] = None, timeout: Timeout = Timeout(),
+           nodes: Optional[Sequence[str]] = None, names: Optional[Mapping[str, str]] = None, source: Optional[str] = None, timeout: Timeout = Timeout(),
            **fields: Any) -> "LaunchRequest":
         """Built from flat fields: the degrees (``tp`` ... ``order``; ``cp``/``order`` None: 1 and Megatron's
         order), ``vpp``, ``overlap_p2p_comm``, ``micro_batch_size``, ``replica_split``. The degrees are checked
@@ -66,7 +69,7 @@ class LaunchRequest:
         degrees["cp"] = degrees.get("cp") or 1
         degrees["order"] = degrees.get("order") or DEFAULT_ORDER
         schedule = Schedule(fields.pop("vpp", None), fields.pop("overlap_p2p_comm", None))
-        return cls(Launch(world_size, rank, local_world_size),
+        return cls(Launch(world_size, rank, local_world_size, tuple(nodes) if nodes is not None else None),
                    Degrees(world_size, **degrees, names=names, source=source), schedule, timeout=timeout,
                    names=names, **fields)
 

@@ -35,7 +35,7 @@ DEEPSPEED_NAMES = {"tp": "tp (the topology's model axis)", "pp": "pp (num_stages
                    "dp": "train_batch_size / (micro * accumulation)"}
 
 
-OPTIONAL_KEYS = ("profile_out", "profile_every", "replan_on_restart", "resume_from")     # written only when set
+OPTIONAL_KEYS = ("profile_out", "profile_every", "replan_on_restart", "resume_from", "use_all_nodes")     # written only when set
 
 
 @dataclass
@@ -60,6 +60,9 @@ class HetSection:
     # so that a re-plan it would not load under is not taken. Optional keys, added to version 1.
     replan_on_restart: Optional[bool] = None
     resume_from: Optional[str] = None
+    # Plan with every node launched (issue 32; None: HET_PLUGIN_USE_ALL_NODES, else the planner may leave node
+    # groups out and a launch including them stops before any group). Optional key, added to version 1.
+    use_all_nodes: Optional[bool] = None
     version: int = SECTION_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,6 +92,9 @@ class HetSection:
         """The measured-profile settings (``profile_out`` overrides the section's), or None."""
         path = profile_out if profile_out is not None else self.profile_out
         every = self.profile_every
+        if self.use_all_nodes not in (None, True, False):
+            raise ConfigError(f"use_all_nodes must be true or false, got {self.use_all_nodes!r}", source=source,
+                              field=f"{SECTION}.use_all_nodes", fix="true (plan with every node), or drop the key")
         if self.replan_on_restart not in (None, True, False):
             raise ConfigError(f"replan_on_restart must be true or false, got {self.replan_on_restart!r}",
                               source=source, field=f"{SECTION}.replan_on_restart", fix="true, or drop the key")
@@ -280,7 +286,7 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
          pp: Optional[int] = None, tp: Optional[int] = None, layer_pattern: Optional[str] = None,
          embed_plan: bool = True, timeout_s: Optional[float] = None, profile_out: Optional[str] = None,
          profile_every: Optional[int] = None, replan_on_restart: bool = False,
-         resume_from: Optional[str] = None) -> dict:
+         resume_from: Optional[str] = None, use_all_nodes: bool = False) -> dict:
     """Return ``config`` with a ``"heterogeneous"`` section (the input is not modified).
 
     ``cluster``: a cluster file, a plan file, a :class:`Plan`, or ``"auto"`` (every rank discovers the
@@ -295,7 +301,9 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
     iterations (default 100) and at exit, for ``het-plugin plan --profile``. ``replan_on_restart`` (with
     ``profile_out`` and a cluster): the next start re-plans from that profile for its nodes
     (:mod:`het_plugin.runtime.restart_replan`); ``resume_from``: the checkpoint folder the script loads, so that a
-    re-plan it would not load under is not taken.
+    re-plan it would not load under is not taken. ``use_all_nodes``: the run plans with every node it launches
+    (stored in the section; without it a cluster planned at start-up may leave node groups out, and a launch
+    including them stops naming them).
     """
     cfg, source = load_ds_config(config)
     if timeout_s is not None:
@@ -312,7 +320,8 @@ def wrap(config: Union[str, Path, dict], cluster: Union[str, Path, Plan] = AUTO,
     section = HetSection(cluster=None, model=spec.model_dump() if spec else None, tp=tp, pp=pp, dp=batch.dp,
                          layer_pattern=layer_pattern, timeout_s=timeout_s, profile_out=profile_out,
                          profile_every=profile_every, replan_on_restart=True if replan_on_restart else None,
-                         resume_from=os.path.abspath(resume_from) if resume_from else None)
+                         resume_from=os.path.abspath(resume_from) if resume_from else None,
+                         use_all_nodes=True if use_all_nodes else None)
     if isinstance(cluster, Plan):
         plan = cluster
     elif str(cluster) == AUTO:

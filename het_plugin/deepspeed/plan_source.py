@@ -18,7 +18,9 @@ from ..core.plan import Plan
 from ..core.inputs.cluster import Cluster
 from ..discovery import discover_cluster
 from ..core.launch import Resolved, load_source, resolve_launch
+from ..core.subsets import check_launch_nodes
 from ..core.request import Launch, LaunchRequest, Timeout
+from ..runtime.all_nodes import use_all_nodes as all_nodes_asked
 from ..runtime.plan_once import node_sharing
 from ..runtime.startup import Planning, Replan, resolve_start
 from ..core.ranks.dims import Degrees
@@ -36,11 +38,14 @@ class RunShape:
         """tp and pp as given, dp inferred from the world size (a ConfigError when they do not divide it)."""
         return Degrees(self.world_size, tp=self.tp, pp=self.pp, dp=-1, names=DEEPSPEED_NAMES, source=source)
 
-    def request(self, source: str, *, micro_batch_size: Optional[int] = None) -> LaunchRequest:
+    def request(self, source: str, *, micro_batch_size: Optional[int] = None,
+                use_all_nodes: Optional[bool] = None) -> LaunchRequest:
         """The launch request the plan is resolved for: the model's degrees (checked here), DeepSpeed's names; no
-        optimizer instances (DeepSpeed's pipeline engine shards ZeRO-1 over all of data parallelism)."""
+        optimizer instances (DeepSpeed's pipeline engine shards ZeRO-1 over all of data parallelism).
+        ``use_all_nodes``: the section's option (None: HET_PLUGIN_USE_ALL_NODES, else plan over node subsets)."""
         return LaunchRequest(Launch(self.world_size), self.degrees(source), micro_batch_size=micro_batch_size,
-                             names=DEEPSPEED_NAMES, optimizer_instances=False)     # no partial ZeRO (docs/deepspeed.md)
+                             names=DEEPSPEED_NAMES, optimizer_instances=False,
+                             use_all_nodes=all_nodes_asked(use_all_nodes))     # no partial ZeRO (docs/deepspeed.md)
 
     def start_request(self, section: HetSection, source: str, rank: int) -> LaunchRequest:
         """What the start-up sequence needs before any plan: this rank and the section's ``timeout_s``. The
@@ -102,7 +107,8 @@ def _restart_resolve(section: HetSection, shape: RunShape, derive_model, source:
         if profile is None:
             return start
         model = lambda: _planning_model(section, derive_model, source)  # noqa: E731
-        request = shape.request(source, micro_batch_size=start.plan.micro_batch_size)
+        request = shape.request(source, micro_batch_size=start.plan.micro_batch_size,
+                                use_all_nodes=section.use_all_nodes)
         resolved = resolve_launch(start.cluster, request, model=model, profile=profile)
         check_plan(resolved.plan, world_size=shape.world_size, pp=shape.pp, tp=shape.tp, dp=resolved.plan.dp,
                    num_layers=shape.num_layers, source=source)
@@ -130,7 +136,8 @@ def _as_wrapped(section: HetSection, shape: RunShape, derive_model, source: str)
                                   f"recorded {section.cluster_digest})", source=section.cluster, field="cluster",
                                   fix="re-wrap the config with `het-plugin wrap-config`")
             model = lambda: _planning_model(section, derive_model, source)  # noqa: E731 - derived only if needed
-            resolved = resolve_launch(loaded, shape.request(source), model=model, discover=discover_cluster,
+            request = shape.request(source, use_all_nodes=section.use_all_nodes)
+            resolved = resolve_launch(loaded, request, model=model, discover=discover_cluster,
                                       share_plan=node_sharing())
             plan, cluster = resolved.plan, resolved.cluster
     if section.plan_hash is not None and plan.hash != section.plan_hash:
@@ -138,6 +145,11 @@ def _as_wrapped(section: HetSection, shape: RunShape, derive_model, source: str)
                           f"({section.plan_hash}): the cluster, the model or het_plugin's planner changed",
                           source=source, field=f"{SECTION}.plan_hash",
                           fix="re-wrap the config, or wrap with the plan embedded (the default)")
+    if plan.left_out:          # a plan for its kept nodes (issue 32): a launch of more is refused naming them
+        try:
+            check_launch_nodes(plan, world_size=shape.world_size)
+        except ConfigError as exc:
+            raise ConfigError(exc.problem, source=source, field=exc.field, fix=exc.fix) from None
     check_plan(plan, world_size=shape.world_size, pp=shape.pp, tp=shape.tp, dp=degrees.dp,
                num_layers=shape.num_layers, source=source)
     return Resolved(plan, cluster)

@@ -18,6 +18,7 @@ TIMEOUT_FLAG = "--heterogeneous-timeout"
 PROFILE_OUT_FLAG = "--heterogeneous-profile-out"
 PROFILE_INTERVAL_FLAG = "--heterogeneous-profile-interval"
 REPLAN_FLAG = "--heterogeneous-replan-on-restart"
+USE_ALL_NODES_FLAG = "--heterogeneous-use-all-nodes"
 DISCOVER = "discover"          # the value of a bare --heterogeneous-nic
 
 Provider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -48,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help=f"with {PROFILE_OUT_FLAG}: the next start of this command (a restart, torchrun's elastic "
                             "restarts too) re-plans from the profile this run wrote, for the nodes it starts on, and "
                             "takes the new plan when it predicts a gain and the checkpoint in --load loads under it")
+    group.add_argument(USE_ALL_NODES_FLAG, action="store_true", default=None,
+                       help="plan with every node launched, even where the planner predicts a faster plan without "
+                            "some (default: with a cluster file or discovery, a launch including nodes the best plan "
+                            "leaves out stops before any group, naming them; HET_PLUGIN_USE_ALL_NODES=1 asks the "
+                            "same from the environment)")
     from .settings import TAKE_FLAG
     group.add_argument(TAKE_FLAG, action="store_true",
                        help="also turn on the training settings the plan assumed (--use-distributed-optimizer "

@@ -30,6 +30,7 @@ from typing import Any, Optional
 from ..core.errors import ConfigError, HetPluginError
 from ..core.launch import Resolved
 from ..core.request import LaunchRequest, Timeout
+from ..runtime.all_nodes import use_all_nodes
 from ..runtime.patches import PATCHES
 from ..runtime.startup import Planning, Replan, bounded, resolve_start, startup
 from . import launch_state
@@ -166,8 +167,9 @@ def megatron_request(world_size: int, rank: int, given: dict, args: Any) -> Laun
     from .mcore import launch_request
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     timeout = Timeout(getattr(args, "heterogeneous_timeout", None), TIMEOUT_FLAG, "command line")
+    every = use_all_nodes(getattr(args, "heterogeneous_use_all_nodes", None) or None)   # the flag, else the env
     return launch_request(world_size, rank=rank, local_world_size=int(lws) if lws else None, timeout=timeout,
-                          **given)
+                          use_all_nodes=every, **given)
 
 
 def megatron_planning(args: Any, request: LaunchRequest, source: Optional[str]) -> Planning:

@@ -22,6 +22,7 @@ from ..views.report import startup_summary
 from ..discovery import discover_cluster
 from ..core.launch import Resolved, check_launch_settings, resolve_launch
 from ..core.request import LaunchRequest, Timeout
+from ..runtime.all_nodes import use_all_nodes as all_nodes_asked
 from ..runtime.plan_once import node_sharing
 from ..runtime.applied import AppliedPlan
 from ..runtime.startup import Planning, Replan, bounded, startup
@@ -98,13 +99,14 @@ def resolve_megatron_launch(source: Union[Plan, Cluster, PathLike, None] = None,
 
 
 def launch_request(world_size: int, *, rank: Optional[int] = None, local_world_size: Optional[int] = None,
-                   timeout: Timeout = Timeout(), **degrees: Any) -> LaunchRequest:
+                   timeout: Timeout = Timeout(), use_all_nodes: bool = True, **degrees: Any) -> LaunchRequest:
     """A Megatron launch's request: ``degrees`` are tp, pp, cp, ep, etp, order, vpp, overlap_p2p_comm and
     micro_batch_size as Megatron gives them (None: the planner chooses; ep None: 1, Megatron's default), named in
-    messages as Megatron names them."""
+    messages as Megatron names them. ``use_all_nodes``: plan with every node (False: over subsets of the node
+    groups, refusing a launch of nodes the best plan leaves out)."""
     degrees["ep"] = degrees.get("ep", 1) or 1
     return LaunchRequest.of(world_size, rank=rank, local_world_size=local_world_size, names=MEGATRON_NAMES,
-                            source="Megatron arguments", timeout=timeout, **degrees)
+                            source="Megatron arguments", timeout=timeout, use_all_nodes=use_all_nodes, **degrees)
 
 
 def plan_megatron(source: Union[Plan, Cluster, PathLike, None], request: LaunchRequest, *,
@@ -250,6 +252,7 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
                               profile_every: Optional[int] = None,
                               replan_on_restart: bool = False,
                               checkpoint: Any = None,
+                              use_all_nodes: Optional[bool] = None,
                               **megatron_kwargs: Any) -> Plan:
     """Drop-in for ``megatron.core.parallel_state.initialize_model_parallel`` on a heterogeneous cluster.
 
@@ -270,6 +273,9 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     ``replan_on_restart`` (with ``profile_out``): the next start re-plans from the profile this run writes
     (:mod:`het_plugin.runtime.restart_replan`); ``checkpoint``: the
     :class:`~het_plugin.core.checkpoint_fit.CheckpointShape` of the checkpoint it resumes (or a callable returning it): a re-plan it would not load under is not taken.
+    ``use_all_nodes``: with a cluster (file or discovered), True plans with every node; False/None (unless
+    ``HET_PLUGIN_USE_ALL_NODES=1``) plans over subsets of its node groups and stops every rank, naming the nodes,
+    when the best plan leaves some out (launch the kept ones with its plan file, or ask for every node).
     """
     import torch.distributed as dist
     from .version import check_megatron_version
@@ -291,7 +297,7 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
         settings.replan_on_restart = True
         replan = Replan(settings.path, checkpoint=checkpoint)
     request = launch_request(world, rank=rank, local_world_size=int(lws) if lws else None, timeout=Timeout(timeout_s),
-                             tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size, cp=cp,
+                             use_all_nodes=all_nodes_asked(use_all_nodes), tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size, cp=cp,
                              micro_batch_size=micro_batch_size, **plan_degrees(megatron_kwargs))
     source = plan if plan is not None else cluster
     from .dist_opt import groups_kwargs

@@ -61,12 +61,22 @@ class RestartDecision:
 
 def _predicted(plan: Plan, cluster, profile) -> Optional[float]:
     """The plan's iteration time predicted with ``profile`` on ``cluster`` (None: it does not fit these nodes)."""
-    if plan.cluster_digest != cluster.digest or plan.world_size != cluster.world_size:
+    if not _fits(plan, cluster):
         return None
     try:
         return split_costs(plan, cluster, profile).predict(plan.layers_per_stage).iteration_s
     except (ValueError, ConfigError):
         return None
+
+
+def _fits(plan: Plan, cluster) -> bool:
+    """The plan was made for these nodes: the same cluster, or, for a plan that left nodes out (issue 32, made
+    for the sub-cluster of its kept nodes), a start on exactly its kept nodes in its launch order."""
+    if plan.world_size != cluster.world_size:
+        return False
+    if plan.cluster_digest == cluster.digest:
+        return True
+    return bool(plan.left_out) and [n.name for n in cluster.nodes] == [n.name for n in plan.nodes]
 
 
 def _describe(plan: Plan) -> str:

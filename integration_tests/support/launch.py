@@ -63,6 +63,7 @@ def run_ranks(script: str | Path, world_size: int, args: Sequence[str] = (), *, 
     base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
                  "HET_TEST_TIMEOUT": str(max(5, timeout - 10)), "PYTHONUNBUFFERED": "1",
                  "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{base.get('PYTHONPATH', '')}"})
+    base.setdefault("HET_PLUGIN_USE_ALL_NODES", "1")   # tests not about issue 32's refusal: every node, as before
     base.update(env or {})
     rpn = ranks_per_node or world_size
     try:

@@ -135,8 +135,9 @@ def test_hostfile_and_node_list(searched):
 def test_resolve_launch_plans_every_node_unless_told(old_nodes, gpt):
     every = resolve_launch(old_nodes, launch=Launch(80), model=gpt).plan
     assert every.hash == make_plan(old_nodes, gpt).hash
-    chosen = resolve_launch(old_nodes, launch=Launch(80), model=gpt, use_all_nodes=False).plan
-    assert chosen.left_out["nodes"] == ["annex-0", "annex-1"]
+    # told it may leave nodes out, on a launch of every node (the cluster is what was launched): refused, naming them
+    with pytest.raises(ConfigError, match="leaves out 2 of its 10 nodes \\(annex-0 annex-1\\)"):
+        resolve_launch(old_nodes, launch=Launch(80), model=gpt, use_all_nodes=False)
 
 
 # ---- prices ---------------------------------------------------------------------------------------------------

@@ -173,3 +173,34 @@ def test_no_function_on_the_startup_path_takes_ten_parameters():
     assert not long
     assert parameter_counts(PACKAGE / "core/planner.py")["make_plan"] < 10        # the planner's entry point too
     assert parameter_counts(PACKAGE / "megatron/mcore.py")["resolve_megatron_launch"] >= 10     # the count counts
+
+
+def test_a_launch_of_nodes_the_best_plan_leaves_out_stops_every_rank_before_any_group(monkeypatch):
+    """Issue 32: the refusal is raised by the resolution the start-up runs (resolve_launch), so every rank stops
+    with it at the agreement. The four threads stand for a launch of the 80-rank example cluster's every node."""
+    from het_plugin.core.inputs.model import preset_model
+    from het_plugin.core.launch import LeftOutRefused
+    from het_plugin.runtime.all_nodes import ENV, use_all_nodes
+    monkeypatch.delenv(ENV, raising=False)
+    cluster = PACKAGE.parent / "examples" / "clusters" / "h100-old-ethernet.yaml"
+    model = preset_model("gpt-7.5b")
+    from het_plugin.core import subsets
+    from het_plugin.core.inputs.cluster import load_cluster
+    best = subsets.plan_nodes(load_cluster(cluster), model)      # searched once: the ranks share it (share_plan)
+    seen = []
+
+    def body(rank, store):
+        request = request_of(rank)
+        whole = LaunchRequest.of(80, rank=rank, use_all_nodes=use_all_nodes(None))
+
+        def resolve(profile):
+            seen.append(rank)
+            return resolve_launch(str(cluster), whole, model=model, profile=profile,
+                                  share_plan=lambda digest, search: best)
+        return startup(request, Planning(resolve), store=store, default_backend="gloo")
+
+    results = run_rank_threads(4, body, hash_store(4), join_s=60.0)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for r in range(4):
+        assert isinstance(results[r], (LeftOutRefused, PlanMismatchError)), (r, results[r])
+        assert "annex-0 annex-1" in str(results[r]) and not isinstance(results[r], Started)
