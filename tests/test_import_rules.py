@@ -46,21 +46,6 @@ ALLOWED = {
         "package for its config module only",
 }
 
-# Left for the coordinator to empty once the start-up restructuring (issue 29, deliverables 1-2) is merged: the
-# other sides of these are in megatron/lm.py, args.py, mcore.py, deepspeed/engine.py, pipe.py, plan_source.py and
-# core/launch.py. A stale entry fails the test, so the lists only shrink.
-PENDING_CYCLES = {
-    frozenset({"het_plugin.megatron.args", "het_plugin.megatron.lm"}),        # args.check_compatible -> lm
-    frozenset({"het_plugin.megatron.mcore", "het_plugin.megatron.replicas"}),  # replicas reads mcore.current_plan
-    frozenset({"het_plugin.deepspeed.engine", "het_plugin.deepspeed.hook"}),  # engine -> hook.original_initialize
-}
-# Modules whose function-level imports are left as they are for now (the files being restructured, and
-# megatron/replicas.py, which reads mcore.current_plan until the Megatron-LM plan state has its own module).
-PENDING_LAZY = {"het_plugin.core.launch", "het_plugin.deepspeed.engine", "het_plugin.deepspeed.plan_source",
-                "het_plugin.megatron.args", "het_plugin.megatron.lm", "het_plugin.megatron.mcore",
-                "het_plugin.megatron.replicas"}
-
-
 @dataclass(frozen=True)
 class Import:
     importer: str
@@ -327,15 +312,11 @@ def test_the_root_package_and_the_old_paths(package):
 
 
 def test_no_import_cycle(package):
-    found = {c for c in cycles(*package)}
-    assert sorted(map(sorted, found - PENDING_CYCLES)) == [], "import cycles"
-    assert sorted(map(sorted, PENDING_CYCLES - found)) == [], "fixed: remove them from PENDING_CYCLES"
+    assert sorted(map(sorted, cycles(*package))) == [], "import cycles"
 
 
 def test_imports_inside_functions_only_defer_optional_dependencies(package):
-    found = lazy_problems(*package)
-    assert [f"{i}: {why}" for i, why in found if i.importer not in PENDING_LAZY] == []
-    assert sorted(PENDING_LAZY - {i.importer for i, _ in found}) == [], "fixed: remove them from PENDING_LAZY"
+    assert [f"{i}: {why}" for i, why in lazy_problems(*package)] == []
 
 
 def test_the_checks_find_what_they_forbid(tmp_path):

@@ -15,7 +15,11 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from .. import __version__
 from .inputs.cluster import Cluster, load_cluster
+from .inputs.yamlio import validate
+from .planner import make_plan, placeable_degrees
+from .ranks.placement import check_world_size
 from .errors import ConfigError
 from .inputs.model import ModelSpec, load_model, preset_model
 from .plan import Plan, looks_like_plan
@@ -38,7 +42,6 @@ def model_from_arg(model: ModelArg) -> Optional[ModelSpec]:
     if model is None or isinstance(model, ModelSpec):
         return model
     if isinstance(model, dict):
-        from .inputs.yamlio import validate
         return validate(ModelSpec, model, "<model dict>")
     text = str(model)
     if Path(text).exists() or text.endswith((".yaml", ".yml", ".json")):
@@ -131,14 +134,12 @@ def resolve_launch(source: Source, request: Optional[LaunchRequest] = None, *, m
         check_launch_settings(loaded, request.settings(), where, names)
         return Resolved(loaded)
     cluster = loaded if loaded is not None else discover()
-    from .ranks.placement import check_world_size
     launch = request.launch
     check_world_size(cluster, launch.world_size, rank=launch.rank, local_world_size=launch.local_world_size)
     spec = model_from_arg(model)
     if spec is None:
         raise ConfigError("a cluster needs a model to plan for", field="model",
                           fix="pass a model (ModelSpec, model file or preset name), or a plan file")
-    from .planner import make_plan, placeable_degrees
     fixed = {k: getattr(degrees, k) for k in ("tp", "pp", "dp")}
 
     def search() -> Plan:
@@ -211,7 +212,6 @@ def planning_digest(cluster: Cluster, model: ModelSpec, degrees: Degrees, **sett
     """A content hash of everything :func:`resolve_launch` plans from (the cluster as the planner reads it, the
     model, the degrees, the settings, a profile): equal digests give equal plans, since the planner is
     deterministic. Two ranks with different inputs get different digests, so they never share a plan."""
-    from .. import __version__
     payload = {"cluster": cluster.digest, "model": _plain(model), "degrees": _plain(degrees),
                "settings": {k: _plain(v) for k, v in sorted(settings.items())}, "het_plugin": __version__}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]

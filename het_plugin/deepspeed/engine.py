@@ -25,13 +25,23 @@ from ..runtime.startup import bounded, startup
 from .groups import planned_groups
 from .replicas import ReplicaShare, apply_replica_split, check_batch_settings, rank_config
 from .plan_source import RunShape, section_planning
+from .checkpoints import install as check_checkpoints
+from .hook_state import unapplied_reason
+from .recorder_hooks import install as time_engine
+from ..runtime.patches import PATCHES
 
 
 def initialize(*args, profile_out=None, **kwargs):
     """Same signature and return value as ``deepspeed.initialize``; ``profile_out`` (or the section's): rank 0
     writes the run's measured profile there (:mod:`het_plugin.deepspeed.recorder_hooks`)."""
-    from .hook import original_initialize
     return initialize_with_plan(original_initialize(), args, kwargs, profile_out=profile_out)
+
+
+def original_initialize():
+    """DeepSpeed's own ``initialize`` (under any of het_plugin's patches, the import hook's included)."""
+    import deepspeed
+
+    return PATCHES.original(deepspeed, "initialize")
 
 
 def initialize_with_plan(ds_initialize, args, kwargs, *, profile_out=None, process_section=None):
@@ -93,13 +103,11 @@ def initialize_with_plan(ds_initialize, args, kwargs, *, profile_out=None, proce
     engine = result[0]
     engine.het_plan = applied.plan
     engine.het_applied = applied
-    from .checkpoints import install as check_checkpoints
     check_checkpoints(engine)             # the plan recorded in its checkpoints; loads checked first
     if share is not None:
         apply_replica_split(engine, share, arguments.get("training_data"))
         result = (engine, result[1], engine.training_dataloader, *result[3:])
     if profile is not None:
-        from .recorder_hooks import install as time_engine
         time_engine(engine, applied.plan, applied.rank, profile)
     return result
 
@@ -107,7 +115,6 @@ def initialize_with_plan(ds_initialize, args, kwargs, *, profile_out=None, proce
 def _pipeline_plan(model, section, source):
     plan = getattr(model, "het_plan", None)
     if plan is None:
-        from .hook import unapplied_reason
         raise ConfigError("the config has a heterogeneous section but the PipelineModule was built without its plan: "
                           f"{unapplied_reason()}", source=source, field=SECTION,
                           fix="let het_plugin's import hook see the wrapped config when the PipelineModule is built: "

@@ -32,17 +32,16 @@ from ..core.errors import ConfigError
 from ..runtime.import_patch import PatchOnLoad
 from ..runtime.patches import PATCHES
 from .config import SECTION, load_ds_config, section_of
-from .engine import initialize_with_plan
+from .engine import initialize_with_plan, original_initialize  # noqa: F401   hook.original_initialize: read here before
+from .hook_state import ENV_OFF, _state, unapplied_reason  # noqa: F401   the hook's mode, read by engine too
 from .script_topology import remembering
 
 TARGET = "deepspeed"
 ENV_CONFIG = "HET_PLUGIN_DEEPSPEED_CONFIG"
-ENV_OFF = "HET_PLUGIN_NO_HOOK"
 ARG_NAMES = ("--deepspeed_config", "--deepspeed-config")
 
 
 LABEL = "deepspeed.hook"         # this hook's patches in het_plugin.runtime.patches.PATCHES
-_state = {"mode": None, "targets": []}   # mode None: not installed; "plan"; "guard" (HET_PLUGIN_NO_HOOK)
 
 
 def hook_off() -> bool:
@@ -77,16 +76,6 @@ def process_section():
     return None
 
 
-def unapplied_reason() -> str:
-    """Why a PipelineModule has no plan although initialize sees a section (for the ConfigError)."""
-    if _state["mode"] == "guard":
-        return f"{ENV_OFF}=1 switched het_plugin's DeepSpeed hook off"
-    if _state["mode"] is None:
-        return "het_plugin's DeepSpeed hook is not installed (het_plugin_deepspeed.pth; or call het_plugin.deepspeed.hook.install())"
-    return ("the section reached only deepspeed.initialize (a config dict or path passed there), which runs after the "
-            "PipelineModule was built")
-
-
 # ---- the patches ---------------------------------------------------------------------------------
 
 def _patch(owner, name: str, make: Callable[[Any], Any]) -> None:
@@ -101,13 +90,6 @@ def patched() -> list[tuple[str, str]]:
     """What this hook has patched now: (owner, attribute) pairs."""
     return [(getattr(o, "__qualname__", getattr(o, "__name__", repr(o))), n) for o, n in _state["targets"]
             if PATCHES.patch(o, n, LABEL) is not None]
-
-
-def original_initialize():
-    """DeepSpeed's own ``initialize`` (under any of het_plugin's patches)."""
-    import deepspeed
-
-    return PATCHES.original(deepspeed, "initialize")
 
 
 def _wrap_init(original):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 from ..core.errors import ConfigError
+from ..core.inputs.yamlio import validate
 from ..core.inputs.model import ModelSpec
 from ..core.plan import Plan
 from ..core.inputs.cluster import Cluster
@@ -24,6 +26,7 @@ from ..runtime.all_nodes import use_all_nodes as all_nodes_asked
 from ..runtime.plan_once import node_sharing
 from ..runtime.startup import Planning, Replan, resolve_start
 from ..core.ranks.dims import Degrees
+from .checkpoints import read_shape
 from .config import AUTO, DEEPSPEED_NAMES, SECTION, HetSection, check_plan
 
 @dataclass(frozen=True)
@@ -82,7 +85,6 @@ def section_planning(section: HetSection, shape: RunShape, *,
     taken when the checkpoint in ``resume_from`` would not load under it."""
     if not section.replan_on_restart:
         return Planning(lambda profile: _as_wrapped(section, shape, derive_model, source), check=check)
-    from .checkpoints import read_shape
     checkpoint = (lambda: read_shape(section.resume_from)) if section.resume_from else None
     return Planning(_restart_resolve(section, shape, derive_model, source), check=check,
                     replan=Replan(section.profile_out, checkpoint=checkpoint))
@@ -158,7 +160,6 @@ def _as_wrapped(section: HetSection, shape: RunShape, derive_model, source: str)
 def _cluster_file_of(section: HetSection, plan: Plan) -> Optional[Cluster]:
     """The section's cluster file, if this rank has it and it is the one the plan was made from (else None:
     an embedded plan needs no file, and a changed file says nothing about the plan's nodes)."""
-    from pathlib import Path
     if not section.cluster or section.cluster == AUTO or not Path(section.cluster).is_file():
         return None
     try:
@@ -170,7 +171,6 @@ def _cluster_file_of(section: HetSection, plan: Plan) -> Optional[Cluster]:
 
 def _planning_model(section: HetSection, derive_model, source: str) -> ModelSpec:
     if section.model is not None:
-        from ..core.inputs.yamlio import validate
         return validate(ModelSpec, section.model, f"{source}: {SECTION}.model")
     if derive_model is None:
         raise ConfigError("no planning model: the section has none and this model has no layer list to derive "

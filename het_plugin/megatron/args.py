@@ -11,6 +11,13 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..core.errors import ConfigError
 from ..core.plan import Plan
+from ..runtime.exchange import check_timeout
+from . import launch_state
+from .dist_opt import ARG as INSTANCES, apply_instances
+from .mcore import profile_settings
+from .pipeline_layout import layout_for_plan
+from .settings import TAKE_FLAG, planned_settings, take_plan_settings
+from .split_flags import users_split
 
 FLAG = "--heterogeneous-nic"
 PLAN_OUT_FLAG = "--heterogeneous-plan-out"
@@ -54,7 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "some (default: with a cluster file or discovery, a launch including nodes the best plan "
                             "leaves out stops before any group, naming them; HET_PLUGIN_USE_ALL_NODES=1 asks the "
                             "same from the environment)")
-    from .settings import TAKE_FLAG
     group.add_argument(TAKE_FLAG, action="store_true",
                        help="also turn on the training settings the plan assumed (--use-distributed-optimizer "
                             "where its memory fit needs it, --overlap-grad-reduce on a heterogeneous cluster); "
@@ -98,12 +104,24 @@ def check_compatible(args: Any) -> None:
     """Reject Megatron-LM options het_plugin cannot honour, naming the flag and the fix."""
     # the split flags (SPLIT_OPTIONS) are the plan's to judge: split_flags.users_split in apply_plan_to_args
     if getattr(args, "heterogeneous_timeout", None) is not None:
-        from ..runtime.exchange import check_timeout
         check_timeout(args.heterogeneous_timeout, TIMEOUT_FLAG, "command line")
     if (getattr(args, "heterogeneous_profile_out", None) is not None
             or getattr(args, "heterogeneous_profile_interval", None) is not None):
-        from .lm import launch_profile_settings
         launch_profile_settings(args)         # a bad name or interval stops every rank alike, before planning
+
+
+def launch_profile_settings(args: Any):
+    """``--heterogeneous-profile-out`` / ``--heterogeneous-profile-interval`` as ProfileSettings (None without)."""
+    path = getattr(args, "heterogeneous_profile_out", None)
+    every = getattr(args, "heterogeneous_profile_interval", None)
+    try:
+        settings = profile_settings(path, every, launch_state.current().source, field=PROFILE_OUT_FLAG,
+                                    every_field=PROFILE_INTERVAL_FLAG)
+    except ConfigError as exc:
+        raise ConfigError(exc.problem, source="command line", field=exc.field, fix=exc.fix) from None
+    if settings is not None and getattr(args, "heterogeneous_replan_on_restart", False):
+        settings.replan_on_restart = True       # write the plan run beside the profile: the next start's old plan
+    return settings
 
 
 def order_of(args: Any) -> str:
@@ -160,7 +178,6 @@ def degrees_given(args: Any, argv: Sequence[str]) -> dict[str, Optional[int]]:
 
 def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
     """Write the plan into Megatron-LM's args (before validate_args); returns what changed, for the log."""
-    from .pipeline_layout import layout_for_plan
     changes = []
 
     def put(name, value):
@@ -176,7 +193,6 @@ def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
     if (getattr(args, "expert_tensor_parallel_size", None) or plan.tp) != (plan.etp or plan.tp):
         put("expert_tensor_parallel_size", plan.etp or plan.tp)
     user_vpp = virtual_stages(args, plan.pp)
-    from .split_flags import users_split
     if users_split(args, plan):
         pass                              # a homogeneous plan: the command line's own split stands
     elif user_vpp in (None, plan.vpp) or not plan.accepts_vpp(user_vpp):
@@ -192,11 +208,9 @@ def apply_plan_to_args(args: Any, plan: Plan) -> list[str]:
             put("num_virtual_stages_per_pipeline_rank", plan.vpp)
         if plan.vpp > 1:
             put("overlap_p2p_comm", plan.overlap_p2p_comm)
-    from .settings import planned_settings, take_plan_settings
     if take_plan_settings(args):          # only on request: the optimizer and overlap are the user's (settings.py)
         for name, value in planned_settings(plan).items():
             put(name, value)
-    from .dist_opt import ARG as INSTANCES, apply_instances
     before = getattr(args, INSTANCES, 1)
     apply_instances(args, plan)           # after the settings: only with the distributed optimizer on; rank 0's
     if getattr(args, INSTANCES, 1) != before:     # line on what is kept or left comes from settings.offer

@@ -23,6 +23,7 @@ import inspect
 from typing import Any
 
 from ..core.errors import ConfigError
+from .applied_state import current_plan
 from .group_check import EXPERT_AS_DECODER
 
 # field -> how it is made from the plan: ("kind", plan kind) | ("alias", field) | ("first_of", kind) |
@@ -52,7 +53,6 @@ def planned_collection(applied=None, *, from_plan: bool = False, all_gather: boo
     (None: :func:`~het_plugin.megatron.mcore.current_plan`); ``all_gather``: also the all-gather groups
     (``dp_cp_ag``/``expt_dp_ag``, megatron-core 0.19's ``--create-all-gather-group``) on the plan's data-parallel
     groups. Every rank calls it (groups are created collectively)."""
-    from .mcore import current_plan
     applied = current_plan() if applied is None else applied
     if applied is None:
         raise ConfigError("no plan was applied in this process, so there is no planned process-group collection",
@@ -150,7 +150,6 @@ def collection_kwargs(builder: Any) -> dict[str, Any]:
         takes = False
     if not takes:
         return {}
-    from .mcore import current_plan
     if current_plan() is not None:
         return {"pg_collection": planned_collection()}
     return {"pg_collection": collection_class().use_mpu_process_groups()}

@@ -20,6 +20,7 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 from ..core.errors import ConfigError
+from .applied_state import current_plan
 from ..runtime.patches import PATCHES
 
 LABEL = "megatron.group_check"
@@ -111,7 +112,6 @@ def check_groups(pg_collection: Any = None, *, applied=None, extras: Optional[di
     """Compare the run's groups with the plan (``pg_collection``: the run's, None: Megatron's globals through
     ``ProcessGroupCollection.use_mpu_process_groups()``; ``extras``: more named groups). Every rank stops with
     a ConfigError naming the first group that differs; returns how many groups were compared."""
-    from .mcore import current_plan
     applied = current_plan() if applied is None else applied
     if applied is None:
         raise ConfigError(f"{what} were built on process groups het_plugin did not create: --heterogeneous-nic is on "

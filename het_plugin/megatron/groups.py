@@ -41,13 +41,12 @@ def planned_groups(applied: AppliedPlan, *, parallel_state=None, timeout_s: Opti
     """Patch Megatron-Core's rank generator and group creation for the duration of group building;
     every group created is recorded in ``applied.records``. The phase is guarded (runtime.guard): a rank
     that fails or disappears stops every rank within ``timeout_s`` (None: HET_PLUGIN_TIMEOUT or the default).
-    Groups made after the window follow the plan through :func:`het_plugin.megatron.late_groups.install`."""
+    Groups made after the window follow the plan through :func:`het_plugin.megatron.late_groups.install`; the
+    caller ends a previous plan's (:func:`het_plugin.megatron.late_groups.uninstall`, as ``mcore.build_groups``)."""
     if parallel_state is None:
         from megatron.core import parallel_state
     if spans_vendors(applied.plan):
         from .. import comm  # noqa: F401   registers het_shim, the backend of groups spanning vendors
-    from .late_groups import uninstall as stop_following
-    stop_following()          # a plan applied before in this process: its run-long patches would map twice
     with PATCHES.temporarily("megatron.groups", [(parallel_state.RankGenerator, "get_ranks", planned_get_ranks(applied)),
                                                  (parallel_state, "create_group", planned_create_group(applied))]):
         with applied.guarding("Megatron-Core's initialize_model_parallel", timeout_s=timeout_s):

@@ -24,7 +24,7 @@ import functools
 import inspect
 import os
 import sys
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 from typing import Any, Optional
 
 from ..core.errors import ConfigError, HetPluginError
@@ -33,9 +33,18 @@ from ..core.request import LaunchRequest, Timeout
 from ..runtime.all_nodes import use_all_nodes
 from ..runtime.patches import PATCHES
 from ..runtime.startup import Planning, Replan, bounded, resolve_start, startup
-from . import launch_state
-from .args import DISCOVER, TIMEOUT_FLAG, apply_plan_to_args, check_compatible, degrees_given
+from ..runtime import netselect
+from ..runtime.replicas import ReplicaShare
+from . import checkpoints, launch_state, mcore
+from .dist_opt import ARG as INSTANCES, apply_to_ddp_config
+from .args import (DISCOVER, PROFILE_OUT_FLAG, REPLAN_FLAG, TIMEOUT_FLAG, apply_plan_to_args, check_compatible,
+                   degrees_given, launch_profile_settings)
+from .group_check import install as install_group_check
 from .launch_state import LaunchState
+from .modelspec import model_from_args
+from .pipeline_layout import apply_plan_to_config, layout_for_plan
+from .settings import offer, planned_settings, take_plan_settings
+from .version import check_megatron_version
 
 PATCH_LABEL = "megatron.lm"    # Megatron-LM's init_process_group, initialize_model_parallel, setup_model_and_optimizer,
 #                                load_checkpoint
@@ -60,7 +69,6 @@ def prepare_args(args: Any, argv: Optional[list[str]] = None) -> Any:
     if source is None or getattr(args, "_het_plugin_prepared", False):
         return args
     argv = sys.argv[1:] if argv is None else argv
-    from .version import check_megatron_version
     check_megatron_version()      # the same install on every rank: raising here stops all alike
     check_compatible(args)
     state = launch_state.current()
@@ -120,8 +128,7 @@ def _world_network_init(current):
         backend = kw.get("backend", a[0] if a else None)
         if (world_needs_own_network(launch_state.current().plan) and "nccl" in str(backend or "").lower()
                 and kw.get("pg_options") is None and len(a) < 8):     # 8th positional: pg_options
-            from ..runtime.netselect import world_group_options
-            options = world_group_options()
+            options = netselect.world_group_options()
             if options is not None:
                 kw["pg_options"] = options
                 if int(os.environ.get("RANK", "0") or 0) == 0:
@@ -138,7 +145,6 @@ def check_replica_batch(args: Any, plan: Any) -> None:
     the plan's batch silently replacing it."""
     if not plan.uneven_replicas:
         return
-    from ..runtime.replicas import ReplicaShare
     share = ReplicaShare.from_plan(plan, 0)
     if getattr(args, "rampup_batch_size", None):
         raise ConfigError(f"--rampup-batch-size is set, but the plan splits a fixed global batch of "
@@ -164,33 +170,29 @@ def rank_of(args: Any) -> int:
 def megatron_request(world_size: int, rank: int, given: dict, args: Any) -> LaunchRequest:
     """The launch request of a Megatron-LM launch: the degrees ``given`` (:func:`het_plugin.megatron.args.degrees_given`
     at parse_args, Megatron's validated arguments at initialisation) and ``--heterogeneous-timeout``."""
-    from .mcore import launch_request
     lws = os.environ.get("LOCAL_WORLD_SIZE")
     timeout = Timeout(getattr(args, "heterogeneous_timeout", None), TIMEOUT_FLAG, "command line")
     every = use_all_nodes(getattr(args, "heterogeneous_use_all_nodes", None) or None)   # the flag, else the env
-    return launch_request(world_size, rank=rank, local_world_size=int(lws) if lws else None, timeout=timeout,
-                          use_all_nodes=every, **given)
+    return mcore.launch_request(world_size, rank=rank, local_world_size=int(lws) if lws else None, timeout=timeout,
+                                use_all_nodes=every, **given)
 
 
 def megatron_planning(args: Any, request: LaunchRequest, source: Optional[str]) -> Planning:
     """How a Megatron-LM launch plans: for ``source`` (a file, or DISCOVER), the model read from ``args``; with
     ``--heterogeneous-replan-on-restart`` re-planned from the profile the last attempt wrote and the checkpoint in
     ``--load`` (het_plugin.runtime.restart_replan)."""
-    from .mcore import plan_megatron
-    from .modelspec import model_from_args
 
     def resolve(profile: Any) -> Resolved:
         d = request.degrees
         dp_guess = max(1, request.launch.world_size // ((d.tp or 1) * (d.pp or 1) * (d.cp or 1)))
         model = model_from_args(args, data_parallel_size=dp_guess)
-        return plan_megatron(None if source == DISCOVER else source, request, model=model, profile=profile)
+        return mcore.plan_megatron(None if source == DISCOVER else source, request, model=model, profile=profile)
 
     return Planning(resolve, replan=_replan(args))
 
 
 def _replan(args: Any) -> Optional[Replan]:
     """``--heterogeneous-replan-on-restart`` as the start-up's Replan (None without it)."""
-    from .args import PROFILE_OUT_FLAG, REPLAN_FLAG
     if not getattr(args, "heterogeneous_replan_on_restart", False):
         return None
     settings = launch_profile_settings(args)
@@ -198,8 +200,7 @@ def _replan(args: Any) -> Optional[Replan]:
         raise ConfigError(f"{REPLAN_FLAG} needs {PROFILE_OUT_FLAG}: the next start re-plans from the measured profile "
                           "this run writes there", source="command line", field=REPLAN_FLAG,
                           fix=f"add {PROFILE_OUT_FLAG} FILE (on storage every rank sees, e.g. beside the checkpoints)")
-    from .checkpoints import checkpoint_shape
-    return Replan(settings.path, checkpoint=lambda: checkpoint_shape(args),
+    return Replan(settings.path, checkpoint=lambda: checkpoints.checkpoint_shape(args),
                   distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
 
 
@@ -215,7 +216,6 @@ def install_initialize_wrapper() -> None:
         PATCHES.apply(training, "setup_model_and_optimizer", _planned_setup, label=PATCH_LABEL)
     if getattr(training, "load_checkpoint", None) is not None:
         PATCHES.apply(training, "load_checkpoint", _checked_load, label=PATCH_LABEL)
-    from .group_check import install as install_group_check
     install_group_check(training)          # after the model and optimizer: every group against the plan
 
 
@@ -244,10 +244,9 @@ def _checked_load(load):
     """megatron.training's ``load_checkpoint`` (as training.py calls it) checks what the checkpoint holds against
     this run first, on every rank (checkpoints.py): a combination that cannot load stops every rank alike."""
     def load_checkpoint(*a, **kw):
-        from .checkpoints import check_before_load
         margs = megatron_args()
         if launch_state.current().plan is not None and margs is not None:
-            notes = check_before_load(margs, kw.get("load_arg", "load"))
+            notes = checkpoints.check_before_load(margs, kw.get("load_arg", "load"))
             if notes and int(getattr(margs, "rank", 0) or 0) == 0:
                 print("\n".join(notes), flush=True)
         return load(*a, **kw)
@@ -264,9 +263,6 @@ def apply_plan_to_container(container: Any, plan: Any, take_settings: Optional[b
     left alone, the model would get Megatron's even split and the DDP config would disagree with the
     optimizer (which megatron.training builds from ``args``). A split the container already has is kept.
     """
-    from dataclasses import fields, is_dataclass, replace
-
-    from .pipeline_layout import apply_plan_to_config, layout_for_plan
     changes = []
     model = getattr(container, "model", None)
     transformer = getattr(model, "transformer", None)
@@ -274,7 +270,6 @@ def apply_plan_to_container(container: Any, plan: Any, take_settings: Optional[b
     if transformer is not None and layout is not None and transformer.pipeline_model_parallel_layout is None:
         model.transformer = apply_plan_to_config(transformer, plan)
         changes.append(f"model.transformer.pipeline_model_parallel_layout={layout}")
-    from .settings import planned_settings, take_plan_settings
     # the optimizer and overlap are the user's unless asked for (settings.py); a homogeneous plan assumes none
     if take_settings is None:
         take_settings = take_plan_settings(megatron_args())
@@ -290,7 +285,6 @@ def apply_plan_to_container(container: Any, plan: Any, take_settings: Optional[b
             setattr(container, name, config)
             changes += [f"{name}.{k}={v}" for k, v in differ.items()]
         if name == "ddp":
-            from .dist_opt import ARG as INSTANCES, apply_to_ddp_config
             updated = apply_to_ddp_config(config, plan) if INSTANCES in names else config
             if updated is not config:         # the plan's count, where the distributed optimizer is on
                 setattr(container, name, updated)
@@ -303,9 +297,8 @@ def planned_initialize_model_parallel(*args, **kwargs):
     sequence (:func:`het_plugin.runtime.startup.startup`) on the plan of a file, planned at parse_args, or, with the
     bare flag, discovered and planned here with the degrees Megatron validated; then every group on its placement."""
     import torch.distributed as dist
-    from .mcore import build_groups, original_initialize_model_parallel
 
-    original = original_initialize_model_parallel()
+    original = mcore.original_initialize_model_parallel()
     state = launch_state.current()
     if state.args is None:
         return original(*args, **kwargs)
@@ -322,11 +315,10 @@ def planned_initialize_model_parallel(*args, **kwargs):
                                                changes=tuple(apply_plan_to_args(margs, plan))))
         if rank == 0 and state.changes:
             print("het_plugin: Megatron arguments set from the plan: " + ", ".join(state.changes), flush=True)
-        from .settings import offer
         note = offer(margs, plan) if rank == 0 else None
         if note:
             print(note, flush=True)
-        return build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None,
+        return mcore.build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None,
                             timeout_s=request.timeout.seconds, cluster=started.cluster,
                             profile=launch_profile_settings(margs), applied=started.applied)
 
@@ -336,11 +328,10 @@ def _initialize_planning(state: LaunchState, margs: Any, kwargs: dict, rank: int
     """The request and planning of Megatron-LM's initialisation: the file's plan (or error) from parse_args, or,
     with the bare flag, discovery with Megatron's validated degrees (``kwargs``: its initialize_model_parallel
     arguments). Both check the plan against those arguments before the ranks agree."""
-    from .mcore import check_kwargs_fit, plan_degrees
 
     def check(resolved: Resolved) -> None:
         check_replica_batch(margs, resolved.plan)
-        check_kwargs_fit(resolved.plan, kwargs)
+        mcore.check_kwargs_fit(resolved.plan, kwargs)
 
     request = LaunchRequest.of(world, rank=rank, timeout=Timeout(getattr(margs, "heterogeneous_timeout", None),
                                                                   TIMEOUT_FLAG, "command line"))
@@ -348,7 +339,7 @@ def _initialize_planning(state: LaunchState, margs: Any, kwargs: dict, rank: int
         return request, Planning(check=check, earlier=state.error or Resolved(state.plan, state.cluster))
     fixed = {"tp": kwargs.get("tensor_model_parallel_size", 1), "pp": kwargs.get("pipeline_model_parallel_size", 1),
              "cp": kwargs.get("context_parallel_size", 1), "micro_batch_size": margs.micro_batch_size,
-             **plan_degrees(kwargs),
+             **mcore.plan_degrees(kwargs),
              # validated by Megatron already: its interleaved schedule overlaps p2p unless told not to
              "overlap_p2p_comm": None if getattr(margs, "overlap_p2p_comm", True) else False}
     try:
@@ -357,18 +348,3 @@ def _initialize_planning(state: LaunchState, margs: Any, kwargs: dict, rank: int
     except HetPluginError as exc:        # published at the agreement: every rank stops with it
         return request, Planning(earlier=exc)
 
-
-def launch_profile_settings(args: Any):
-    """``--heterogeneous-profile-out`` / ``--heterogeneous-profile-interval`` as ProfileSettings (None without)."""
-    from .args import PROFILE_INTERVAL_FLAG, PROFILE_OUT_FLAG
-    from .mcore import profile_settings
-    path = getattr(args, "heterogeneous_profile_out", None)
-    every = getattr(args, "heterogeneous_profile_interval", None)
-    try:
-        settings = profile_settings(path, every, launch_state.current().source, field=PROFILE_OUT_FLAG,
-                                    every_field=PROFILE_INTERVAL_FLAG)
-    except ConfigError as exc:
-        raise ConfigError(exc.problem, source="command line", field=exc.field, fix=exc.fix) from None
-    if settings is not None and getattr(args, "heterogeneous_replan_on_restart", False):
-        settings.replan_on_restart = True       # write the plan run beside the profile: the next start's old plan
-    return settings

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 from ..core.inputs.cluster import Cluster
 from ..core.errors import ConfigError
@@ -27,17 +27,18 @@ from ..runtime.plan_once import node_sharing
 from ..runtime.applied import AppliedPlan
 from ..runtime.startup import Planning, Replan, bounded, startup
 from ..core.ranks.dims import DEFAULT_ORDER
-
-if TYPE_CHECKING:
-    from ..runtime.recorder import ProfileSettings
+from ..runtime.patches import PATCHES
+from ..runtime.recorder import DEFAULT_EVERY, ProfileSettings
+from ..core.replan_command import cluster_file, model_name
+from . import applied_state, late_groups, recorder_hooks as timing, replicas
+from .applied_state import current_plan  # noqa: F401   the documented path: het_plugin.megatron.mcore.current_plan
+from .dist_opt import check_groups_kwarg, groups_kwargs
+from .groups import planned_groups
+from .version import check_megatron_version
 
 log = logging.getLogger("het_plugin.megatron")
 
 PathLike = Union[str, Path]
-
-# Megatron-Core keeps its groups in module globals (parallel_state); model code reaches what het_plugin
-# applied the same way, through current_plan(). The Megatron-LM path has no other hand-over point.
-_current: Optional[AppliedPlan] = None
 
 # What Megatron calls the degrees (error messages name the user's own argument).
 MEGATRON_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
@@ -46,24 +47,15 @@ MEGATRON_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_para
                   "vpp": "virtual_pipeline_model_parallel_size", "overlap_p2p_comm": "overlap_p2p_comm"}
 
 
-def current_plan() -> Optional[AppliedPlan]:
-    """What het_plugin applied in this process (None before initialisation or without het_plugin)."""
-    return _current
-
-
 def forget_plan() -> None:
     """Take back what het_plugin applied in this process: the measured-profile timing (its recorder writes a last
     profile), the uneven-replica wrappers (Megatron's own schedules and sampler again) and :func:`current_plan`.
     For a process that trains several configurations in turn, the next perhaps without het_plugin. Megatron's
     groups stay Megatron's to destroy (``parallel_state.destroy_model_parallel``)."""
-    global _current
-    from . import recorder_hooks as timing
-    from .replicas import uninstall as uninstall_replicas
     timing.uninstall()                # in any order: runtime.patches keeps the other label's wrappers
-    from .late_groups import uninstall as stop_following
-    stop_following()
-    uninstall_replicas()
-    _current = None
+    late_groups.uninstall()
+    replicas.uninstall()
+    applied_state.write(None)
 
 
 def resolve_megatron_plan(source: Union[Plan, Cluster, PathLike, None] = None, *,
@@ -122,8 +114,6 @@ def plan_megatron(source: Union[Plan, Cluster, PathLike, None], request: LaunchR
 def original_initialize_model_parallel():
     """parallel_state.initialize_model_parallel with any het_plugin wrapper peeled off."""
     from megatron.core import parallel_state
-
-    from ..runtime.patches import PATCHES
     return PATCHES.original(parallel_state, "initialize_model_parallel")
 
 
@@ -153,7 +143,7 @@ def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
 
 def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLike] = None,
                  timeout_s: Optional[float] = None, cluster: Optional[Cluster] = None,
-                 profile: Optional["ProfileSettings"] = None, applied: Optional[AppliedPlan] = None) -> AppliedPlan:
+                 profile: Optional[ProfileSettings] = None, applied: Optional[AppliedPlan] = None) -> AppliedPlan:
     """Create every Megatron-Core group on the (agreed) plan's placement; rank 0 logs the summary once.
     First, under NCCL, the network pre-flight (``cluster``: the Cluster the plan came from, for the nodes'
     NICs; runtime.preflight). A rank that fails or disappears meanwhile stops every rank within ``timeout_s``
@@ -161,14 +151,10 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
     ``profile``: time each stage's forward and backward while training and write the measured profile
     (:mod:`het_plugin.megatron.recorder_hooks`). ``applied``: what the start-up sequence began
     (:func:`het_plugin.runtime.startup.startup`; None: begun here, for a plan agreed elsewhere)."""
-    global _current
     import torch.distributed as dist
-    from .groups import planned_groups
-    from .version import check_megatron_version
 
     check_megatron_version()
     check_kwargs_fit(plan, megatron_kwargs)
-    from .dist_opt import check_groups_kwarg
     check_groups_kwarg(plan, megatron_kwargs)     # an optimizer instance that would span clusters: refused here
     kwargs = dict(megatron_kwargs)
     kwargs.update(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
@@ -185,20 +171,18 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
         if plan_out:
             plan.save(plan_out)
             print(f"het_plugin: plan written to {plan_out}", flush=True)
+    late_groups.uninstall()   # a plan applied before in this process: its run-long patches would map twice
     with planned_groups(applied, timeout_s=timeout_s):
         original_initialize_model_parallel()(**kwargs)
-    from .late_groups import install as follow_plan_after_init
-    follow_plan_after_init(applied)      # groups Megatron makes later (all-gather, HyperCommGrid) follow the plan
-    from . import recorder_hooks as timing
-    from .replicas import install as install_replicas
+    late_groups.install(applied)  # groups Megatron makes later (all-gather, HyperCommGrid) follow the plan
     timing.uninstall()            # a plan applied before in this process: its timing ends here
-    install_replicas(plan)        # uneven replicas: per-rank counts, weights and samples; even: Megatron's own
+    replicas.install(plan)        # uneven replicas: per-rank counts, weights and samples; even: Megatron's own
     if profile is not None:
         timing.install(plan, applied.rank, profile, cluster=cluster)
     note = embedding_note(plan, applied.records)
     if note and applied.rank == 0:
         log.warning("het_plugin: %s", note)
-    _current = applied
+    applied_state.write(applied)
     return applied
 
 
@@ -278,7 +262,6 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     when the best plan leaves some out (launch the kept ones with its plan file, or ask for every node).
     """
     import torch.distributed as dist
-    from .version import check_megatron_version
     check_megatron_version()
     if not dist.is_initialized():
         raise RuntimeError("call torch.distributed.init_process_group before "
@@ -300,7 +283,6 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
                              use_all_nodes=all_nodes_asked(use_all_nodes), tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size, cp=cp,
                              micro_batch_size=micro_batch_size, **plan_degrees(megatron_kwargs))
     source = plan if plan is not None else cluster
-    from .dist_opt import groups_kwargs
 
     def check(resolved: Resolved) -> None:
         check_kwargs_fit(resolved.plan, megatron_kwargs)
@@ -320,7 +302,7 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
 
 def profile_settings(profile_out: Optional[PathLike], every: Optional[int], cluster: Any = None,
                      field: str = "profile_out", every_field: str = "profile_every",
-                     model: Any = None) -> Optional["ProfileSettings"]:
+                     model: Any = None) -> Optional[ProfileSettings]:
     """The measured-profile settings (None without a path); checked before any group exists. ``cluster`` and
     ``model``: the run's cluster file and model file or preset, named in the re-plan command of the imbalance
     warning (others are written beside the profile); ``field``/``every_field``: the names errors give the two
@@ -331,8 +313,6 @@ def profile_settings(profile_out: Optional[PathLike], every: Optional[int], clus
                               field=every_field,
                               fix=f"add {field} FILE, or drop the interval")
         return None
-    from ..runtime.recorder import DEFAULT_EVERY, ProfileSettings
-    from ..core.replan_command import cluster_file, model_name
     try:
         return ProfileSettings(str(profile_out), every=DEFAULT_EVERY if every is None else every,
                                cluster=cluster_file(cluster), model=model_name(model))

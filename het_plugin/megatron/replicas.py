@@ -33,6 +33,7 @@ import sys
 from typing import Any, Optional
 
 from ..core.errors import ConfigError
+from .applied_state import current_plan
 from ..runtime.patches import PATCHES
 from ..runtime.replicas import ReplicaShare
 from ..core.ranks.batches import ReplicaBatches, ReplicaSampler
@@ -45,7 +46,6 @@ PATCH_LABEL = "megatron.replicas"      # the schedules and Megatron-LM's sampler
 
 def replica_share() -> Optional[ReplicaShare]:
     """This rank's replica share of the plan het_plugin applied (None before initialisation or without it)."""
-    from .mcore import current_plan
     applied = current_plan()
     return applied.replica_share if applied is not None else None
 
@@ -163,7 +163,6 @@ def replica_sampler(total_samples: int, consumed_samples: int = 0):
     micro-batches of every global batch (sample indices of the data order), its count of them per iteration, from
     ``consumed_samples`` (a whole number of global batches). Every sample of global batch ``i`` (samples
     ``[i*G, (i+1)*G)``, as Megatron's ``MegatronPretrainingSampler`` reads them) is read once, by one replica."""
-    from .mcore import current_plan
     applied = current_plan()
     if applied is None:
         raise ConfigError("no plan applied in this process", field="replica_sampler",

@@ -13,6 +13,7 @@ from het_plugin.core.inputs.model import ModelSpec
 from het_plugin.core.planner import make_plan
 from het_plugin.megatron import collection as hcoll
 from het_plugin.megatron import group_check
+from het_plugin.megatron import applied_state
 from het_plugin.megatron import mcore as core
 
 ps = pytest.importorskip("megatron.core.parallel_state")
@@ -97,7 +98,7 @@ def test_no_plan_no_collection_and_an_unknown_field_is_named(monkeypatch):
     class Newer(ProcessGroupCollection):
         fancy_new_group: object = None
     monkeypatch.setattr(hcoll, "collection_class", lambda: Newer)
-    monkeypatch.setattr(core, "_current", object())
+    monkeypatch.setattr(applied_state, "_current", object())
     with pytest.raises(ConfigError, match="fancy_new_group"):
         hcoll.planned_collection()
 

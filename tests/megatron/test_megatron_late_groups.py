@@ -9,6 +9,7 @@ from het_plugin.core.errors import ConfigError
 from het_plugin.core.inputs.cluster import load_cluster
 from het_plugin.core.planner import make_plan
 from het_plugin.megatron import group_check, late_groups
+from het_plugin.megatron import applied_state
 from het_plugin.megatron import mcore as core
 from het_plugin.runtime.patches import PATCHES
 
@@ -98,7 +99,7 @@ def test_a_group_made_outside_the_plan_stops_the_run_naming_it(plan8, started):
 
 def test_megatron_lms_setup_is_checked_and_groups_never_built_by_the_plan_are_refused(monkeypatch):
     import types
-    monkeypatch.setattr(core, "_current", None)
+    monkeypatch.setattr(applied_state, "_current", None)
     training = types.SimpleNamespace(setup_model_and_optimizer=lambda *a, **kw: ("model", "optimizer", "scheduler"),
                                      initialize_megatron=lambda *a, **kw: "initialized")
     group_check.install(training)

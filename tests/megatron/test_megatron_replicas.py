@@ -10,6 +10,7 @@ import pytest
 
 from het_plugin.core.inputs.cluster import load_cluster
 from het_plugin.core.errors import ConfigError
+from het_plugin.megatron import applied_state
 from het_plugin.megatron import mcore as core, replicas
 from het_plugin.runtime.patches import PATCHES
 from het_plugin.core.planner import make_plan
@@ -29,7 +30,7 @@ def even():
 def applied(monkeypatch, even):
     """Make ``plan`` the applied plan of this process, on ``rank``."""
     def apply(plan, rank):
-        monkeypatch.setattr(core, "_current", AppliedPlan(plan, rank, Policy("gloo")))
+        monkeypatch.setattr(applied_state, "_current", AppliedPlan(plan, rank, Policy("gloo")))
         return plan
     return apply
 
@@ -140,14 +141,14 @@ def test_forget_plan_gives_megatron_its_own_schedules_back(applied, even, tmp_pa
         replicas.install(uneven)
         timing.install(uneven, 0, ProfileSettings(str(tmp_path / "m.yaml")))
         assert any(getattr(schedules, name) is not fn for name, fn in own.items())
-        core._current = object()
+        applied_state._current = object()
         forget_plan()
         assert {name: getattr(schedules, name) for name in own} == own
         assert core.current_plan() is None and timing.recorder() is None
     finally:
         for name, fn in own.items():
             setattr(schedules, name, fn)
-        core._current = None
+        applied_state._current = None
 
 
 @pytest.mark.parametrize("given, flag", [({"global_batch_size": 16}, "--global-batch-size=16"),
@@ -172,7 +173,7 @@ def test_the_megatron_core_sampler_reads_each_replicas_range_once_per_iteration(
         read[d] = list(replicas.replica_sampler(8 * 3 + 5, consumed_samples=8))   # resume after one global batch
     assert read[0] == [[8, 9], [10, 11], [12, 13], [16, 17], [18, 19], [20, 21]]
     assert read[1] == [[14, 15], [22, 23]]          # the trailing incomplete global batch is dropped
-    core._current = None
+    applied_state._current = None
     with pytest.raises(ConfigError, match="initialize_model_parallel first"):
         replicas.replica_sampler(10)
 
