@@ -110,7 +110,11 @@ def test_pp2_mp2_dp2_planned_from_the_cluster_file(workdir, baseline_pp2_mp2_dp2
     cfg = wrap(PIPE_CONFIG, DATA / "ds_hetero_8.yaml", MODEL, pp=2, tp=2, layer_pattern="Block")
     write_config(cfg, workdir / "cfg8.json")
     plan = Plan.from_dict(cfg["heterogeneous"]["plan"])
-    assert not plan.is_identity and (plan.pp, plan.tp, plan.dp) == (2, 2, 2)
+    assert (plan.pp, plan.tp, plan.dp) == (2, 2, 2)
+    # (issue 30) never slower than DeepSpeed's own layout on today's stock stack: for this tiny model the planner's
+    # permuted placement may lose to it, and then the plan is DeepSpeed's own (the permuted path: the test above)
+    assert plan.prediction.iteration_s <= plan.baseline.iteration_s
+    assert plan.is_identity == plan.prediction.description.startswith("stock = ")
     res = results(launch(PIPE, 8, ["--config", workdir / "cfg8.json", "--pp", 2, "--mp", 2]))
     assert_follows_plan(res, plan)
     assert_same_losses(res, baseline_pp2_mp2_dp2)
