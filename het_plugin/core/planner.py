@@ -543,7 +543,8 @@ SCREEN_OPTIONS = frozenset({"tp", "pp", "dp", "cp", "micro_batch_size", "progres
                             "vpp", "overlap_p2p_comm", "replica_split", "nccl", "optimizer_instances"})
 
 
-def could_beat(cluster: Cluster, model: ModelSpec, cutoff: float, **options) -> bool:
+def could_beat(cluster: Cluster, model: ModelSpec, cutoff: float, *, near: Optional[tuple[int, int]] = None,
+               **options) -> bool:
     """Whether ``make_plan(cluster, model, **options)`` may predict an iteration below ``cutoff`` s; False only
     where it certainly does not (or raises). Cheaper than planning: the het-aware search prunes every candidate
     whose lower bound reaches the cut-off and stops at the first one below it, and no plan is assembled. The
@@ -552,7 +553,9 @@ def could_beat(cluster: Cluster, model: ModelSpec, cutoff: float, **options) -> 
     Exact, not a heuristic: make_plan's plan is its search's best or, where the frameworks' default predicts
     faster, that default re-predicted on the plan's transports; every search candidate below the cut-off has its
     lower bound below it and is evaluated here, and the default's best (searched in full, as make_plan does) is
-    re-predicted here too. A homogeneous cluster (its plan is the default search's) is not screened."""
+    re-predicted here too. A homogeneous cluster (its plan is the default search's) is not screened. ``near``:
+    (tp, pp) of the best plan so far, whose neighbours are searched first (the answer does not depend on the
+    order; a subset that may win usually shows it there)."""
     if cluster.is_homogeneous or not options.keys() <= SCREEN_OPTIONS or not math.isfinite(cutoff):
         return True
     try:
@@ -570,6 +573,8 @@ def could_beat(cluster: Cluster, model: ModelSpec, cutoff: float, **options) -> 
                                               options.get("overlap_p2p_comm"))
     except ConfigError:
         return False                                # make_plan raises the same
+    if near is not None:        # (a stable sort on tp and pp keeps each dense degree combination's options together)
+        degrees = sorted(degrees, key=lambda d: (abs(d.tp - near[0]) + abs(d.pp - near[1])))
     profile, instances = options.get("profile"), options.get("optimizer_instances", True)
     found = _search_planned(cluster, model, degrees, fixed_mb, True, profile, None, sched, replica_split, plan_fn,
                             instances, cutoff=cutoff)

@@ -222,7 +222,8 @@ def search_subsets(cluster: Cluster, model: ModelSpec, *, use_all_nodes: bool = 
             if min_tokens_per_s is not None and t.floor_s > 0 and tokens / t.floor_s < min_tokens_per_s:
                 continue                            # cannot reach the throughput floor
             sub = sub_of(t)
-            if screen and not could_beat(sub, model, score(best), **options):
+            near = (best.plan.tp, best.plan.pp) if best.plan is not None else None
+            if screen and not could_beat(sub, model, score(best), near=near, **options):
                 t.searched = t.screened = True      # searched: it cannot beat the best
                 continue
             run(t, sub)
