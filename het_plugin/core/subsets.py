@@ -7,7 +7,9 @@ cluster) and returns the best plan over the subsets it tried; the plan is then f
 (``Plan.nodes``, ``world_size``) and ``Plan.left_out`` says which nodes it leaves out, why, and the best plan
 with every node. A subset is searched only where its compute floor (every device busy, no bubble, no
 communication: a lower bound of any prediction without a measured profile) beats the best plan found so far, so
-a group too slow to shorten the iteration is dropped without a search.
+a group too slow to shorten the iteration is dropped without a search. A subset of several device types whose
+floor beats it is first screened with the best plan as a cut-off (:func:`planner.could_beat`) and planned only
+where it may win.
 
 Objective ``time`` (the default): the shortest predicted iteration. ``cost``: the cheapest iteration at the
 cluster file's ``price_per_device_hour`` (devices included: leaving nodes out is what saves), optionally only
@@ -223,7 +225,7 @@ def search_subsets(cluster: Cluster, model: ModelSpec, *, use_all_nodes: bool = 
                 continue                            # cannot reach the throughput floor
             sub = sub_of(t)
             near = (best.plan.tp, best.plan.pp) if best.plan is not None else None
-            if screen and not could_beat(sub, model, score(best), near=near, **options):
+            if screen and not _may_beat(sub, model, score(best), near, options):
                 t.searched = t.screened = True      # searched: it cannot beat the best
                 continue
             run(t, sub)
@@ -246,6 +248,14 @@ def search_subsets(cluster: Cluster, model: ModelSpec, *, use_all_nodes: bool = 
         plan.left_out = _left_out(cluster, model, groups, best, full, tried, objective, min_tokens_per_s)
     plan.price_per_hour = price
     return SubsetSearch(plan, full, tried)
+
+
+def _may_beat(sub: Cluster, model: ModelSpec, cutoff: float, near, options: dict) -> bool:
+    """planner.could_beat, where a ConfigError means "plan it" (make_plan then records the error as before)."""
+    try:
+        return could_beat(sub, model, cutoff, near=near, **options)
+    except ConfigError:
+        return True
 
 
 def plan_nodes(cluster: Cluster, model: ModelSpec, *, use_all_nodes: bool = False, objective: str = "time",
