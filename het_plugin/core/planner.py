@@ -219,11 +219,21 @@ class _Search:
     closest_overflow: Optional[tuple[float, str]] = None     # (GiB over, description) of the nearest miss
     expert_spans: list[str] = field(default_factory=list)     # placements refused: an expert group spans domains
     by_shape: dict[str, Candidate] = field(default_factory=dict)   # the best candidate of each shape
+    #: A screening search (:func:`could_beat`): only whether some candidate predicts below this matters, so every
+    #: candidate whose lower bound reaches it is pruned, and ``hit`` stops the search at the first one below.
+    cutoff: Optional[float] = None
+    hit: bool = False
 
     def bound(self) -> float:
         return self.best[-1].prediction.iteration_s if len(self.best) >= self.keep else math.inf
 
+    def below(self, cand: Candidate) -> None:
+        """A screening search notes a candidate predicted below its cut-off (offered or not)."""
+        if self.cutoff is not None and cand.prediction.iteration_s < self.cutoff:
+            self.hit = True
+
     def offer(self, cand: Candidate) -> None:
+        self.below(cand)
         self.best.append(cand)
         self.best.sort(key=lambda c: c.key)
         del self.best[self.keep:]
@@ -233,7 +243,9 @@ class _Search:
 
     def bound_for(self, shape: str) -> float:
         """Prune a candidate whose lower bound reaches this: worse than the kept ones and than its shape's best
-        (so the report can still say how the best of every shape did)."""
+        (so the report can still say how the best of every shape did). A screening search: its cut-off."""
+        if self.cutoff is not None:
+            return self.cutoff
         known = self.by_shape.get(shape)
         return max(self.bound(), known.prediction.iteration_s if known is not None else math.inf)
 
@@ -397,6 +409,7 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
     uneven = attempt(lay, tables, counts, prune=True)
     if uneven is None:
         return
+    search.below(uneven)        # (a screen counts it even where the gain rule below would not offer it)
     # Against the even split's prediction, or (pruned: worse than the kept plans) its lower bound.
     even_s = even.prediction.iteration_s if even is not None else even_bound
     if replica_split == "uneven" or uneven.prediction.iteration_s < even_s * (1 - UNEVEN_MIN_GAIN):
@@ -406,15 +419,16 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
 def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
                     overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None,
                     sched: tuple = (1, None), replica_split: "str | list[int]" = "auto",
-                    transport_fn=cluster_transport, optimizer_instances: bool = True) -> _Search:
+                    transport_fn=cluster_transport, optimizer_instances: bool = True,
+                    cutoff: Optional[float] = None) -> _Search:
     """Het-aware search (groups on ``transport_fn``: :func:`placement.multinet_transport` where the NCCL build
     joins networks): every domain order, the exact partition, with and without the distributed
     optimizer, for each degree combination. Where devices differ in speed (:func:`_replica_dealing`: on one
     fabric and vendor, or across vendors), also each pipeline inside one domain and data parallelism across
     domains (:func:`placement.place_replicas`, the file's domain order: the order only renumbers the replicas;
     replicas dealt one at a time and as many together as a node holds stages of), with speed-proportional
-    replica shares (see :func:`_evaluate_split`)."""
-    found = _Search(keep=NUM_ALTERNATIVES + 1)
+    replica shares (see :func:`_evaluate_split`). ``cutoff``: a screen (see :attr:`_Search.cutoff`)."""
+    found = _Search(keep=NUM_ALTERNATIVES + 1, cutoff=cutoff)
     orders = list(domain_orders(cluster))
     # Whole pipelines per domain where the DP groups that dealing makes stay on one fabric and vendor, or cross
     # vendors through the shim (reduced inside each vendor's fabric first); across clusters of one vendor DP spans
@@ -467,6 +481,8 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                     for an in (variants if dist_opt else variants[:1]):
                         _evaluate_split(model, an, dims, mb, None, found, k, dist_opt, overlap, profile,
                                         _label(dims), sched, replica_split)
+                        if found.hit:
+                            return found
         if progress is not None:
             progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
@@ -521,6 +537,58 @@ def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = N
     replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, 1)
     options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
     return _search_planned(cluster, model, options, fixed_mb, True, profile, replica_split=replica_split).best
+
+
+#: make_plan's options :func:`could_beat` understands; with any other it answers "maybe" (the caller plans).
+SCREEN_OPTIONS = frozenset({"tp", "pp", "dp", "cp", "micro_batch_size", "progress", "profile", "ep", "etp", "order",
+                            "vpp", "overlap_p2p_comm", "replica_split", "nccl", "optimizer_instances"})
+
+
+def could_beat(cluster: Cluster, model: ModelSpec, cutoff: float, *, near: Optional[tuple[int, int]] = None,
+               **options) -> bool:
+    """Whether ``make_plan(cluster, model, **options)`` may predict an iteration below ``cutoff`` s; False only
+    where it certainly does not (or raises). Cheaper than planning: the het-aware search prunes every candidate
+    whose lower bound reaches the cut-off and stops at the first one below it, and no plan is assembled. The
+    subset search (:mod:`subsets`) asks it before planning a subset that must beat the best plan so far.
+
+    Exact, not a heuristic: make_plan's plan is its search's best or, where the frameworks' default predicts
+    faster, that default re-predicted on the plan's transports; every search candidate below the cut-off has its
+    lower bound below it and is evaluated here, and the default's best (searched in full, as make_plan does) is
+    re-predicted here too. A homogeneous cluster (its plan is the default search's) is not screened. ``near``:
+    (tp, pp) of the best plan so far, whose neighbours are searched first (the answer does not depend on the
+    order; a subset that may win usually shows it there)."""
+    if cluster.is_homogeneous or not options.keys() <= SCREEN_OPTIONS or not math.isfinite(cutoff):
+        return True
+    try:
+        multinet = (options.get("nccl") or NcclBuild()).multinet
+        plan_fn = multinet_transport if multinet else cluster_transport
+        fixed_mb = options.get("micro_batch_size") or model.micro_batch_size
+        if fixed_mb is not None and model.global_batch_size % fixed_mb:
+            return False                            # make_plan raises
+        pp = options.get("pp")
+        replica_split, dp, fixed_mb = _replica_request(cluster, model, options.get("replica_split", "auto"),
+                                                       options.get("dp"), fixed_mb, options.get("vpp", 1))
+        degrees = _degree_options(cluster, model, options.get("tp"), pp, dp, options.get("cp", 1), fixed_mb,
+                                  options.get("ep", 1), options.get("etp"), options.get("order", DEFAULT_ORDER))
+        degrees, sched = _interleaved_options(model, degrees, pp, fixed_mb, options.get("vpp", 1),
+                                              options.get("overlap_p2p_comm"))
+    except ConfigError:
+        return False                                # make_plan raises the same
+    if near is not None:        # (a stable sort on tp and pp keeps each dense degree combination's options together)
+        degrees = sorted(degrees, key=lambda d: (abs(d.tp - near[0]) + abs(d.pp - near[1])))
+    profile, instances = options.get("profile"), options.get("optimizer_instances", True)
+    found = _search_planned(cluster, model, degrees, fixed_mb, True, profile, None, sched, replica_split, plan_fn,
+                            instances, cutoff=cutoff)
+    if found.hit:
+        return True
+    # no search candidate below the cut-off: make_plan's plan is below it only as the frameworks' default
+    stock, _ = _best_default(cluster, model, degrees, fixed_mb, pp is not None, True, profile, sched,
+                             stock_transport(multinet), instances=instances)
+    if stock is None:
+        return False
+    if stock.prediction.iteration_s < cutoff:
+        return True
+    return _own_prediction(cluster, model, stock, plan_fn, True, profile, sched).iteration_s < cutoff
 
 
 def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],

@@ -7,7 +7,9 @@ cluster) and returns the best plan over the subsets it tried; the plan is then f
 (``Plan.nodes``, ``world_size``) and ``Plan.left_out`` says which nodes it leaves out, why, and the best plan
 with every node. A subset is searched only where its compute floor (every device busy, no bubble, no
 communication: a lower bound of any prediction without a measured profile) beats the best plan found so far, so
-a group too slow to shorten the iteration is dropped without a search.
+a group too slow to shorten the iteration is dropped without a search. A subset of several device types whose
+floor beats it is first screened with the best plan as a cut-off (:func:`planner.could_beat`) and planned only
+where it may win.
 
 Objective ``time`` (the default): the shortest predicted iteration. ``cost``: the cheapest iteration at the
 cluster file's ``price_per_device_hour`` (devices included: leaving nodes out is what saves), optionally only
@@ -28,7 +30,7 @@ from .errors import ConfigError
 from .inputs.cluster import Cluster
 from .inputs.model import ModelSpec
 from .plan import Plan
-from .planner import make_plan
+from .planner import could_beat, make_plan
 
 OBJECTIVES = ("time", "cost")
 #: Up to this many node groups every subset is a candidate; past it, subsets leaving out at most
@@ -113,6 +115,7 @@ class Tried:
     plan: Optional[Plan] = None
     error: Optional[ConfigError] = None
     searched: bool = False
+    screened: bool = False               # searched only as far as showing it cannot beat the best (no plan kept)
 
     @property
     def iteration_s(self) -> float:
@@ -192,11 +195,18 @@ def search_subsets(cluster: Cluster, model: ModelSpec, *, use_all_nodes: bool = 
         return (t.iteration_s * rate(t.groups) if cost else t.iteration_s) if meets(t) else math.inf
 
     def run(t: Tried, sub: Cluster) -> None:
-        t.searched = True
+        t.searched, t.screened = True, False
         try:
             t.plan = plan_fn(sub, model, **options)
         except ConfigError as exc:
             t.error = exc
+
+    def sub_of(t: Tried) -> Cluster:
+        return sub_cluster(cluster, [n for i in t.groups for n in groups[i].nodes])
+
+    # The time objective: a subset must predict below the best so far, so it is first screened with that cut-off
+    # (planner.could_beat: no plan assembled, candidates that cannot beat it pruned) and planned only if it may.
+    screen = not cost and min_tokens_per_s is None and plan_fn is make_plan
 
     full = Tried(everything, floor(everything))
     run(full, cluster)
@@ -213,7 +223,12 @@ def search_subsets(cluster: Cluster, model: ModelSpec, *, use_all_nodes: bool = 
                 continue                            # cannot beat the best: not searched
             if min_tokens_per_s is not None and t.floor_s > 0 and tokens / t.floor_s < min_tokens_per_s:
                 continue                            # cannot reach the throughput floor
-            run(t, sub_cluster(cluster, [n for i in t.groups for n in groups[i].nodes]))
+            sub = sub_of(t)
+            near = (best.plan.tp, best.plan.pp) if best.plan is not None else None
+            if screen and not _may_beat(sub, model, score(best), near, options):
+                t.searched = t.screened = True      # searched: it cannot beat the best
+                continue
+            run(t, sub)
             if score(t) < score(best):
                 best = t
     if best.plan is None or not meets(best):
@@ -226,9 +241,21 @@ def search_subsets(cluster: Cluster, model: ModelSpec, *, use_all_nodes: bool = 
     plan = best.plan
     price = price_per_hour([groups[i] for i in best.groups])
     if best is not full:
+        kept = set(best.groups)
+        for t in tried:     # the report gives each left-out group's plan with it added back: plan those screened
+            if t.screened and len(t.groups) == len(kept) + 1 and kept <= set(t.groups):
+                run(t, sub_of(t))
         plan.left_out = _left_out(cluster, model, groups, best, full, tried, objective, min_tokens_per_s)
     plan.price_per_hour = price
     return SubsetSearch(plan, full, tried)
+
+
+def _may_beat(sub: Cluster, model: ModelSpec, cutoff: float, near, options: dict) -> bool:
+    """planner.could_beat, where a ConfigError means "plan it" (make_plan then records the error as before)."""
+    try:
+        return could_beat(sub, model, cutoff, near=near, **options)
+    except ConfigError:
+        return True
 
 
 def plan_nodes(cluster: Cluster, model: ModelSpec, *, use_all_nodes: bool = False, objective: str = "time",

@@ -84,12 +84,22 @@ class Analysis:
 
 def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[CollectivePath, str]:
     """The hierarchical ring of a group whose members sit on ``members_nodes`` (one entry per member)."""
-    nodes = net.cluster.nodes
-    node_set = frozenset(members_nodes)
-    t = net.nodes_transport(node_set)
     per_node: dict[int, int] = {}
     for n in members_nodes:
         per_node[n] = per_node.get(n, 0) + 1
+    # a pure function of the members per node (in order of appearance) on this network: shared by every analysis
+    # of a search (the same groups recur across degrees and domain orders)
+    key = tuple(per_node.items())
+    cached = net.paths.get(key)
+    if cached is None:
+        cached = net.paths[key] = _uncached_path(net, members_nodes, per_node)
+    return cached
+
+
+def _uncached_path(net: Network, members_nodes: Sequence[int], per_node: dict[int, int]) -> tuple[CollectivePath, str]:
+    nodes = net.cluster.nodes
+    node_set = frozenset(members_nodes)
+    t = net.nodes_transport(node_set)
     if t == Transport.MULTINET:
         return _multinet_path(net, per_node), t
     if t in net.sectioned:

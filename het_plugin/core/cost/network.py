@@ -227,6 +227,7 @@ class Network:
         self.node_key = [(n.cluster, n.vendor) for n in cluster.nodes]
         self._transport: dict = {}
         self._hop: dict = {}
+        self.paths: dict = {}       # analysis._collective_path's results by members per node
 
     def link(self, a: Node, b: Node) -> Link:
         if a.index == b.index:

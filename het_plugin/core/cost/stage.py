@@ -353,13 +353,16 @@ def _stage_cost_parts(sts: list[StageModel], num_layers: int, dp: int, overlap: 
         if profile is None:     # the analytic reduction is affine in the layer count: two points suffice
             red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
             red_step = _dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0
-        per, exposed = [], []
-        for n in range(num_layers + 1):
-            fwd = st.fixed_fwd_s + n * st.layer_fwd_s
-            bwd = st.fixed_bwd_s + n * st.layer_bwd_s
-            red = red0 + n * red_step if profile is None else _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
-            per.append(fwd + bwd + 2 * st.slot_s + st.send_s + recv_side)
-            exposed.append(exposed_reduction_s(red, bwd, overlap))
+        # (list comprehensions over the layer counts, the same arithmetic as exposed_reduction_s: the planner's
+        # hottest loop, one table per stage for every candidate)
+        ns = range(num_layers + 1)
+        ff, lf, fb, lb = st.fixed_fwd_s, st.layer_fwd_s, st.fixed_bwd_s, st.layer_bwd_s
+        bwds = [fb + n * lb for n in ns]
+        two_slot, send = 2 * st.slot_s, st.send_s
+        per = [ff + n * lf + b + two_slot + send + recv_side for n, b in zip(ns, bwds)]
+        reds = ([red0 + n * red_step for n in ns] if profile is None
+                else [_dp_reduce_s(st, n, dp, distributed_optimizer, profile) for n in ns])
+        exposed = [(d if d > 0.0 else 0.0) for d in (r - b for r, b in zip(reds, bwds))] if overlap else reds
         per_rows.append(per)
         exposed_rows.append(exposed)
     return per_rows, exposed_rows
