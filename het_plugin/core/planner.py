@@ -276,14 +276,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _degree_options(cluster: Cluster, model: ModelSpec, tp: Optional[int], pp: Optional[int],
-                    dp: Optional[int], cp: int, fixed_mb: Optional[int], ep: Optional[int] = 1,
-                    etp: Optional[int] = None, order: str = DEFAULT_ORDER) -> list[ParallelDims]:
-    """Every (tp, pp, dp) the frameworks accept for this cluster and model; fixed ones are checked.
+def _degree_options(cluster: Cluster, model: ModelSpec, asked: dict, fixed_mb: Optional[int]) -> list[ParallelDims]:
+    """Every (tp, pp, dp) the frameworks accept for this cluster and model; fixed ones are checked (``asked``:
+    make_plan's keyword form, :data:`_KEYWORDS`, with dp as the replica split fixes it). Checked here, not by
+    :class:`Degrees` first, so that the error names the values that fit this cluster.
 
     The planner itself only proposes TP inside a node; a homogeneous cluster takes any fixed tp and cp
     the frameworks take (its plan is their own numbering), a heterogeneous one what the placement keeps
     on one fabric (:func:`het_plugin.core.ranks.placement.local_group_fits`)."""
+    tp, pp, dp, cp, ep, etp, order = (asked[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp", "order"))
     per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])
     src = cluster.source
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
@@ -326,7 +327,7 @@ def _degree_options(cluster: Cluster, model: ModelSpec, tp: Optional[int], pp: O
 def placeable_degrees(cluster: Cluster, model: ModelSpec, cp: int = 1) -> list[tuple[int, int]]:
     """(tp, pp) pairs the planner accepts for this cluster and model (what an error suggests instead)."""
     try:
-        options = _degree_options(cluster, model, None, None, None, cp, None)
+        options = _degree_options(cluster, model, {**_KEYWORDS, "cp": cp}, None)
     except ConfigError:
         return []
     return sorted({(d.tp, d.pp) for d in options})
@@ -550,7 +551,8 @@ def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = N
     benchmarks use it for the best a sub-cluster could do on its own)."""
     fixed_mb = micro_batch_size or model.micro_batch_size
     replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, 1)
-    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
+    asked = {**_KEYWORDS, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "etp": etp, "order": order}
+    options = _degree_options(cluster, model, asked, fixed_mb)
     return _search_planned(SearchInputs(cluster, model, options, fixed_mb, pp is not None, profile,
                                         replica_split=replica_split)).best
 
@@ -806,8 +808,7 @@ def _search_inputs(cluster: Cluster, model: ModelSpec, asked: dict, profile: Opt
     pp = asked["pp"]
     replica_split, dp, fixed_mb = _replica_request(cluster, model, asked["replica_split"], asked["dp"], fixed_mb,
                                                    asked["vpp"])
-    options = _degree_options(cluster, model, asked["tp"], pp, dp, asked["cp"], fixed_mb, asked["ep"], asked["etp"],
-                              asked["order"])
+    options = _degree_options(cluster, model, {**asked, "dp": dp}, fixed_mb)
     options, sched = _interleaved_options(model, options, pp, fixed_mb, asked["vpp"], asked["overlap_p2p_comm"])
     return SearchInputs(cluster, model, options, fixed_mb, pp is not None, profile, sched, replica_split,
                         overlap=True, transport_fn=multinet_transport if multinet else cluster_transport,
