@@ -543,17 +543,24 @@ def _whole_pipelines(cluster: Cluster, dims: ParallelDims, together: int = 1) ->
     return all(k % size == 0 for k in per_domain.values())
 
 
-def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
-                    dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
-                    profile: Optional[Profile] = None, ep: Optional[int] = 1, etp: Optional[int] = None,
-                    order: str = DEFAULT_ORDER, replica_split: "str | Sequence[int]" = "auto") -> list[Candidate]:
+#: plan_candidates' keywords: make_plan's degrees, micro-batch size and replica split (not the schedule or the NCCL
+#: build: the candidates are the 1F1B het-aware search's on per-group transports)
+CANDIDATE_KEYWORDS = ("tp", "pp", "dp", "cp", "micro_batch_size", "ep", "etp", "order", "replica_split")
+
+
+def plan_candidates(cluster: Cluster, model: ModelSpec, *, profile: Optional[Profile] = None,
+                    **degrees) -> list[Candidate]:
     """The best few plans of the het-aware search, best first, on any cluster (homogeneous ones too:
-    benchmarks use it for the best a sub-cluster could do on its own)."""
-    fixed_mb = micro_batch_size or model.micro_batch_size
-    replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, 1)
-    asked = {**_KEYWORDS, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "etp": etp, "order": order}
-    options = _degree_options(cluster, model, asked, fixed_mb)
-    return _search_planned(SearchInputs(cluster, model, options, fixed_mb, pp is not None, profile,
+    benchmarks use it for the best a sub-cluster could do on its own). ``degrees``: :data:`CANDIDATE_KEYWORDS`,
+    as make_plan's keyword form takes them."""
+    unknown = sorted(set(degrees) - set(CANDIDATE_KEYWORDS))
+    if unknown:
+        raise TypeError(f"plan_candidates() got an unexpected keyword argument {unknown[0]!r}")
+    asked = {**_KEYWORDS, **degrees}
+    fixed_mb = asked["micro_batch_size"] or model.micro_batch_size
+    replica_split, dp, fixed_mb = _replica_request(cluster, model, asked["replica_split"], asked["dp"], fixed_mb, 1)
+    options = _degree_options(cluster, model, {**asked, "dp": dp}, fixed_mb)
+    return _search_planned(SearchInputs(cluster, model, options, fixed_mb, asked["pp"] is not None, profile,
                                         replica_split=replica_split)).best
 
 
