@@ -254,18 +254,37 @@ class _Search:
             self.closest_overflow = (overflow_gib, what)
 
 
+@dataclass(frozen=True)
+class SearchInputs:
+    """What every search of one plan reads, built once (:func:`_search_inputs`) and passed whole instead of a dozen
+    arguments; a variant (the stock baseline's transports, the even split) is a :func:`dataclasses.replace`."""
+    cluster: Cluster
+    model: ModelSpec
+    options: Sequence[ParallelDims]          # the degree combinations to search, in order
+    fixed_mb: Optional[int]                  # the micro-batch size, where given
+    fixed_pp: bool                           # pp was given (the default search then takes a non-uniform split)
+    profile: Optional[Profile]
+    sched: Schedule = Schedule(1, None)      # (vpp, overlap_p2p_comm) of the pipeline schedule
+    replica_split: "str | list[int]" = "auto"
+    overlap: bool = True                     # overlap_grad_reduce
+    transport_fn: Callable = cluster_transport    # the groups' transports (the plan's; the baselines' their own)
+    instances: bool = True                   # Megatron's distributed-optimizer instances may be used
+    multinet: bool = False                   # the NCCL build joins networks in one communicator
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _degree_options(cluster: Cluster, model: ModelSpec, tp: Optional[int], pp: Optional[int],
-                    dp: Optional[int], cp: int, fixed_mb: Optional[int], ep: Optional[int] = 1,
-                    etp: Optional[int] = None, order: str = DEFAULT_ORDER) -> list[ParallelDims]:
-    """Every (tp, pp, dp) the frameworks accept for this cluster and model; fixed ones are checked.
+def _degree_options(cluster: Cluster, model: ModelSpec, asked: dict, fixed_mb: Optional[int]) -> list[ParallelDims]:
+    """Every (tp, pp, dp) the frameworks accept for this cluster and model; fixed ones are checked (``asked``:
+    make_plan's keyword form, :data:`_KEYWORDS`, with dp as the replica split fixes it). Checked here, not by
+    :class:`Degrees` first, so that the error names the values that fit this cluster.
 
     The planner itself only proposes TP inside a node; a homogeneous cluster takes any fixed tp and cp
     the frameworks take (its plan is their own numbering), a heterogeneous one what the placement keeps
     on one fabric (:func:`het_plugin.core.ranks.placement.local_group_fits`)."""
+    tp, pp, dp, cp, ep, etp, order = (asked[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp", "order"))
     per_node = math.gcd(*[n.num_accelerators for n in cluster.nodes])
     src = cluster.source
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
@@ -308,7 +327,7 @@ def _degree_options(cluster: Cluster, model: ModelSpec, tp: Optional[int], pp: O
 def placeable_degrees(cluster: Cluster, model: ModelSpec, cp: int = 1) -> list[tuple[int, int]]:
     """(tp, pp) pairs the planner accepts for this cluster and model (what an error suggests instead)."""
     try:
-        options = _degree_options(cluster, model, None, None, None, cp, None)
+        options = _degree_options(cluster, model, {**_KEYWORDS, "cp": cp}, None)
     except ConfigError:
         return []
     return sorted({(d.tp, d.pp) for d in options})
@@ -333,16 +352,15 @@ def _spans_domains(analysis: cost.Analysis) -> bool:
             or bool(analysis.transports.get("dp", set()) & SPANNING))
 
 
-def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDims, mb: int,
-                    layers: Optional[list[int]], search: _Search, order_index: int, dist_opt: bool,
-                    overlap: bool, profile: Optional[Profile], label: str, sched: tuple = (1, None),
-                    replica_split: "str | list[int]" = "auto") -> None:
-    """Partition (when ``layers`` is None) and predict one candidate; offer it or record why not.
-    ``sched``: (vpp, overlap_p2p_comm) of the pipeline schedule. ``replica_split``: "even", "auto" (also the
-    speed-proportional split of :meth:`cost.SplitCosts.balance` where replicas run on different devices,
-    re-partitioned for it, offered when it gains :data:`UNEVEN_MIN_GAIN`), "uneven" (only that), or the counts."""
-    split = cost.SplitCosts(model, analysis, mb, overlap_grad_reduce=overlap, distributed_optimizer=dist_opt,
-                            profile=profile, vpp=sched[0], overlap_p2p_comm=sched[1])
+def _evaluate_split(inputs: SearchInputs, search: _Search, analysis: cost.Analysis, dims: ParallelDims, mb: int,
+                    layers: Optional[list[int]], order_index: int, dist_opt: bool) -> None:
+    """Partition (when ``layers`` is None) and predict one candidate into ``search``; offer it or record why not.
+    ``inputs.replica_split``: "even", "auto" (also the speed-proportional split of :meth:`cost.SplitCosts.balance`
+    where replicas run on different devices, re-partitioned for it, offered when it gains
+    :data:`UNEVEN_MIN_GAIN`), "uneven" (only that), or the counts."""
+    model, sched, replica_split, label = inputs.model, inputs.sched, inputs.replica_split, _label(dims)
+    split = cost.SplitCosts(model, analysis, mb, overlap_grad_reduce=inputs.overlap, distributed_optimizer=dist_opt,
+                            profile=inputs.profile, vpp=sched[0], overlap_p2p_comm=sched[1])
     explicit = not isinstance(replica_split, str)
     if explicit:
         split.set_counts(replica_split)
@@ -416,18 +434,17 @@ def _evaluate_split(model: ModelSpec, analysis: cost.Analysis, dims: ParallelDim
         search.offer(uneven)
 
 
-def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
-                    overlap: bool, profile: Optional[Profile], progress: Optional[Progress] = None,
-                    sched: tuple = (1, None), replica_split: "str | list[int]" = "auto",
-                    transport_fn=cluster_transport, optimizer_instances: bool = True,
+def _search_planned(inputs: SearchInputs, progress: Optional[Progress] = None,
                     cutoff: Optional[float] = None) -> _Search:
-    """Het-aware search (groups on ``transport_fn``: :func:`placement.multinet_transport` where the NCCL build
+    """Het-aware search (groups on ``inputs.transport_fn``: :func:`placement.multinet_transport` where the NCCL build
     joins networks): every domain order, the exact partition, with and without the distributed
     optimizer, for each degree combination. Where devices differ in speed (:func:`_replica_dealing`: on one
     fabric and vendor, or across vendors), also each pipeline inside one domain and data parallelism across
     domains (:func:`placement.place_replicas`, the file's domain order: the order only renumbers the replicas;
     replicas dealt one at a time and as many together as a node holds stages of), with speed-proportional
-    replica shares (see :func:`_evaluate_split`). ``cutoff``: a screen (see :attr:`_Search.cutoff`)."""
+    replica shares (see :func:`_evaluate_split`); Megatron's distributed-optimizer instances where
+    ``inputs.instances``. ``cutoff``: a screen (see :attr:`_Search.cutoff`)."""
+    cluster, model, options, transport_fn = inputs.cluster, inputs.model, inputs.options, inputs.transport_fn
     found = _Search(keep=NUM_ALTERNATIVES + 1, cutoff=cutoff)
     orders = list(domain_orders(cluster))
     # Whole pipelines per domain where the DP groups that dealing makes stay on one fabric and vendor, or cross
@@ -475,12 +492,11 @@ def _search_planned(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
                 found.expert_spans.append(f"{_label(dims)}, order {' > '.join(f'{c}/{a}' for c, a in dense.placement.domain_order)}: "
                                           f"{analysis.expert_span}")
                 continue
-            variants = _instance_variants(cluster, model, dims, analysis, net) if optimizer_instances else [analysis]
-            for mb in _micro_batches(model, dims, fixed_mb, sched[0], replica_split):
+            variants = _instance_variants(cluster, model, dims, analysis, net) if inputs.instances else [analysis]
+            for mb in _micro_batches(model, dims, inputs.fixed_mb, inputs.sched[0], inputs.replica_split):
                 for dist_opt in dist_opts:
                     for an in (variants if dist_opt else variants[:1]):
-                        _evaluate_split(model, an, dims, mb, None, found, k, dist_opt, overlap, profile,
-                                        _label(dims), sched, replica_split)
+                        _evaluate_split(inputs, found, an, dims, mb, None, k, dist_opt)
                         if found.hit:
                             return found
         if progress is not None:
@@ -527,16 +543,25 @@ def _whole_pipelines(cluster: Cluster, dims: ParallelDims, together: int = 1) ->
     return all(k % size == 0 for k in per_domain.values())
 
 
-def plan_candidates(cluster: Cluster, model: ModelSpec, *, tp: Optional[int] = None, pp: Optional[int] = None,
-                    dp: Optional[int] = None, cp: int = 1, micro_batch_size: Optional[int] = None,
-                    profile: Optional[Profile] = None, ep: Optional[int] = 1, etp: Optional[int] = None,
-                    order: str = DEFAULT_ORDER, replica_split: "str | Sequence[int]" = "auto") -> list[Candidate]:
+#: plan_candidates' keywords: make_plan's degrees, micro-batch size and replica split (not the schedule or the NCCL
+#: build: the candidates are the 1F1B het-aware search's on per-group transports)
+CANDIDATE_KEYWORDS = ("tp", "pp", "dp", "cp", "micro_batch_size", "ep", "etp", "order", "replica_split")
+
+
+def plan_candidates(cluster: Cluster, model: ModelSpec, *, profile: Optional[Profile] = None,
+                    **degrees) -> list[Candidate]:
     """The best few plans of the het-aware search, best first, on any cluster (homogeneous ones too:
-    benchmarks use it for the best a sub-cluster could do on its own)."""
-    fixed_mb = micro_batch_size or model.micro_batch_size
-    replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, 1)
-    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
-    return _search_planned(cluster, model, options, fixed_mb, True, profile, replica_split=replica_split).best
+    benchmarks use it for the best a sub-cluster could do on its own). ``degrees``: :data:`CANDIDATE_KEYWORDS`,
+    as make_plan's keyword form takes them."""
+    unknown = sorted(set(degrees) - set(CANDIDATE_KEYWORDS))
+    if unknown:
+        raise TypeError(f"plan_candidates() got an unexpected keyword argument {unknown[0]!r}")
+    asked = {**_KEYWORDS, **degrees}
+    fixed_mb = asked["micro_batch_size"] or model.micro_batch_size
+    replica_split, dp, fixed_mb = _replica_request(cluster, model, asked["replica_split"], asked["dp"], fixed_mb, 1)
+    options = _degree_options(cluster, model, {**asked, "dp": dp}, fixed_mb)
+    return _search_planned(SearchInputs(cluster, model, options, fixed_mb, asked["pp"] is not None, profile,
+                                        replica_split=replica_split)).best
 
 
 #: make_plan's options :func:`could_beat` understands; with any other it answers "maybe" (the caller plans).
@@ -560,44 +585,31 @@ def could_beat(cluster: Cluster, model: ModelSpec, cutoff: float, *, near: Optio
     if cluster.is_homogeneous or not options.keys() <= SCREEN_OPTIONS or not math.isfinite(cutoff):
         return True
     try:
-        multinet = (options.get("nccl") or NcclBuild()).multinet
-        plan_fn = multinet_transport if multinet else cluster_transport
-        fixed_mb = options.get("micro_batch_size") or model.micro_batch_size
-        if fixed_mb is not None and model.global_batch_size % fixed_mb:
-            return False                            # make_plan raises
-        pp = options.get("pp")
-        replica_split, dp, fixed_mb = _replica_request(cluster, model, options.get("replica_split", "auto"),
-                                                       options.get("dp"), fixed_mb, options.get("vpp", 1))
-        degrees = _degree_options(cluster, model, options.get("tp"), pp, dp, options.get("cp", 1), fixed_mb,
-                                  options.get("ep", 1), options.get("etp"), options.get("order", DEFAULT_ORDER))
-        degrees, sched = _interleaved_options(model, degrees, pp, fixed_mb, options.get("vpp", 1),
-                                              options.get("overlap_p2p_comm"))
+        inputs = _search_inputs(cluster, model, {**_KEYWORDS, **options}, options.get("profile"))
     except ConfigError:
         return False                                # make_plan raises the same
     if near is not None:        # (a stable sort on tp and pp keeps each dense degree combination's options together)
-        degrees = sorted(degrees, key=lambda d: (abs(d.tp - near[0]) + abs(d.pp - near[1])))
-    profile, instances = options.get("profile"), options.get("optimizer_instances", True)
-    found = _search_planned(cluster, model, degrees, fixed_mb, True, profile, None, sched, replica_split, plan_fn,
-                            instances, cutoff=cutoff)
+        inputs = replace(inputs, options=sorted(inputs.options,
+                                                key=lambda d: (abs(d.tp - near[0]) + abs(d.pp - near[1]))))
+    found = _search_planned(inputs, cutoff=cutoff)
     if found.hit:
         return True
     # no search candidate below the cut-off: make_plan's plan is below it only as the frameworks' default
-    stock, _ = _best_default(cluster, model, degrees, fixed_mb, pp is not None, True, profile, sched,
-                             stock_transport(multinet), instances=instances)
+    stock, _ = _best_default(replace(inputs, transport_fn=stock_transport(inputs.multinet)))
     if stock is None:
         return False
     if stock.prediction.iteration_s < cutoff:
         return True
-    return _own_prediction(cluster, model, stock, plan_fn, True, profile, sched).iteration_s < cutoff
+    return _own_prediction(inputs, stock).iteration_s < cutoff
 
 
-def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDims], fixed_mb: Optional[int],
-                    fixed_pp: bool, dist_opt: bool, overlap: bool, profile: Optional[Profile],
-                    transport_fn, progress: Optional[Progress] = None, sched: tuple = (1, None),
-                    replica_split: "str | list[int]" = "even", instances: bool = False) -> _Search:
+def _search_default(inputs: SearchInputs, dist_opt: bool, progress: Optional[Progress] = None) -> _Search:
     """The frameworks' default: identity placement, uniform layers (pp must divide the layers, as
-    Megatron-Core requires without a layout, unless the user fixed such a pp), ``transport_fn``; ``instances``:
-    also Megatron's partial distributed optimizer where data parallelism spans fabrics (today's stock stack)."""
+    Megatron-Core requires without a layout, unless the user fixed such a pp), ``inputs.transport_fn``;
+    ``inputs.instances`` (with ``dist_opt``): also Megatron's partial distributed optimizer where data parallelism
+    spans fabrics (today's stock stack)."""
+    cluster, model, options, transport_fn = inputs.cluster, inputs.model, inputs.options, inputs.transport_fn
+    fixed_pp, sched = inputs.fixed_pp, inputs.sched
     found = _Search(keep=NUM_ALTERNATIVES + 1)
     net = cost.Network(cluster, transport_fn)
     dense: Optional[cost.Analysis] = None
@@ -614,12 +626,12 @@ def _search_default(cluster: Cluster, model: ModelSpec, options: list[ParallelDi
         if d0 is None or (d0.tp, d0.cp, d0.pp, d0.dp, d0.order) != (dims.tp, dims.cp, dims.pp, dims.dp, dims.order):
             dense = cost.analyze(cluster, default_placement(cluster, dims), transport_fn, net)
         analysis = cost.analyze_experts(cluster, dense, dims, net)
-        variants = _instance_variants(cluster, model, dims, analysis, net) if dist_opt and instances else [analysis]
-        for mb in _micro_batches(model, dims, fixed_mb, sched[0], replica_split):
+        variants = (_instance_variants(cluster, model, dims, analysis, net) if dist_opt and inputs.instances
+                    else [analysis])
+        for mb in _micro_batches(model, dims, inputs.fixed_mb, sched[0], inputs.replica_split):
             layers = None if uneven else uniform_layers(model.num_layers, dims.pp)
             for an in variants:
-                _evaluate_split(model, an, dims, mb, layers, found, 0, dist_opt, overlap, profile, _label(dims),
-                                sched, replica_split)
+                _evaluate_split(inputs, found, an, dims, mb, layers, 0, dist_opt)
         if progress is not None:
             progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
@@ -792,36 +804,42 @@ def make_plan(cluster: Cluster, model: ModelSpec, request: Optional[LaunchReques
     return _make_plan(cluster, model, asked, progress, profile)
 
 
-def _make_plan(cluster: Cluster, model: ModelSpec, asked: dict, progress: Optional[Progress],
-               profile: Optional[Profile]) -> Plan:
-    """:func:`make_plan` on the request's fields (``asked``: :meth:`LaunchRequest.planner_options`)."""
-    tp, pp, dp, cp, ep, etp, order = (asked[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp", "order"))
-    micro_batch_size, replica_split = asked["micro_batch_size"], asked["replica_split"]
-    nccl, optimizer_instances = asked["nccl"], asked["optimizer_instances"]
-    multinet = (nccl or NcclBuild()).multinet
-    plan_fn = multinet_transport if multinet else cluster_transport
-    fixed_mb = micro_batch_size or model.micro_batch_size
+def _search_inputs(cluster: Cluster, model: ModelSpec, asked: dict, profile: Optional[Profile]) -> SearchInputs:
+    """The searches' inputs for the request's fields (``asked``: :meth:`LaunchRequest.planner_options` over
+    :data:`_KEYWORDS`): the checked replica split, degree options and schedule; the plan's transports."""
+    multinet = (asked["nccl"] or NcclBuild()).multinet
+    fixed_mb = asked["micro_batch_size"] or model.micro_batch_size
     if fixed_mb is not None and model.global_batch_size % fixed_mb:
         raise ConfigError(f"global_batch_size {model.global_batch_size} is not a multiple of micro_batch_size "
                           f"{fixed_mb}", field="micro_batch_size", fix="use a divisor of global_batch_size")
-    replica_split, dp, fixed_mb = _replica_request(cluster, model, replica_split, dp, fixed_mb, asked["vpp"])
-    options = _degree_options(cluster, model, tp, pp, dp, cp, fixed_mb, ep, etp, order)
+    pp = asked["pp"]
+    replica_split, dp, fixed_mb = _replica_request(cluster, model, asked["replica_split"], asked["dp"], fixed_mb,
+                                                   asked["vpp"])
+    options = _degree_options(cluster, model, {**asked, "dp": dp}, fixed_mb)
     options, sched = _interleaved_options(model, options, pp, fixed_mb, asked["vpp"], asked["overlap_p2p_comm"])
-    overlap = True
+    return SearchInputs(cluster, model, options, fixed_mb, pp is not None, profile, sched, replica_split,
+                        overlap=True, transport_fn=multinet_transport if multinet else cluster_transport,
+                        instances=asked["optimizer_instances"], multinet=multinet)
+
+
+def _make_plan(cluster: Cluster, model: ModelSpec, asked: dict, progress: Optional[Progress],
+               profile: Optional[Profile]) -> Plan:
+    """:func:`make_plan` on the request's fields (``asked``: :meth:`LaunchRequest.planner_options`)."""
+    inputs = _search_inputs(cluster, model, asked, profile)
+    options, sched, replica_split, overlap = inputs.options, inputs.sched, inputs.replica_split, inputs.overlap
+    multinet, plan_fn = inputs.multinet, inputs.transport_fn
     if cluster.is_homogeneous:
         for dist_opt in (False, True):      # Megatron's default first; the distributed optimizer if needed
-            planned = _search_default(cluster, model, options, fixed_mb, pp is not None, dist_opt, overlap,
-                                      profile, cluster_transport, progress, sched, replica_split)
+            planned = _search_default(replace(inputs, transport_fn=cluster_transport, instances=False), dist_opt,
+                                      progress)
             if planned.best:
                 break
         if not planned.best and planned.closest_overflow is None:
             # No degree option has a pp that divides num_layers (Megatron's uniform default needs one):
             # the exact split over identical stages, which the layout knob expresses, is the next best.
-            planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched,
-                                      replica_split)
+            planned = _search_planned(replace(inputs, transport_fn=cluster_transport, instances=True), progress)
     else:
-        planned = _search_planned(cluster, model, options, fixed_mb, overlap, profile, progress, sched, replica_split,
-                                  plan_fn, optimizer_instances)
+        planned = _search_planned(inputs, progress)
     if not planned.best and replica_split == "uneven":
         devices = ", ".join(sorted({n.accelerator.name for n in cluster.nodes}))
         raise ConfigError(f"replica_split=uneven cannot be honoured: of {len(options)} degree combinations on "
@@ -829,6 +847,7 @@ def _make_plan(cluster: Cluster, model: ModelSpec, asked: dict, progress: Option
                           f"an uneven split fits in memory and predicts a plan", source=cluster.source,
                           field="replica_split", fix="use auto or even, or fix fewer degrees")
     if not planned.best:
+        ep = asked["ep"]
         if planned.expert_spans and (planned.closest_overflow is None or (ep or 1) > 1):
             raise _expert_span_error(cluster, planned, ep)
         raise _memory_error(cluster, model, planned)
@@ -836,13 +855,11 @@ def _make_plan(cluster: Cluster, model: ModelSpec, asked: dict, progress: Option
     previous_best = None
     if not cluster.is_homogeneous:
         # What a user gets today, at its best: either optimizer setting, the best degrees for it.
-        base_best, plain_best = _best_default(cluster, model, options, fixed_mb, pp is not None, overlap, profile,
-                                              sched, stock_transport(multinet), instances=optimizer_instances)
+        base_best, plain_best = _best_default(replace(inputs, transport_fn=stock_transport(multinet)))
         # the line before today's stack (sockets everywhere, one optimizer instance), kept where it differs; on a
         # released NCCL it is the stock search's best without instances (no second search)
         previous_best = plain_best if not multinet else _best_default(
-            cluster, model, options, fixed_mb, pp is not None, overlap, profile, sched, baseline_transport,
-            instances=False)[0]
+            replace(inputs, transport_fn=baseline_transport, instances=False))[0]
         if previous_best is not None and base_best is not None and \
                 previous_best.prediction.iteration_s == base_best.prediction.iteration_s:
             previous_best = None
@@ -850,8 +867,7 @@ def _make_plan(cluster: Cluster, model: ModelSpec, asked: dict, progress: Option
     het = not cluster.is_homogeneous
     stock_wins = het and base_best is not None and base_best.prediction.iteration_s < best.prediction.iteration_s
     if stock_wins:          # never a plan predicted slower than what the frameworks do by themselves
-        best = replace(base_best, prediction=_own_prediction(cluster, model, base_best, plan_fn, overlap, profile,
-                                                             sched))
+        best = replace(base_best, prediction=_own_prediction(inputs, base_best))
     stock_wins = stock_wins or (het and base_best is not None and _same_run(best, base_best))
     best.prediction.description = _describe(best, STOCK_IS_BEST if stock_wins else "planned" if het else
                                             "framework default (homogeneous cluster: het_plugin changes nothing)",
@@ -905,13 +921,14 @@ STOCK_IS_BEST = ("stock = framework default placement and uniform layers: no pla
                  "searched predicts faster, so the plan keeps the frameworks' own")
 
 
-def _own_prediction(cluster: Cluster, model: ModelSpec, cand: "Candidate", transport_fn, overlap: bool,
-                    profile: Optional[Profile], sched: tuple) -> Prediction:
-    """A stock candidate predicted as the plan it becomes will run (its groups on ``transport_fn``, which is never
-    slower than the stock baseline's: per-group RDMA where the baseline put everything on sockets)."""
-    return cost.predict(cluster, model, cand.placement, cand.layers, cand.micro_batch_size, transport_fn=transport_fn,
-                        overlap_grad_reduce=overlap, distributed_optimizer=cand.distributed_optimizer,
-                        profile=profile, vpp=sched[0], overlap_p2p_comm=sched[1], instances=cand.instances)
+def _own_prediction(inputs: SearchInputs, cand: "Candidate") -> Prediction:
+    """A stock candidate predicted as the plan it becomes will run (its groups on ``inputs.transport_fn``, which is
+    never slower than the stock baseline's: per-group RDMA where the baseline put everything on sockets)."""
+    sched = inputs.sched
+    return cost.predict(inputs.cluster, inputs.model, cand.placement, cand.layers, cand.micro_batch_size,
+                        transport_fn=inputs.transport_fn, overlap_grad_reduce=inputs.overlap,
+                        distributed_optimizer=cand.distributed_optimizer, profile=inputs.profile, vpp=sched[0],
+                        overlap_p2p_comm=sched[1], instances=cand.instances)
 
 
 def _same_run(a: "Candidate", b: "Candidate") -> bool:
@@ -924,16 +941,15 @@ def _same_run(a: "Candidate", b: "Candidate") -> bool:
                                                                              b.replica_counts))
 
 
-def _best_default(cluster: Cluster, model: ModelSpec, options, fixed_mb, fixed_pp: bool, overlap: bool,
-                  profile: Optional[Profile], sched: tuple, transport_fn,
-                  instances: bool) -> "tuple[Optional[Candidate], Optional[Candidate]]":
-    """The frameworks' default on ``transport_fn`` at its best: either optimizer setting (``instances``: also
-    Megatron's distributed-optimizer instances where data parallelism leaves a fabric), the best degrees; and the
-    best of those with one optimizer instance (the same where none is better)."""
+def _best_default(inputs: SearchInputs) -> "tuple[Optional[Candidate], Optional[Candidate]]":
+    """The frameworks' default on ``inputs.transport_fn`` at its best, with their even replica split: either
+    optimizer setting (``inputs.instances``: also Megatron's distributed-optimizer instances where data
+    parallelism leaves a fabric), the best degrees; and the best of those with one optimizer instance (the same
+    where none is better)."""
+    even = replace(inputs, replica_split="even")
     best = plain = None
     for dist_opt in (False, True):
-        found = _search_default(cluster, model, options, fixed_mb, fixed_pp, dist_opt, overlap, profile,
-                                transport_fn, sched=sched, instances=instances)
+        found = _search_default(even, dist_opt)
         if found.best and (best is None or found.best[0].key < best.key):
             best = found.best[0]
         one = next((c for c in found.best if c.instances == 1), None)

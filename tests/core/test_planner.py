@@ -226,3 +226,15 @@ def test_homogeneous_cluster_where_no_pp_divides_the_layers_still_gets_an_identi
     plan = make_plan(cluster, model)
     assert plan.is_identity
     assert sum(plan.layers_per_stage) == 24 and 24 % plan.pp != 0
+
+
+def test_plan_candidates_refuses_a_keyword_it_would_not_honour():
+    """plan_candidates reads make_plan's degree keywords as one mapping: a schedule or NCCL keyword (which its 1F1B
+    search would ignore) or a misspelt degree is an error, not silently dropped."""
+    cluster = load_cluster(EXAMPLES / "clusters" / "h100-a100.yaml")
+    model = preset_model("gpt-7.5b")
+    for bad in ({"vpp": 2}, {"nccl": None}, {"tpp": 2}):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            planner.plan_candidates(cluster, model, **bad)
+    fixed = planner.plan_candidates(cluster, model, tp=2, micro_batch_size=1)
+    assert fixed and all(c.placement.dims.tp == 2 and c.micro_batch_size == 1 for c in fixed)

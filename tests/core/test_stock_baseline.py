@@ -1,6 +1,7 @@
 """Today's stock stack is the baseline: the planner never returns a plan predicted slower than it."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -53,9 +54,8 @@ def test_where_stock_is_best_the_plan_is_stock_and_says_so(monkeypatch):
     """A search that only finds slower plans (here: forced onto sockets) returns the frameworks' default."""
     real = planner._search_planned
 
-    def sockets_only(*args, **kw):
-        args, kw = args[:9], {k: v for k, v in kw.items() if k != "transport_fn"}    # all but transport_fn
-        return real(*args, transport_fn=baseline_transport, **kw)
+    def sockets_only(inputs, *args, **kw):
+        return real(dataclasses.replace(inputs, transport_fn=baseline_transport), *args, **kw)
     monkeypatch.setattr(planner, "_search_planned", sockets_only)
     c, m = load_cluster(EXAMPLES / "two-clusters-25gbe.yaml"), preset_model("gpt-7.5b")
     plan = make_plan(c, m, nccl=parse_build("cross-dc"))

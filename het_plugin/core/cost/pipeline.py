@@ -147,33 +147,3 @@ def _interleaved_pipeline(sts: list[StageModel], virtual_layers: Sequence[Sequen
             done = max(done, run.last_backward_start[r][c]) + red * params[c] / total
         ends.append(max(run.finish[r], done))
     return run.finish, ends
-
-
-def _interleaved_stage_costs(sts: list[StageModel], num_layers: int, m: int, vpp: int, overlap_p2p_comm: bool,
-                             wrap_send: float, dp: int, overlap: bool, distributed_optimizer: bool,
-                             profile: Optional[Profile]) -> list[list[float]]:
-    """The exact partition's cost tables for the interleaved schedule (a lower bound of each stage's part of the
-    iteration): compute, and its sends -- blocking, or with overlap_p2p_comm only where its busiest outgoing link
-    is slower than its compute -- plus the reduction the last chunk's backward cannot hide."""
-    pp = len(sts)
-    tables = []
-    for r, st in enumerate(sts):
-        nxt = st.send_s if r < pp - 1 else wrap_send          # activations out, vpp per micro-batch (one less on
-        prv = sts[r - 1].back_s if r > 0 else wrap_send       # the last rank); gradients back, likewise (first)
-        n_next, n_prev = vpp - (r == pp - 1), vpp - (r == 0)
-        if pp == 2:                                            # one link each way carries both
-            links = [n_next * nxt + n_prev * prv]
-        else:
-            links = [n_next * nxt, n_prev * prv]
-        row = []
-        for n in range(num_layers + 1):
-            compute = st.fixed_fwd_s + st.fixed_bwd_s + n * (st.layer_fwd_s + st.layer_bwd_s) + 2 * vpp * st.slot_s
-            red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
-            exposed = max(0.0, (red - st.fixed_bwd_s - n * st.layer_bwd_s) / vpp) if overlap else red
-            if overlap_p2p_comm:
-                busy = m * max([compute] + links)
-            else:
-                busy = m * (compute + n_next * nxt + n_prev * prv)
-            row.append(busy + exposed)
-        tables.append(row)
-    return tables

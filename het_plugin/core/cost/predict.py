@@ -17,7 +17,7 @@ from ..ranks.dims import ParallelDims
 from .analysis import Analysis, ReplicaClass, analyze
 from .network import GIB, GRAD_BYTES, OPTIMIZER_STATE_BYTES, Network, TransportFn, WEIGHT_BYTES
 from .fixed_costs import iteration_overhead_s, with_slots
-from .pipeline import _interleaved_pipeline, _interleaved_stage_costs, simulate_1f1b, wrap_send_s
+from .pipeline import _interleaved_pipeline, simulate_1f1b, wrap_send_s
 from .stage import (
     StageModel, _dp_reduce_s, _max_layers_fitting, _memory_bytes, _optimizer_s, _stage_cost_parts, _stage_costs,
     _stage_models, exposed_reduction_s,
@@ -103,6 +103,37 @@ def stage_reductions(sc: "SplitCosts", layers_per_stage: Sequence[int]) -> list[
     """Each stage's gradient reduction (its slowest replica's paths: the analysis's stages)."""
     return [_dp_reduce_s(st, n, sc.dp, sc.distributed_optimizer, sc.profile)
             for st, n in zip(sc.stages, layers_per_stage)]
+
+
+def _interleaved_tables(sc: "SplitCosts") -> list[list[float]]:
+    """The exact partition's cost tables for the interleaved schedule (a lower bound of each stage's part of the
+    iteration): compute, and its sends -- blocking, or with overlap_p2p_comm only where its busiest outgoing link
+    is slower than its compute -- plus the reduction the last chunk's backward cannot hide."""
+    sts, num_layers, m, vpp = sc.stages, sc.model.num_layers, sc.num_micro_batches, sc.vpp
+    overlap_p2p_comm, wrap_send, dp, overlap = sc.overlap_p2p_comm, sc.wrap_send_s, sc.dp, sc.overlap_grad_reduce
+    distributed_optimizer, profile = sc.distributed_optimizer, sc.profile
+    pp = len(sts)
+    tables = []
+    for r, st in enumerate(sts):
+        nxt = st.send_s if r < pp - 1 else wrap_send          # activations out, vpp per micro-batch (one less on
+        prv = sts[r - 1].back_s if r > 0 else wrap_send       # the last rank); gradients back, likewise (first)
+        n_next, n_prev = vpp - (r == pp - 1), vpp - (r == 0)
+        if pp == 2:                                            # one link each way carries both
+            links = [n_next * nxt + n_prev * prv]
+        else:
+            links = [n_next * nxt, n_prev * prv]
+        row = []
+        for n in range(num_layers + 1):
+            compute = st.fixed_fwd_s + st.fixed_bwd_s + n * (st.layer_fwd_s + st.layer_bwd_s) + 2 * vpp * st.slot_s
+            red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
+            exposed = max(0.0, (red - st.fixed_bwd_s - n * st.layer_bwd_s) / vpp) if overlap else red
+            if overlap_p2p_comm:
+                busy = m * max([compute] + links)
+            else:
+                busy = m * (compute + n_next * nxt + n_prev * prv)
+            row.append(busy + exposed)
+        tables.append(row)
+    return tables
 
 
 def _evaluate(sc: "SplitCosts", layers_per_stage: Sequence[int], description: str) -> Prediction:
@@ -272,9 +303,7 @@ class SplitCosts:
     def tables(self) -> list[list[float]]:
         """Per stage, its busy time in one iteration with 0..num_layers layers (the exact partition's costs)."""
         if self.vpp > 1:
-            return _interleaved_stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.vpp,
-                                            self.overlap_p2p_comm, self.wrap_send_s, self.dp, self.overlap_grad_reduce,
-                                            self.distributed_optimizer, self.profile)
+            return _interleaved_tables(self)
         if not self.counts:     # the even split: each stage at its slowest devices (>= any replica group's)
             return _stage_costs(self.stages, self.model.num_layers, self.num_micro_batches, self.dp,
                                 self.overlap_grad_reduce, self.distributed_optimizer, self.profile)
