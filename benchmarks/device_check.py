@@ -1245,6 +1245,7 @@ def worker_gpu19(spec: dict) -> dict:
         out["ok"] = bool(torch.all(t == 1).item())
         return out
     if case == "4c":
+        import het_plugin.comm  # noqa: F401   registers het_shim (runtime never imports comm)
         from het_plugin.core.inputs.cluster import load_cluster
         from het_plugin.core.inputs.model import ModelSpec
         from het_plugin.core.planner import make_plan

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -181,6 +182,12 @@ def _shim_backend(policy: Policy) -> Optional[str]:
         policy.shim_checked = True
         import torch.distributed as tdist       # `import het_plugin.comm` registered it (the adapters: spans_vendors)
         policy.shim_backend = SHIM_BACKEND if SHIM_BACKEND in getattr(tdist.Backend, "backend_list", []) else None
+        if policy.shim_backend is None and "het_plugin.comm" not in sys.modules:
+            # not a torch that refused the backend: nobody imported the shim (runtime never imports comm)
+            raise ConfigError("a group spans accelerator vendors, but het_plugin's het_shim backend is not registered "
+                              "in this process", field="het_shim",
+                              fix="import het_plugin.comm before creating the groups of a plan that spans vendors "
+                                  "(the Megatron and DeepSpeed adapters do: runtime.group_policy.spans_vendors)")
         if policy.shim_backend is None:
             policy.warnings.append("a group spans accelerator vendors but this torch did not accept the het_shim "
                                    "backend; such groups use the default backend")

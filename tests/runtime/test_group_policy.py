@@ -221,3 +221,18 @@ def test_options_without_config_are_refused_with_the_versions_needed():
         make("Socket", types.SimpleNamespace())          # an old torch's Options: no .config
     assert exc.value.field == "torch" and "torch >= 2.1" in exc.value.fix and "NCCL >= 2.17" in exc.value.fix
     assert "no 'config'" in str(exc.value)
+
+
+def test_a_cross_vendor_group_before_the_shim_was_imported_is_refused_naming_the_import(examples_dir, monkeypatch):
+    """Runtime never imports comm: a caller that builds groups of a vendor-spanning plan without importing
+    het_plugin.comm (which registers het_shim) is told so, instead of getting the default backend silently."""
+    import sys
+
+    import torch.distributed as tdist
+    from het_plugin.core.errors import ConfigError
+    plan = make_plan(load_cluster(examples_dir / "clusters" / "hethub-mix.yaml"), preset_model("gpt-7.5b"))
+    monkeypatch.delitem(sys.modules, "het_plugin.comm", raising=False)
+    monkeypatch.setattr(tdist.Backend, "backend_list", [b for b in tdist.Backend.backend_list if b != "het_shim"])
+    with pytest.raises(ConfigError) as exc:
+        spec_for(plan, None, Policy("gloo"))
+    assert exc.value.field == "het_shim" and "import het_plugin.comm" in exc.value.fix
