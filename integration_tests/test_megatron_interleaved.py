@@ -27,8 +27,8 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "ranks" / "megatron_train_ep_vpp.py"
 DATA = HERE / "data"
 HOMOGENEOUS_4 = DATA / "megatron-homogeneous-4.yaml"
-TWO_IB_ISLANDS_4 = DATA / "megatron-two-ib-islands-4.yaml"
-IB_ROCE_4 = DATA / "megatron-ib-roce-4.yaml"
+TWO_IB_ISLANDS_4 = DATA / "megatron-two-ib-islands-4-1gbe.yaml"     # a plan that permutes (issue 30)
+IB_ROCE_4 = DATA / "megatron-ib-roce-4-1gbe.yaml"
 GLOO_IFNAMES = {"HET_PLUGIN_GLOO_IFNAMES": "ib=lo,roce=lo,socket=lo,local=lo"}
 STEPS = 3
 PP, VPP, LAYERS = 2, 2, 4

@@ -97,18 +97,20 @@ def apply_to_ddp_config(config: Any, plan: Plan) -> Any:
 
 
 def groups_kwargs(plan: Plan, megatron_kwargs: dict) -> tuple[dict, Optional[str]]:
-    """The drop-in's ``initialize_model_parallel`` arguments with the instance count: the caller's own
-    ``num_distributed_optimizer_instances`` honoured or refused, the plan's added where the caller gave none
-    (a homogeneous plan's 1: nothing added); and a line for rank 0 where the plan's was added."""
+    """The drop-in's ``initialize_model_parallel`` arguments: the caller's own ``num_distributed_optimizer_instances``
+    honoured or refused; where the caller gave none, Megatron's default (1) stands and rank 0 gets a line naming
+    what the plan assumed. Not added on the caller's behalf: the groups would be sharded per instance while the
+    script's DDP and optimizer (which the drop-in never sees) reduce over one, and the replicas would drift apart."""
     if ARG in megatron_kwargs and megatron_kwargs[ARG] is not None:
         _, note = choose(plan, int(megatron_kwargs[ARG]), None, name=ARG)
         return dict(megatron_kwargs), note
     value, _ = choose(plan, None, None)
     if value == 1:
         return dict(megatron_kwargs), None
-    return {**megatron_kwargs, ARG: value}, (
-        f"het_plugin: initialize_model_parallel gets {ARG}={value} from plan {plan.hash} (an optimizer instance per "
-        f"fabric); build DDP with ddp_config_for_plan(plan), or use_distributed_optimizer=True and {ARG}={value}")
+    return dict(megatron_kwargs), (
+        f"het_plugin: plan {plan.hash} assumed {ARG}={value} (an optimizer instance per fabric); to run it, pass "
+        f"{ARG}={value} here and build DDP with ddp_config_for_plan(plan, {ARG}={value}) (the distributed optimizer "
+        "on); without, Megatron's one instance runs and the prediction does not hold")
 
 
 def check_groups_kwarg(plan: Plan, megatron_kwargs: dict) -> None:

@@ -243,9 +243,9 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     Call after ``torch.distributed.init_process_group``. Give ``plan`` (a Plan or a plan file), or
     ``cluster`` (a Cluster or cluster file) plus ``model`` (ModelSpec, model file or preset); with
     neither, the cluster is discovered. Degrees passed are respected, the rest the planner chooses.
-    Other keyword arguments go to Megatron-Core unchanged, but for ``num_distributed_optimizer_instances``: the plan's
-    count (an optimizer instance per fabric) where none is given, a given count refused where an instance would span
-    clusters (:mod:`het_plugin.megatron.dist_opt`). Returns the plan: build the model with
+    Other keyword arguments go to Megatron-Core unchanged; a ``num_distributed_optimizer_instances`` whose instances
+    would span clusters is refused, and where none is given Megatron's one instance stands (rank 0 names the plan's
+    count: pass it here and to the DDP config, :mod:`het_plugin.megatron.dist_opt`). Returns the plan: build the model with
     ``plan.tp``/``plan.pp`` and :func:`apply_plan_to_config` (layer split), and DDP with
     :func:`ddp_config_for_plan`; :func:`current_plan` holds what was applied (groups created).
     ``timeout_s`` bounds every wait of het_plugin in this call (the plan check, group creation; default
@@ -291,7 +291,7 @@ def initialize_model_parallel(tensor_model_parallel_size: Optional[int] = None,
     started = startup(request, Planning(lambda profile: plan_megatron(source, request, model=model, profile=profile),
                                         replan=replan, check=check))
     with bounded(request):
-        # num_distributed_optimizer_instances: the caller's, or the plan's where none was given (said on rank 0)
+        # num_distributed_optimizer_instances: the caller's (checked); the plan's count named on rank 0 where none
         megatron_kwargs, note = groups_kwargs(started.plan, megatron_kwargs)
         if note and rank == 0:
             print(note, flush=True)

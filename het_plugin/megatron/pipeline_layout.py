@@ -108,13 +108,12 @@ def apply_plan_to_config(config: Any, plan: Plan) -> Any:
 
 
 def ddp_config_for_plan(plan: Plan, **overrides: Any):
-    """A DistributedDataParallelConfig with gradient-reduction overlap switched on where the plan assumed it."""
+    """A DistributedDataParallelConfig with gradient-reduction overlap switched on where the plan assumed it. The
+    optimizer instances are the caller's (``num_distributed_optimizer_instances=`` here and in
+    ``initialize_model_parallel``: both or neither, dist_opt.groups_kwargs)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     kwargs = {"overlap_grad_reduce": plan.overlap_grad_reduce,
               "use_distributed_optimizer": plan.distributed_optimizer}
     kwargs.update(overrides)
-    if kwargs["use_distributed_optimizer"] and plan.distributed_optimizer_instances > 1:
-        # the instances initialize_model_parallel built for the plan (dist_opt.groups_kwargs)
-        kwargs.setdefault("num_distributed_optimizer_instances", plan.distributed_optimizer_instances)
     return DistributedDataParallelConfig(**kwargs)

@@ -163,11 +163,13 @@ def test_the_config_containers_ddp_config_gets_the_plans_instances():
         apply_plan_to_container(container(True, 2), plan(3, 1, 1), take_settings=False)
 
 
-def test_the_drop_in_adds_the_plans_count_keeps_the_callers_and_refuses_one_that_spans():
+def test_the_drop_in_names_the_plans_count_keeps_the_callers_and_refuses_one_that_spans():
+    """The drop-in never adds instances itself: the script's DDP, which it does not see, must agree (a tiny trainer
+    whose groups got 2 instances and whose DDP had 1 let its replicas drift apart)."""
     from het_plugin.megatron.dist_opt import ARG, groups_kwargs
     p = plan(2, 2, 2)
     kwargs, note = groups_kwargs(p, {"expert_model_parallel_size": 1})
-    assert kwargs == {"expert_model_parallel_size": 1, ARG: 2} and "ddp_config_for_plan" in note
+    assert kwargs == {"expert_model_parallel_size": 1} and f"{ARG}=2" in note and "ddp_config_for_plan" in note
     kwargs, note = groups_kwargs(p, {ARG: 4})
     assert kwargs == {ARG: 4} and "kept" in note
     assert groups_kwargs(p, {ARG: 2}) == ({ARG: 2}, None)
@@ -177,11 +179,11 @@ def test_the_drop_in_adds_the_plans_count_keeps_the_callers_and_refuses_one_that
     assert e.value.field == ARG and "ib and roce" in str(e.value)
 
 
-def test_ddp_config_for_plan_uses_the_plans_instances_with_the_distributed_optimizer():
+def test_ddp_config_for_plan_takes_instances_only_when_asked():
     from het_plugin.megatron.pipeline_layout import ddp_config_for_plan
     p = plan(2, 2, 2)
-    assert ddp_config_for_plan(p).num_distributed_optimizer_instances == 2
-    assert ddp_config_for_plan(p, use_distributed_optimizer=False).num_distributed_optimizer_instances == 1
+    assert ddp_config_for_plan(p).num_distributed_optimizer_instances == 1        # as initialize_model_parallel's
+    assert ddp_config_for_plan(p, num_distributed_optimizer_instances=2).num_distributed_optimizer_instances == 2
     assert ddp_config_for_plan(plan(2, 2, 1)).num_distributed_optimizer_instances == 1
 
 
@@ -210,7 +212,7 @@ def holmes_groups():
     from het_plugin.core.inputs.model import preset_model
     from het_plugin.core.planner import make_plan
     from het_plugin.megatron import groups as hgroups
-    from het_plugin.megatron.dist_opt import groups_kwargs
+    from het_plugin.megatron.dist_opt import ARG, groups_kwargs
     from het_plugin.megatron.mcore import original_initialize_model_parallel
     from het_plugin.runtime.applied import AppliedPlan
     examples = Path(__file__).resolve().parents[2] / "examples"
@@ -218,7 +220,8 @@ def holmes_groups():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.world_size)
     try:
         applied = AppliedPlan.start(p, 0, "nccl")
-        kwargs, _ = groups_kwargs(p, {"tensor_model_parallel_size": p.tp, "create_gloo_process_groups": False})
+        kwargs, _ = groups_kwargs(p, {"tensor_model_parallel_size": p.tp, "create_gloo_process_groups": False,
+                                     ARG: p.distributed_optimizer_instances})      # as a script running the plan passes it
         with hgroups.planned_groups(applied, parallel_state=ps):
             original_initialize_model_parallel()(**kwargs)
         yield p, applied.records
