@@ -12,6 +12,7 @@ from het_plugin.core.inputs.model import preset_model
 from het_plugin.core.launch import Launch, resolve_launch
 from het_plugin.core.plan import Plan
 from het_plugin.core.planner import make_plan
+from tests.core.test_subsets_properties import every_subset
 from het_plugin.views.report import render_text
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
@@ -174,24 +175,9 @@ def test_cost_per_iteration_and_per_million_tokens(gpt):
     assert "cost:" not in render_text(subsets.plan_nodes(load_cluster(CLUSTERS / "h100-a100.yaml"), gpt))
 
 
-def _by_subset(cluster, model):
-    """Brute force: (plan, price per hour) of every whole-node-group subset that has a plan."""
-    import itertools
-    groups = subsets.node_groups(cluster)
-    out = []
-    for k in range(1, len(groups) + 1):
-        for keep in itertools.combinations(groups, k):
-            try:
-                plan = make_plan(subsets.sub_cluster(cluster, [n for g in keep for n in g.nodes]), model)
-            except ConfigError:
-                continue
-            out.append((plan, subsets.price_per_hour(list(keep))))
-    return out
-
-
 def test_the_cost_objective_picks_the_cheapest_plan_meeting_the_floor(gpt):
     cluster = priced([6.0, 1.0])
-    options = _by_subset(cluster, gpt)
+    options = every_subset(cluster, gpt)
     cost = lambda p, rate: p.prediction.iteration_s * rate      # noqa: E731
     cheapest = min(cost(p, r) for p, r in options)
     plan = subsets.plan_nodes(cluster, gpt, objective="cost")

@@ -40,14 +40,14 @@ def clusters(draw):
     return cluster_from_dict({"name": "generated", "clusters": specs, "links": links})
 
 
-def every_subset(cluster):
+def every_subset(cluster, model=MODEL):
     """(plan, price per hour) of every whole-node-group subset with a plan (the whole cluster included)."""
     groups = subsets.node_groups(cluster)
     out = []
     for k in range(1, len(groups) + 1):
         for keep in itertools.combinations(groups, k):
             try:
-                plan = make_plan(subsets.sub_cluster(cluster, [n for g in keep for n in g.nodes]), MODEL)
+                plan = make_plan(subsets.sub_cluster(cluster, [n for g in keep for n in g.nodes]), model)
             except ConfigError:
                 continue
             out.append((plan, subsets.price_per_hour(list(keep))))
