@@ -15,7 +15,7 @@ from .config import SECTION, HetSection, load_ds_config, section_of, strip_secti
 
 __all__ = ["wrap", "initialize", "PipelineModule", "PlanTopology", "HetSection", "SECTION", "load_ds_config",
            "section_of", "strip_section", "write_config", "replica_batch_sampler", "ReplicaDataError",
-           "replica_sampler"]
+           "replica_sampler", "forget_plan"]
 
 
 def __getattr__(name):
@@ -25,6 +25,9 @@ def __getattr__(name):
     if name == "PipelineModule":
         from .pipe import PipelineModule
         return PipelineModule
+    if name == "forget_plan":
+        from .script_topology import forget_plan
+        return forget_plan
     if name == "PlanTopology":
         from .process_topology import PlanTopology
         return PlanTopology

@@ -147,3 +147,11 @@ def forget() -> None:
     """Drop what was remembered and the applied plan (tests; a process that builds a second model)."""
     _state["built"] = []
     _state["plan"] = None
+
+
+def forget_plan() -> None:
+    """``het_plugin.deepspeed.forget_plan()``: the plan stops applying in this process. For a process that trains
+    several configurations in turn, the next perhaps without het_plugin: without it, a topology the next one
+    builds would still be placed as the last plan placed it (the plan stays applied for the process, so that the
+    topologies a script builds after ``initialize`` follow it)."""
+    forget()
