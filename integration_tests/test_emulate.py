@@ -101,6 +101,44 @@ def test_fabric_reaches_only_its_own_cluster(emulator_ok):
         assert attempt(0, lay.nodes[3].eth.address) == "refused"
 
 
+def test_multinet_reaches_other_fabrics_over_ethernet(emulator_ok):
+    """multinet=True: another cluster's fabric address answers, and the bytes to it leave on eth0 (shaped as that
+    cluster's Ethernet class), not fab0; inside a cluster fab0 still carries them."""
+    cluster = load_cluster(CLUSTER)
+    nbytes = 2_000_000
+    sender = ("import socket,sys\ns=socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=20)\n"
+              f"s.sendall(b'x'*{nbytes});s.close()")
+    receiver = ("import socket\nl=socket.socket();l.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+                "l.bind(('0.0.0.0',9123));l.listen(1);l.settimeout(20);print('ready',flush=True)\n"
+                "c,_=l.accept();n=0\nwhile (b:=c.recv(1<<16)): n+=len(b)\nprint(n)")
+    with Emulation(cluster, scale=1000, multinet=True, log=lambda s: None) as emu:
+        lay = emu.layout
+        assert lay.nodes[0].routes and "other clusters' fabrics over eth0" in lay.describe()
+
+        def tx(node: int) -> dict[str, int]:
+            out = {}
+            for itf in ("eth0", "fab0"):
+                p = subprocess.run(["ip", "netns", "exec", lay.nodes[node].namespace, "cat",
+                                    f"/sys/class/net/{itf}/statistics/tx_bytes"], stdout=subprocess.PIPE, text=True)
+                out[itf] = int(p.stdout)
+            return out
+
+        def send(src: int, dst: int) -> dict[str, int]:
+            r = emu.popen_in(dst, [sys.executable, "-c", receiver], stdout=subprocess.PIPE, text=True)
+            assert r.stdout.readline().strip() == "ready"
+            before = tx(src)
+            s = emu.popen_in(src, [sys.executable, "-c", sender, lay.nodes[dst].fab.address, "9123"])
+            assert s.wait(timeout=60) == 0
+            assert int(r.communicate(timeout=60)[0].strip()) == nbytes
+            after = tx(src)
+            return {k: after[k] - before[k] for k in after}
+
+        across = send(0, 2)     # ib-0 -> roce-0's fabric address: over Ethernet
+        assert across["eth0"] >= nbytes and across["fab0"] < nbytes / 100, across
+        inside = send(0, 1)     # ib-0 -> ib-1's fabric address: over the fabric
+        assert inside["fab0"] >= nbytes and inside["eth0"] < nbytes / 100, inside
+
+
 def test_groups_use_the_interface_of_their_transport(emulator_ok):
     """4 ranks on two clusters (gloo): each cluster's group runs on fab0, the default group on eth0."""
     nbytes = 1_000_000

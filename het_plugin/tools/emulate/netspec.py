@@ -30,10 +30,17 @@ MAX_CLUSTERS = 250
 
 @dataclass(frozen=True)
 class ShapedClass:
-    """Egress to the destinations in ``dst`` (a CIDR, or None: everything else) at ``kbit`` kbit/s."""
+    """Egress to the destinations in ``dst`` (a CIDR, or None: everything else) and ``also`` (more CIDRs sharing
+    the class: another cluster's fabric addresses reached over Ethernet, see ``make_layout``'s multinet) at
+    ``kbit`` kbit/s."""
     dst: Optional[str]
     kbit: int
     label: str
+    also: tuple[str, ...] = ()
+
+    @property
+    def destinations(self) -> tuple[str, ...]:
+        return (self.dst, *self.also) if self.dst is not None else ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class EmuNode:
     fab: Optional[Interface]
     extra: tuple[Interface, ...] = ()     # extra networks joining every node (benchmark references)
     cpu: Optional[CpuShare] = None        # compute speed (a cpu cgroup named like the namespace); None: unshaped
+    routes: tuple[str, ...] = ()          # CIDRs routed on-link over eth0 (other clusters' fabrics, multinet)
 
     @property
     def cgroup(self) -> str:
@@ -75,6 +83,8 @@ class EmuNode:
         items = []
         if self.fab is not None:
             items += [f"ib={FAB_IF}", f"roce={FAB_IF}"]
+        if self.routes:      # multinet: bound to the fabric, a hop to another cluster leaves on Ethernet
+            items.append(f"multinet={FAB_IF if self.fab is not None else ETH_IF}")
         items += [f"socket={ETH_IF}", f"host-staged={ETH_IF}", "local=lo"]
         return ",".join(items)
 
@@ -113,7 +123,8 @@ class Layout:
             parts = [f"{ETH_IF} {n.eth.address} " + ", ".join(f"{c.label} {c.kbit / 1000:g} Mbit/s"
                                                               for c in n.eth.classes)]
             if n.fab is not None:
-                parts.append(f"{FAB_IF} {n.fab.address} {n.fabric} {n.fab.kbit / 1000:g} Mbit/s (own cluster only)")
+                reach = "other clusters' fabrics over eth0" if n.routes else "own cluster only"
+                parts.append(f"{FAB_IF} {n.fab.address} {n.fabric} {n.fab.kbit / 1000:g} Mbit/s ({reach})")
             parts += [f"{x.name} {x.address} {x.kbit / 1000:g} Mbit/s (every node)" for x in n.extra]
             if n.cpu is not None:
                 parts.append(f"compute speed {n.cpu.speed:.3g} ({n.cpu.cores_per_rank:.3g} core per rank: cpu quota "
@@ -148,8 +159,13 @@ class ExtraNetwork:
 
 
 def make_layout(cluster: Cluster, run_id: str, scale: float, extra: tuple[ExtraNetwork, ...] = (),
-                speeds: SpeedInput = None, cpu_per_rank: Optional[float] = None) -> Layout:
+                speeds: SpeedInput = None, cpu_per_rank: Optional[float] = None, multinet: bool = False) -> Layout:
     """The emulated network for ``cluster``; ``scale`` = real bits per emulated bit (1000: Gbit/s -> Mbit/s).
+
+    ``multinet``: a node reaches another cluster's fabric addresses over its Ethernet (routed on-link on eth0,
+    shaped as that cluster's Ethernet class), as NCCL's multi-network communicator routes a hop by where its peer
+    is: a group bound to fab0 then keeps its hops inside a cluster on the fabric and crosses clusters on Ethernet.
+    Off: a fabric address of another cluster is unreachable (a misrouted group fails instead of running).
 
     ``extra`` networks get their own bridge and the addresses 198.19.<250+i>.<node+1>/24. ``speeds``
     (``"catalog"`` or names to relative speeds) shapes each node's compute (see ``speed.cpu_shares``)."""
@@ -195,8 +211,9 @@ def make_layout(cluster: Cluster, run_id: str, scale: float, extra: tuple[ExtraN
             link = cluster.cluster_link(node.cluster, other)
             if link.kind in RDMA:
                 notes.append(f"link {node.cluster}-{other} is {link.kind}: emulated on the Ethernet bridge")
+            fabric_there = (f"198.19.{k2}.0/24",) if multinet and other in fab_bridge else ()
             classes.append(ShapedClass(f"198.18.{k2}.0/24", min(eth_kbit, kbit_of(link.gbps, scale)),
-                                       f"to {other}"))
+                                       f"to {other}", fabric_there))
         classes.append(ShapedClass(None, eth_kbit, f"in {node.cluster}"))
         eth = Interface(ETH_IF, f"{LINK_PREFIX}{run_id}e{node.index}", eth_bridge, f"198.18.{k}.{j + 1}", 16,
                         eth_kbit, tuple(classes))
@@ -212,5 +229,6 @@ def make_layout(cluster: Cluster, run_id: str, scale: float, extra: tuple[ExtraN
                                   f"198.19.{250 + i}.{node.index + 1}", 24, xk, (ShapedClass(None, xk, x.ifname),)))
         nodes.append(EmuNode(node.index, node.name, node.cluster, node.fabric.type, f"{NS_PREFIX}{run_id}-n{node.index}",
                              node.num_accelerators, cluster.node_first_rank[node.index], eth, fab, tuple(more),
-                             cpu[node.index] if cpu else None))
+                             cpu[node.index] if cpu else None,
+                             tuple(d for c in classes for d in c.also)))
     return Layout(run_id, float(scale), tuple(nodes), tuple(bridges), tuple(dict.fromkeys(notes)))

@@ -50,14 +50,15 @@ class Emulation:
 
     def __init__(self, cluster: Cluster, *, scale: float = 1000.0, run_id: Optional[str] = None,
                  extra_networks: Sequence[ExtraNetwork] = (), speeds: SpeedInput = None,
-                 cpu_per_rank: Optional[float] = None,
+                 cpu_per_rank: Optional[float] = None, multinet: bool = False,
                  log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)):
         """``speeds``: emulate each node's compute speed with a cpu cgroup quota -- ``"catalog"`` (the
         accelerators' sustained FLOP/s) or node/cluster names to relative speeds; None: compute unshaped.
-        ``cpu_per_rank``: the fastest rank's share of a core (default: see ``speed.default_cpu_per_rank``)."""
+        ``cpu_per_rank``: the fastest rank's share of a core (default: see ``speed.default_cpu_per_rank``).
+        ``multinet``: other clusters' fabric addresses reachable over Ethernet (``netspec.make_layout``)."""
         self.cluster = cluster
         self.layout: Layout = make_layout(cluster, run_id or secrets.token_hex(3), scale, tuple(extra_networks),
-                                          speeds, cpu_per_rank)
+                                          speeds, cpu_per_rank, multinet)
         self.log = log
         self.procs: list[subprocess.Popen] = []
         self._record = RunRecord(self.layout.run_id, os.getpid(), process_start_time(os.getpid()))
@@ -154,6 +155,8 @@ class Emulation:
             sh(["ip", "-n", node.namespace, "link", "set", "lo", "up"])
             for itf in node.interfaces:
                 self._add_interface(node.namespace, itf)
+            for cidr in node.routes:
+                sh(["ip", "-n", node.namespace, "route", "add", cidr, "dev", node.eth.name])
 
     def _add_interface(self, ns: str, itf: Interface) -> None:
         sh(["ip", "link", "add", itf.peer, "type", "veth", "peer", "name", itf.name, "netns", ns])
@@ -170,9 +173,9 @@ class Emulation:
         for i, c in enumerate(itf.classes):
             sh(tc + ["class", "add", "dev", itf.name, "parent", "1:1", "classid", f"1:{10 + i}", "htb",
                      "rate", f"{c.kbit}kbit", "ceil", f"{c.kbit}kbit", "quantum", QUANTUM])
-            if c.dst is not None:
+            for dst in c.destinations:
                 sh(tc + ["filter", "add", "dev", itf.name, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                         "match", "ip", "dst", c.dst, "flowid", f"1:{10 + i}"])
+                         "match", "ip", "dst", dst, "flowid", f"1:{10 + i}"])
         # ingress to the node: the bridge port's egress, capped at the NIC's rate
         sh(["tc", "qdisc", "add", "dev", itf.peer, "root", "handle", "1:", "htb", "default", "10"])
         sh(["tc", "class", "add", "dev", itf.peer, "parent", "1:", "classid", "1:10", "htb",
