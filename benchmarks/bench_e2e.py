@@ -4,6 +4,7 @@
     sudo .venv/bin/python benchmarks/bench_e2e.py --quick    # smoke run (one ratio, one round)
     sudo .venv/bin/python benchmarks/bench_e2e.py --framework both --ratios 10 --rounds 2   # + DeepSpeed
     sudo .venv/bin/python benchmarks/bench_e2e.py --framework interleaved --ratios 10       # + interleaved (vpp)
+    sudo .venv/bin/python benchmarks/bench_e2e.py --framework stock --ratios 10             # against today's stock stack
 
 Two clusters (IB, RoCE; two nodes each, one rank per node), each with its own fast fabric, joined only by
 Ethernet. Six configurations run side by side in one launch, several rounds interleaved, per fast:slow
@@ -57,7 +58,7 @@ PAIRS = {"4/3": ("4-het_plugin", "3-mixed-today"), "4/1": ("4-het_plugin", "1-al
 FRAMEWORK_CONFIGS = {"megatron": list(CONFIGS), "deepspeed": list(DS_CONFIGS),
                      "both": ["3-mixed-today", "4-het_plugin", "3-ds", "4-ds"],
                      "interleaved": ["1-all-fast", "4-het_plugin", *VPP_CONFIGS],
-                     # issue 30: het_plugin against today's stock stack, Megatron and DeepSpeed (not yet run)
+                     # issue 30: het_plugin against today's stock stack, Megatron and DeepSpeed
                      "stock": ["3-mixed-today", "3s-stock-today", "4-het_plugin", "3-ds", "3s-ds-stock-today", "4-ds"]}
 
 
@@ -293,7 +294,9 @@ def run(args) -> dict:
         f"{compute['overhead_per_step'] * 1e3:.0f} ms per step; Ethernet -> {scale['eth_mbit']:.1f} Mbit/s "
         f"until the calibration run ({describe_scale(scale)})")
     cluster = mixed_cluster(args.ratios[0])
-    with Emulation(cluster, scale=scale["scale"], extra_networks=[ExtraNetwork("ref0", ETH_GBPS)], log=log) as emu:
+    # multinet: the stock-today configurations bind every group to fab0 and cross clusters over Ethernet
+    with Emulation(cluster, scale=scale["scale"], extra_networks=[ExtraNetwork("ref0", ETH_GBPS)], multinet=True,
+                   log=log) as emu:
         log(emu.layout.describe())
         parent = Parent(emu, args, shape, results_dir, compute, scale)
         logs = [open(handshake / f"rank{r}.log", "w") for r in range(emu.layout.world_size)]

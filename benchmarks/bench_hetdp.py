@@ -31,6 +31,10 @@ Configurations, per framework, trained side by side in one launch, several round
                               per-group transports (DP on each cluster's fabric, the pipeline on Ethernet), the
                               planner's layer split for it (``--layers`` to override).
   (iv)  ``iv-planner``        whatever het_plugin.core.planner.make_plan picks for this cluster and model, run as is.
+  (s)   ``s-stock-today``     today's stock stack (issue 30): the framework alone, its own placement, uniform layers,
+                              the even split, at the pipeline depth predicted fastest for it, every group on fab0
+                              with the emulator routing hops between the clusters over Ethernet (multinet), as NCCL's
+                              multi-network communicator does. Every plan is made for that NCCL (STOCK_NCCL).
 
 DeepSpeed's are the same four (names ending in ``-ds``): its PipelineModule (one stage for DP=4), (i) through
 DeepSpeed alone, the others through het_plugin.deepspeed (wrapped config, hds.PipelineModule, hds.initialize;
@@ -69,9 +73,12 @@ from het_plugin.core.cost.predict import SplitCosts
 from het_plugin.core.cost.analysis import analyze  # noqa: E402
 from het_plugin.tools.emulate import Emulation, EmulatorUnavailable  # noqa: E402
 from het_plugin.core.errors import ConfigError  # noqa: E402
-from het_plugin.core.ranks.placement import Placement  # noqa: E402
+from het_plugin.core.cost.predict import predict  # noqa: E402
+from het_plugin.core.nccl_version import CROSS_DC_TAG, parse_build  # noqa: E402
+from het_plugin.core.ranks.placement import (Placement, cluster_transport, default_placement,  # noqa: E402
+                                             multinet_transport, stock_multinet_transport)
 from het_plugin.core.plan import Plan, Prediction  # noqa: E402
-from het_plugin.core.planner import assemble_plan, make_plan  # noqa: E402
+from het_plugin.core.planner import assemble_plan, make_plan, uniform_layers  # noqa: E402
 from het_plugin.core.inputs.profile import Profile  # noqa: E402
 from het_plugin.core.ranks.dims import ParallelDims  # noqa: E402
 
@@ -79,6 +86,10 @@ ETH_GBPS = 25.0
 FABRIC_GBPS = 200.0
 FAST_PART = "A100-80"
 SLOW_PART = {"name": "A100-half", "vendor": "nvidia", "memory_gib": 80, "peak_tflops": 156}   # half of 312
+# The NCCL every plan is made for: a build with multi-network communicators (NVIDIA/nccl's cross-dc branch,
+# docs/gpu-assumptions.md), the one (s) today's stock stack assumes, so that both sides cross the clusters the same
+# way: a group bound to fab0 whose hops to the other cluster leave on Ethernet (Emulation(multinet=True)).
+STOCK_NCCL = parse_build(f"2.26.2+{CROSS_DC_TAG}")
 DEFAULT_SCALE = 25.0       # 25 GbE -> 1000 Mbit/s, fabric -> 8000 Mbit/s: the tiny job stays mostly compute-bound
 
 # One global batch for every configuration (step times compare, losses match): 48 samples of micro-batch 1 split
@@ -97,12 +108,17 @@ CONFIGS = {
     "iii-pipeline": "(iii) PP=2 across the clusters x DP=2 inside each, het_plugin's placement, transports and "
                     "layer split",
     "iv-planner": "(iv) the planner's pick (make_plan as is)",
+    "s-stock-today": "(s) today's stock stack: the framework's own placement and even split at the degrees "
+                     "predicted best for it, every group on the fabric interface (hops inside a cluster on its "
+                     "fabric, across clusters on Ethernet, as NCCL's multi-network communicator routes them)",
 }
 PAIRS = {"ii/i": ("ii-proportional-dp", "i-even-dp"), "iii/i": ("iii-pipeline", "i-even-dp"),
-         "iv/i": ("iv-planner", "i-even-dp")}
-# The issue's goals: (ii)/(i) at most 0.75 (ideal 0.67); the planner's pick within 5% of the best measured
-# configuration; the predictor within 10% of each measured step.
-GOALS = {"ii/i": 0.75, "iv/best": 1.05, "predictor": 0.10}
+         "iv/i": ("iv-planner", "i-even-dp"), "iv/s": ("iv-planner", "s-stock-today"),
+         "s/i": ("s-stock-today", "i-even-dp")}
+# The goals: (ii)/(i) at most 0.75 (ideal 0.67, issue 12); the planner's pick within 5% of the best measured
+# configuration; the predictor within 10% of each measured step; the planner's pick at most 0.75 of today's
+# stock stack on these 2:1 devices (issue 30).
+GOALS = {"ii/i": 0.75, "iv/best": 1.05, "predictor": 0.10, "iv/s": 0.75}
 LOSS_TOLERANCE = 1e-4       # relative: the same global batch and model give (i)'s losses up to float reordering
 LINK_PORT = 29650
 PROFILE_PORT = 29611
@@ -161,7 +177,8 @@ def pipeline_plan(cluster: Cluster, shape: TinyShape, layers_arg, out_dir: Path,
     """(iii): the planner's PP=2 x DP=2 plan (placement, transports, layer split; with the profile when given),
     or its placement with ``layers_arg``. The catalog-speed split is recorded beside it."""
     spec = model_spec(shape, framework)
-    planned = make_plan(cluster, spec, tp=1, pp=2, dp=2, micro_batch_size=shape.micro_batch_size, profile=profile)
+    planned = make_plan(cluster, spec, tp=1, pp=2, dp=2, micro_batch_size=shape.micro_batch_size, profile=profile,
+                        nccl=STOCK_NCCL)
     dims = ParallelDims(tp=1, cp=1, pp=2, dp=2)
     stage_node = [cluster.node_of(planned.rank_of_logical[s * dims.dp]) for s in range(dims.pp)]
     speed_layers = split_by_speed(spec.num_layers, [n.accelerator.sustained_flops for n in stage_node])
@@ -197,7 +214,7 @@ def proportional_plan(cluster: Cluster, shape: TinyShape, out_dir: Path, profile
     by the replicas' speeds, measured when a profile is given), the placement of (i). The counts proportional
     to the catalog's speeds are recorded beside them."""
     spec = model_spec(shape, framework)
-    kwargs = dict(tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size, profile=profile)
+    kwargs = dict(tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size, profile=profile, nccl=STOCK_NCCL)
     plan = make_plan(cluster, spec, replica_split="uneven", **kwargs)
     path = out_dir / f"plan-hetdp-proportional{_suffix(framework)}.json"
     plan.save(path)
@@ -208,7 +225,8 @@ def proportional_plan(cluster: Cluster, shape: TinyShape, out_dir: Path, profile
 def planner_plan(cluster: Cluster, shape: TinyShape, out_dir: Path, profile: Profile | None = None,
                  framework: str = "megatron") -> tuple[Path, dict]:
     """(iv): make_plan's pick for this cluster and model, nothing fixed but the micro-batch size, used as is."""
-    plan = make_plan(cluster, model_spec(shape, framework), micro_batch_size=shape.micro_batch_size, profile=profile)
+    plan = make_plan(cluster, model_spec(shape, framework), micro_batch_size=shape.micro_batch_size, profile=profile,
+                     nccl=STOCK_NCCL)
     path = out_dir / f"plan-hetdp-planner{_suffix(framework)}.json"
     plan.save(path)
     return path, plan_summary(cluster, plan)
@@ -220,6 +238,36 @@ def even_dp_plan(cluster: Cluster, shape: TinyShape, profile: Profile | None = N
     itself runs on the framework's own groups."""
     return make_plan(cluster, model_spec(shape, framework), tp=1, pp=1, dp=4, micro_batch_size=shape.micro_batch_size,
                      replica_split="even", profile=profile)
+
+
+def stock_today(cluster: Cluster, shape: TinyShape, profile: Profile | None = None,
+                 framework: str = "megatron") -> tuple[ParallelDims, Prediction]:
+    """(s): what a user gets today without het_plugin, set up well: the framework's own placement (launch order),
+    uniform layers and an even split, at whichever pipeline depth predicts fastest on NCCL's multi-network
+    routing (``stock_multinet_transport``); the plain optimizer the runs use. On four one-rank nodes the degrees
+    are tp 1 and pp x dp = 4, so every one is tried (the planner's stock baseline searches the same way)."""
+    spec = model_spec(shape, framework)
+    best = None
+    for pp in (1, 2, 4):
+        dims = ParallelDims(tp=1, cp=1, pp=pp, dp=cluster.world_size // pp)
+        pred = predict(cluster, spec, default_placement(cluster, dims), uniform_layers(spec.num_layers, pp),
+                       shape.micro_batch_size, transport_fn=stock_multinet_transport,
+                       overlap_grad_reduce=framework == "megatron", profile=profile)
+        if pred.fits and (best is None or pred.iteration_s < best[1].iteration_s):
+            best = (dims, pred)
+    return best
+
+
+def stock_summary(cluster: Cluster, shape: TinyShape, dims: ParallelDims, pred: Prediction) -> dict:
+    """(s)'s line in the plans log, in plan_summary's keys (it runs on the framework's own groups, no plan)."""
+    # the frameworks' own order (tp 1): stage s holds the launch ranks s*dp .. s*dp + dp - 1
+    stages = [sorted({cluster.node_of(r).cluster for r in range(s * dims.dp, (s + 1) * dims.dp)})
+              for s in range(dims.pp)]
+    return {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp,
+            "layers_per_stage": uniform_layers(shape.num_layers, dims.pp), "stages": ["+".join(s) for s in stages],
+            "replica_micro_batches": [shape.global_batch_size // (dims.dp * shape.micro_batch_size)] * dims.dp,
+            "rank_of_logical": list(range(cluster.world_size)), "transports": "each hop on its fabric (multinet)",
+            "planner_predicted_s": pred.iteration_s}
 
 
 def plan_summary(cluster: Cluster, plan: Plan) -> dict:
@@ -235,13 +283,15 @@ def plan_summary(cluster: Cluster, plan: Plan) -> dict:
 
 def predict_plan(cluster: Cluster, spec, plan: Plan, profile: Profile | None = None,
                  overlap_grad_reduce: bool = True) -> Prediction:
-    """het_plugin.core.cost's iteration for ``plan`` as the run trains it: the plan's placement and transports, its
+    """het_plugin.core.cost's iteration for ``plan`` as the run trains it: the plan's placement and transports (its
+    multi-network groups as NCCL's multi-network rings), its
     layers and its replicas' micro-batch counts (``SplitCosts.set_counts``: ``cost.predict`` itself has no
     counts), the plain optimizer the runs use, and the framework's gradient overlap (Megatron's DDP overlaps
     the reduction with the last backward; DeepSpeed's pipeline engine reduces after it)."""
     dims = ParallelDims(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp)
     placed = Placement.from_rank_of_logical(dims, plan.rank_of_logical, tuple(cluster.domains))
-    costs = SplitCosts(spec, analyze(cluster, placed), plan.micro_batch_size, overlap_grad_reduce=overlap_grad_reduce,
+    rule = multinet_transport if plan.multinet else cluster_transport      # the plan's groups' transports
+    costs = SplitCosts(spec, analyze(cluster, placed, rule), plan.micro_batch_size, overlap_grad_reduce=overlap_grad_reduce,
                        distributed_optimizer=False, profile=profile)
     if plan.uneven_replicas:
         costs.set_counts(plan.replica_counts)
@@ -271,11 +321,16 @@ def build_plans(cluster: Cluster, shape: TinyShape, layers_arg, out_dir: Path, p
              **{name: Plan.load(path) for name, path in paths.items()}}
     predicted = {name: prediction_parts(predict_plan(cluster, spec, plan, profile, overlap))
                  for name, plan in plans.items()}
+    dims, stock = stock_today(cluster, shape, profile, framework)
+    predicted["s-stock-today"] = prediction_parts(stock)
+    summaries["s-stock-today"] = stock_summary(cluster, shape, dims, stock)
     return paths, summaries, predicted
 
 
-def configurations(shape: TinyShape, plan_paths: dict[str, Path], framework: str = "megatron") -> list[dict]:
-    """What the ranks run: (i) without het_plugin, the others from their plan files (``plan_paths``)."""
+def configurations(shape: TinyShape, plan_paths: dict[str, Path], framework: str = "megatron",
+                   stock_pp: int | None = None) -> list[dict]:
+    """What the ranks run: (i) and (s) (``stock_pp``: its pipeline depth) without het_plugin, the others from
+    their plan files (``plan_paths``)."""
     base = dict(overlap=True, micro_batch_size=shape.micro_batch_size, layers=None, plan=None, ifname="eth0",
                 ifnames=None)
     if framework == "deepspeed":     # DeepSpeed's pipeline engine: no overlap; each replica its share of the batch
@@ -286,6 +341,8 @@ def configurations(shape: TinyShape, plan_paths: dict[str, Path], framework: str
             plan = Plan.load(plan_paths[name])
             out.append(dict(base, name=run_name(framework, name), pp=plan.pp, plan=str(plan_paths[name]),
                             micro_batch_size=plan.micro_batch_size))
+    if stock_pp is not None:     # bound to fab0: the emulator (multinet) sends a hop to the other cluster on eth0
+        out.append(dict(base, name=run_name(framework, "s-stock-today"), pp=stock_pp, ifname="fab0"))
     return out
 
 
@@ -328,7 +385,8 @@ def goal_marks(ratios: dict) -> list[str]:
     """The issue's goals, each met or missed by the run's median ratio (or not assessed)."""
     out = []
     for key, label in (("ii/i", "(ii)/(i) <= 0.75 (ideal 0.67)"),
-                       ("iv/best", "the planner's pick within 5% of the best measured")):
+                       ("iv/best", "the planner's pick within 5% of the best measured"),
+                       ("iv/s", "the planner's pick <= 0.75 of today's stock stack")):
         r = ratios.get(key)
         out.append(f"goal {label}: " + ("not assessed (not run)" if r is None else
                                         f"{'met' if r['median'] <= GOALS[key] else 'missed'} ({r['median']:.2f})"))
@@ -468,7 +526,8 @@ def run(args) -> dict:
     load_start = os.getloadavg()[0]
     others_start = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1
     t0 = time.monotonic()
-    with Emulation(cluster, scale=args.scale, speeds="catalog", cpu_per_rank=args.cpu_per_rank, log=log) as emu:
+    with Emulation(cluster, scale=args.scale, speeds="catalog", cpu_per_rank=args.cpu_per_rank, multinet=True,
+                   log=log) as emu:
         log(emu.layout.describe())
         before = emu.compute_rates(1.0)
         log(f"compute rate per node (busy loop, all at once; fastest = 1): {speed_line(cluster, before)}")
@@ -488,7 +547,7 @@ def run(args) -> dict:
                     + (f" (by catalog speed {pl['catalog_counts']})" if "catalog_counts" in pl else ""))
             log(f"{FRAMEWORKS[fw]} predicted: " + ", ".join(f"{k} {v['iteration_s'] * 1e3:.0f} ms"
                                                             for k, v in predicted.items()))
-            configs += [c for c in configurations(shape, paths, fw)
+            configs += [c for c in configurations(shape, paths, fw, plans["s-stock-today"]["pp"])
                         if c["name"].removesuffix("-ds") in args.configs]
         job = {"shape": shape.to_dict(), "configs": configs, "rounds": args.rounds, "warmup": args.warmup,
                "steps": args.steps}
@@ -625,7 +684,7 @@ def write_chart(out: dict, path: Path) -> Path | None:
         ax.set_xticks(list(xs), [n.split("-")[0] for n in names])
         ax.set_ylabel("step time (ms)")
         ratios = out["frameworks"][fw]["ratios"]
-        sub = ", ".join(f"{k} {ratios[k]['median']:.2f}" for k in ("ii/i", "iv/best") if k in ratios)
+        sub = ", ".join(f"{k} {ratios[k]['median']:.2f}" for k in ("ii/i", "iv/s", "iv/best") if k in ratios)
         ax.set_title(f"{FRAMEWORKS[fw]}: {sub}", fontsize=10)
         ax.legend(fontsize=7)
     fig.suptitle(f"hetdp 2:1, global batch {out['shape']['global_batch_size']}, {out['started_utc']}", fontsize=10)

@@ -64,10 +64,54 @@ def _ratio(row: dict, key: str) -> str:
     return f"{value:.2f}" + (f" [{spread[0]:.2f}-{spread[1]:.2f}]" if spread else "")
 
 
-def headline(megatron: dict | None, deepspeed: dict | None, interleaved: dict | None) -> str:
-    """The paragraph, from the three runs (None: not recorded)."""
+def stock_lines(stock: dict | None, hetdp: dict | None) -> list[str]:
+    """Against today's stock stack (issue 30): the Holmes shape (bench_e2e --framework stock) and the 2:1-compute
+    shape (bench_hetdp, its speed check held)."""
+    row = _row(stock) if stock else None
+    if row and "4/3s" in row["ratios"]:
+        ds = (f"; DeepSpeed {_ratio(row, '4-ds/3s-ds')} of its defaults on the same routing (4-ds/3s-ds)"
+              if "4-ds/3s-ds" in row["ratios"] else "")
+        out = [f"- **Against today's stock stack**, run {stock['started_utc']} ({stock['rounds']} rounds): "
+               f"het_plugin's Megatron-Core step is {_ratio(row, '4/3s')} of Megatron's own placement with every "
+               f"hop inside a cluster on its fabric and across clusters on Ethernet, as NCCL's multi-network "
+               f"communicator routes them (4/3s){ds}. {operating_point(stock)}."]
+    else:
+        out = ["- Against today's stock stack (Holmes shape): no reliable run recorded "
+               "(benchmarks/results/stock/)."]
+    fws = (hetdp or {}).get("frameworks", {})
+    parts = [f"{name} {fws[fw]['ratios']['iv/s']['median']:.2f}" for fw, name in
+             (("megatron", "Megatron-Core"), ("deepspeed", "DeepSpeed")) if "iv/s" in fws.get(fw, {}).get("ratios", {})]
+    if parts and speed_held(hetdp):
+        out.append(f"- **Unequal devices (compute 2:1)**, run {hetdp['started_utc']} ({hetdp['rounds']} rounds, "
+                   "bench_hetdp): het_plugin's plan against the same stock stack at its best degrees, median step "
+                   "ratio: " + ", ".join(parts) + " (goal 0.75; " + _hetdp_shapes(fws["megatron"]["plans"])
+                   + "; docs/benchmark-hetdp.md).")
+    else:
+        out.append("- Unequal devices (compute 2:1) against today's stock stack: no run with its speed check held "
+                   "recorded (benchmarks/results/hetdp.json).")
+    return out
+
+
+def _hetdp_shapes(plans: dict) -> str:
+    """What the planner's pick and stock ran (Megatron's): degrees, layers, micro-batches per replica."""
+    def shape(p: dict) -> str:
+        return (f"pp {p['pp']} dp {p['dp']}, layers {p['layers_per_stage']}, micro-batches per replica "
+                f"{p['replica_micro_batches']}")
+    return f"Megatron plan {shape(plans['iv-planner'])}; stock {shape(plans['s-stock-today'])}"
+
+
+def speed_held(out: dict) -> bool:
+    """bench_hetdp's compute speed check (every node within 25% of its configured speed, before and after)."""
+    rates, want = out["compute_rates"], [c["speed"] for c in out["cpu"]]
+    return all(abs(r / max(rs) - w) <= 0.25 * w for rs in rates.values() for r, w in zip(rs, want))
+
+
+def headline(megatron: dict | None, deepspeed: dict | None, interleaved: dict | None, stock: dict | None = None,
+             hetdp: dict | None = None) -> str:
+    """The paragraph, from the recorded runs (None: not recorded)."""
     lines = [START, "Measured here (2-core CPU, gloo, emulated Holmes-shaped network at "
              f"{HEADLINE_RATIO:g}:1 fabric:Ethernet; docs/benchmark-e2e.md; [range over rounds]):"]
+    lines += stock_lines(stock, hetdp)
     row = _row(megatron) if megatron and is_reliable(megatron) else None
     if row and all(k in row["ratios"] for k in ("4/3", "4/1", "4/2")):
         lines.append(f"- Megatron-Core, run {megatron['started_utc']} ({megatron['rounds']} rounds): het_plugin's "
@@ -99,7 +143,8 @@ def headline_for(repo: Path) -> str:
     res = repo / "benchmarks" / "results"
     return headline(load(res / "e2e.json"),
                     latest_reliable([(res / "both", "e2e-both.json"), (res / "deepspeed", "e2e-deepspeed.json")]),
-                    latest_reliable([(res / "interleaved", "e2e-interleaved.json")]))
+                    latest_reliable([(res / "interleaved", "e2e-interleaved.json")]),
+                    latest_reliable([(res / "stock", "e2e-stock.json")]), load(res / "hetdp.json"))
 
 
 def readme_headline(text: str) -> str | None:

@@ -41,7 +41,7 @@ VPP_CONFIGS = {   # run with --framework interleaved: Megatron's interleaved sch
     "5-het_plugin+vpp": f"het_plugin's plan made for vpp={VPP}: placement, layers per virtual stage, transports, "
                         "overlap_p2p_comm",
 }
-STOCK_CONFIGS = {   # run with --framework stock (issue 30): today's stock stack, not yet run
+STOCK_CONFIGS = {   # run with --framework stock (issue 30): today's stock stack
     "3s-stock-today": "mixed cluster with today's stock stack: launch-order placement, uniform layers, every group's "
                       "hops inside a cluster on its fabric and across clusters on Ethernet (as NCCL's multi-network "
                       "communicator routes them; the emulator routes by destination)",

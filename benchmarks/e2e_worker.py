@@ -155,6 +155,9 @@ def run_deepspeed_config(shape: dict, cfg: dict, steps: int) -> tuple[list[float
     finally:
         os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
         destroy_groups(before)
+        if cfg["plan"]:     # the next configuration (perhaps DeepSpeed alone) must not inherit the plan's placement
+            import het_plugin.deepspeed as hds
+            hds.forget_plan()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (step_times, layout))
     times = [t for t, _ in gathered]
