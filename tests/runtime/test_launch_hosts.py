@@ -20,15 +20,8 @@ from het_plugin.runtime.launch_hosts import HostCheck, this_host  # noqa: E402
 from het_plugin.runtime.startup import Planning, Started, startup  # noqa: E402
 from het_plugin.runtime.store_counts import CountingStore  # noqa: E402
 from tests.runtime.test_agreement import hash_store, run_rank_threads  # noqa: E402
-from tests.runtime.test_all_nodes import OLD  # noqa: E402
+from tests.runtime.test_all_nodes import OLD, SMALL  # noqa: E402
 
-V100 = {"name": "V100-32", "vendor": "nvidia", "memory_gib": 32, "peak_tflops": 125, "intra_node_gbps": 2400}
-SMALL = {"name": "small", "clusters": [
-    {"name": "main", "fabric": {"type": "ib", "gbps": 3200, "latency_us": 2},
-     "nodes": [{"count": 2, "accelerator": "H100", "accelerators_per_node": 2, "hostnames": ["gpu-a", "gpu-b"]}]},
-    {"name": "annex", "fabric": {"type": "ethernet", "gbps": 1, "latency_us": 30},
-     "nodes": [{"count": 1, "accelerator": V100, "accelerators_per_node": 2, "hostnames": ["old-a"]}]}],
-    "links": [{"between": ["main", "annex"], "type": "ethernet", "gbps": 1, "latency_us": 100}]}
 RIGHT = ["gpu-a", "gpu-a", "gpu-b", "gpu-b"]
 
 
