@@ -322,8 +322,10 @@ def deepspeed_hostfile(plan: Plan) -> str:
 
 
 def launch_lines(plan: Plan, limit: int = 16) -> list[str]:
-    """How to launch the plan's nodes: the node list, DeepSpeed's --include/--exclude, torchrun's --nnodes (past
-    ``limit`` nodes the lists are cut short: ``het-plugin plan --hostfile-out/--nodes-out`` write them whole)."""
+    """How to launch the plan's nodes: the node list, DeepSpeed's hostfile or --include/--exclude (DeepSpeed 0.19's
+    launcher, ``deepspeed/launcher/runner.py``: ``host slots=N`` lines, nodes numbered in the file's order, the
+    filters ``host@host`` over that file), torchrun's --nnodes (past ``limit`` nodes the lists are cut short:
+    ``het-plugin plan --hostfile-out/--nodes-out`` write them whole)."""
     names = [n.name for n in plan.nodes]
     left = list(plan.left_out.get("nodes", [])) if plan.left_out else []
     per = sorted({n.num_ranks for n in plan.nodes})
@@ -334,8 +336,10 @@ def launch_lines(plan: Plan, limit: int = 16) -> list[str]:
     lines = [f"nodes ({len(names)}, in launch order = node_rank): {cut(names, ' ')}"]
     if left:
         lines.append(f"left out ({len(left)}), do not launch them: {cut(left, ' ')}")
-    lines.append(f"deepspeed: --hostfile FILE with these nodes (--hostfile-out), or --include {cut(names, '@')}"
-                 + (f", or --exclude {cut(left, '@')}" if left else ""))
+    # DeepSpeed's launcher numbers nodes in its hostfile's order; --include/--exclude only filter that file
+    lines.append(f"deepspeed: --hostfile FILE with these nodes in this order (--hostfile-out), or on a hostfile of "
+                 f"every node in this order --include {cut(names, '@')}"
+                 + (f" or --exclude {cut(left, '@')}" if left else ""))
     nproc = str(per[0]) if len(per) == 1 else "<the node's ranks>"
     lines.append(f"torchrun: --nnodes {len(names)} --nproc-per-node {nproc}, --node-rank i on the i-th node above "
                  f"(WORLD_SIZE {plan.world_size}); give the run the plan file (Megatron-LM: --heterogeneous-nic PLAN)")
