@@ -423,7 +423,7 @@ def check_launch_hosts(plan: Plan, hosts: Sequence[Optional[str]]) -> None:
     left = list(plan.left_out["nodes"])
     planned = [n.name for n in sorted(plan.nodes, key=lambda n: n.first_rank)]
     fix = _launch_fix(plan)
-    size = f"(the plan is for {plan.world_size} ranks on {len(planned)} nodes)"
+    size = f"the plan is for {plan.world_size} ranks on {len(planned)} nodes"
     if len(hosts) != plan.world_size:
         check_launch_nodes(plan, world_size=len(hosts))
     on_left: dict[str, list[int]] = {}
@@ -445,9 +445,9 @@ def check_launch_hosts(plan: Plan, hosts: Sequence[Optional[str]]) -> None:
             if kept_match != expected:
                 moved.append((rank, host, expected))
     if on_left:
-        where = "; ".join(f"{n}: rank(s) {format_ranks(rs)}" for n, rs in on_left.items())
-        raise ConfigError(f"the launch includes {len(on_left)} node(s) the plan leaves out: "
-                          f"{' '.join(on_left)} ({where}) {size}", field="nodes", fix=fix)
+        where = ", ".join(f"{n} (ranks {format_ranks(rs)})" for n, rs in on_left.items())
+        raise ConfigError(f"the launch includes {len(on_left)} node(s) the plan leaves out: {where}; {size}",
+                          field="nodes", fix=fix)
     if moved:
         rank, host, expected = moved[0]
         raise ConfigError(f"the launch's nodes are not the plan's in its launch order: rank {rank} runs on {host}, "
@@ -456,7 +456,7 @@ def check_launch_hosts(plan: Plan, hosts: Sequence[Optional[str]]) -> None:
                           field="nodes", fix=fix)
     missing = [n for n in planned if n not in seen]
     if seen and unknown and missing:
-        where = "; ".join(f"{h}: rank(s) {format_ranks(rs)}" for h, rs in list(unknown.items())[:8])
+        where = ", ".join(f"{h} (ranks {format_ranks(rs)})" for h, rs in list(unknown.items())[:8])
         raise ConfigError(f"the launch leaves out {len(missing)} of the plan's nodes ({' '.join(missing[:16])}"
                           f"{' ...' if len(missing) > 16 else ''}) and runs on node(s) the plan does not know "
-                          f"instead ({where}) {size}", field="nodes", fix=fix)
+                          f"instead: {where}; {size}", field="nodes", fix=fix)
