@@ -17,7 +17,8 @@ plans with at least ``min_tokens_per_s``. Within one subset the fastest plan is 
 same price per second), so each subset's best plan is all either objective needs.
 
 A plan that leaves nodes out runs on its kept nodes only: the launch starts those (``launch_lines``,
-``deepspeed_hostfile``); :func:`check_launch_nodes` refuses a launch that includes left-out nodes.
+``deepspeed_hostfile``); :func:`check_launch_nodes` (node names, world size) and :func:`check_launch_hosts` (every
+rank's host, gathered at the plan agreement) refuse a launch that includes left-out nodes or runs elsewhere.
 """
 from __future__ import annotations
 
@@ -365,16 +366,32 @@ def _launch_fix(plan: Plan) -> str:
 def same_host(a: str, b: str) -> bool:
     """A launch's hostname names a node of the file: equal, or equal up to the domain where one side has none
     (``main-0`` is ``main-0.cluster.local``; IP addresses only equal)."""
-    if a == b:
-        return True
-    if _is_address(a) or _is_address(b):
-        return False
-    ha, hb = a.split(".", 1)[0], b.split(".", 1)[0]
-    return ha == hb and (ha == a or hb == b)
+    return _HostIndex([b]).match(a) is not None
 
 
 def _is_address(name: str) -> bool:
     return ":" in name or all(part.isdigit() for part in name.split("."))
+
+
+class _HostIndex:
+    """The file's node names, looked up by a launch's hostname as :func:`same_host` compares them, in O(1)."""
+
+    def __init__(self, names: Sequence[str]):
+        self.exact = {n: n for n in names}
+        self.by_short: dict[str, str] = {}
+        for n in names:
+            if "." in n and not _is_address(n):
+                self.by_short.setdefault(n.split(".", 1)[0], n)
+
+    def match(self, host: str) -> Optional[str]:
+        if host in self.exact:
+            return host
+        if _is_address(host):
+            return None
+        if "." in host:
+            short = host.split(".", 1)[0]
+            return short if short in self.exact else None
+        return self.by_short.get(host)
 
 
 def check_launch_nodes(plan: Plan, launch_nodes: Optional[Sequence[str]] = None,
@@ -390,15 +407,15 @@ def check_launch_nodes(plan: Plan, launch_nodes: Optional[Sequence[str]] = None,
     planned = [n.name for n in plan.nodes]
     fix = _launch_fix(plan)
     if launch_nodes is not None:
-        extra = [n for n in launch_nodes if any(same_host(n, x) for x in left)]
+        left_index, kept_index = _HostIndex(left), _HostIndex(planned)
+        extra = [n for n in launch_nodes if left_index.match(n) is not None]
         if extra:
             raise ConfigError(f"the launch includes {len(extra)} node(s) the plan leaves out: {' '.join(extra)} "
                               f"(the plan is for {plan.world_size} ranks on {len(planned)} nodes)",
                               field="nodes", fix=fix)
         # names the file does not know (it gave no hostnames: its nodes are <cluster>-<i>) tell nothing
-        known = [n for n in launch_nodes if any(same_host(n, x) for x in planned)]
-        if known and len(known) == len(launch_nodes) and not (
-                len(known) == len(planned) and all(same_host(a, b) for a, b in zip(known, planned))):
+        known = [kept_index.match(n) for n in launch_nodes]
+        if known and None not in known and known != planned:
             raise ConfigError(f"the launch's nodes ({' '.join(launch_nodes)}) are not the plan's nodes in its launch "
                               f"order ({' '.join(planned)})", field="nodes", fix=fix)
     if world_size is not None and world_size != plan.world_size:
@@ -430,11 +447,11 @@ def check_launch_hosts(plan: Plan, hosts: Sequence[Optional[str]]) -> None:
     moved: list[tuple[int, str, str]] = []
     unknown: dict[str, list[int]] = {}
     seen: set[str] = set()
-    for rank, host in enumerate(hosts):
+    left_index, kept_index = _HostIndex(left), _HostIndex(planned)
+    for rank, host in enumerate(hosts):          # linear in the ranks: rank 0 runs it for every launch
         if not host:
             continue
-        left_match = next((x for x in left if same_host(host, x)), None)
-        kept_match = next((x for x in planned if same_host(host, x)), None)
+        left_match, kept_match = left_index.match(host), kept_index.match(host)
         if left_match is not None:
             on_left.setdefault(left_match, []).append(rank)
         elif kept_match is None:

@@ -180,3 +180,43 @@ def test_the_example_clusters_kept_plan_at_64_ranks(tmp_path):
     assert len({str(e) for e in res.values()}) == 1
     assert "leaves out: annex-0 (ranks 56-63)" in res[0].problem and "main-7" in res[0].fix
     assert max(s.counts.total_requests for s in stores[1:]) == 4
+
+
+def test_hostnames_match_up_to_the_domain_only_where_one_side_has_none():
+    assert subsets.same_host("main-0", "main-0.cluster.local") and subsets.same_host("main-0.cluster.local", "main-0")
+    assert subsets.same_host("main-0.a", "main-0.a") and not subsets.same_host("main-0.a", "main-0.b")
+    assert not subsets.same_host("10.0.0.1", "10.0.0.2") and not subsets.same_host("10", "10.0.0.1")
+    assert not subsets.same_host("main-1", "main-10")
+
+
+def test_the_check_is_linear_in_the_ranks():
+    """Rank 0 checks every rank's host: at 16,384 nodes x 8 ranks the node lookups are dictionary reads (a
+    comparison with every node per rank would be 2 * 10^9 string comparisons); counted, not timed."""
+    from het_plugin.core.plan import NodePlan
+    nodes = [NodePlan(f"n{i}", "c", "ib", "H100", "nvidia", 8 * i, 8) for i in range(16384)]
+
+    class Counting(str):
+        compared = 0
+
+        def __eq__(self, other):
+            Counting.compared += 1
+            return str.__eq__(self, other)
+        __hash__ = str.__hash__
+
+    class Fake:                           # the two things check_launch_hosts reads of a plan, at scale
+        left_out = {"nodes": ["x0", "x1"]}
+        world_size = 8 * 16384
+
+        def __init__(self):
+            self.nodes = nodes
+            self._by_rank = [n for n in nodes for _ in range(8)]
+
+        def node_of(self, rank):
+            return self._by_rank[rank]
+
+    hosts = [Counting(f"n{r // 8}") for r in range(8 * 16384)]
+    subsets.check_launch_hosts(Fake(), hosts)
+    assert Counting.compared <= 4 * len(hosts)
+    hosts[-1] = Counting("x1")
+    with pytest.raises(ConfigError, match="x1 \\(ranks 131071\\)"):
+        subsets.check_launch_hosts(Fake(), hosts)
