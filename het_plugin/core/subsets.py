@@ -467,10 +467,10 @@ def check_launch_hosts(plan: Plan, hosts: Sequence[Optional[str]]) -> None:
                           field="nodes", fix=fix)
     if moved:
         rank, host, expected = moved[0]
+        order = f"{' '.join(planned[:16])}{' ...' if len(planned) > 16 else ''}"
         raise ConfigError(f"the launch's nodes are not the plan's in its launch order: rank {rank} runs on {host}, "
                           f"where the plan puts {expected} ({len(moved)} rank(s) misplaced; node_rank must be the "
-                          f"node's position in the plan: {' '.join(planned[:16])}{' ...' if len(planned) > 16 else ''})",
-                          field="nodes", fix=fix)
+                          f"node's position in the plan: {order})", field="nodes", fix=fix)
     missing = [n for n in planned if n not in seen]
     if seen and unknown and missing:
         where = ", ".join(f"{h} (ranks {format_ranks(rs)})" for h, rs in list(unknown.items())[:8])

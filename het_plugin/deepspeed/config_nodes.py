@@ -67,8 +67,8 @@ def every_node_lines(config_path: str, cluster_arg: str, model_arg: Optional[str
         return lines
     every_s = better.left_out.get("all_nodes", {}).get("iteration_s")
     mine = better.prediction.iteration_s if better.prediction else None
-    gain = f" is predicted {every_s / mine:.2f}x faster ({mine:.4g} s against {every_s:.4g} s per iteration with every node)" \
-        if every_s and mine else " is predicted faster"
+    gain = (f" is predicted {every_s / mine:.2f}x faster ({mine:.4g} s against {every_s:.4g} s per iteration with "
+            "every node)" if every_s and mine else " is predicted faster")
     degrees = f" --tp {better.tp} --pp {better.pp}"
     lines += [f"leaving out {' '.join(better.left_out['nodes'])}{gain}, at dp {better.dp} on "
               f"{len(better.nodes)} nodes; to run that instead:",
