@@ -82,4 +82,9 @@ def run(args) -> int:
     else:
         json.dump(wrapped, sys.stdout, indent=2)
         sys.stdout.write("\n")
+    if not args.use_all_nodes:      # which nodes the config runs on (a cluster file's plan: every node)
+        from ..deepspeed.config_nodes import every_node_lines
+        for line in every_node_lines(args.config, args.cluster, args.model, section["plan_hash"], pp=args.pp,
+                                     tp=args.tp):
+            print(f"  {line}", file=sys.stderr)
     return 0

@@ -17,11 +17,15 @@ DEGREE_FIELDS = ("tp", "pp", "dp", "cp", "ep", "etp", "order")
 @dataclass(frozen=True)
 class Launch:
     """What the launcher started (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE) and, where known, the hostnames of its
-    nodes in node_rank order (None: not known; a plan that leaves nodes out is then checked by world size)."""
+    nodes in node_rank order (``nodes``, None: not known; a plan file that leaves nodes out is then checked by
+    world size at resolution) and the host this rank runs on (``host``, None: ``HET_PLUGIN_NODE_NAME`` or the
+    hostname). The adapters' start-up gathers every rank's host at the plan agreement
+    (:mod:`het_plugin.runtime.launch_hosts`): no rank knows the others' before it."""
     world_size: int
     rank: Optional[int] = None
     local_world_size: Optional[int] = None
     nodes: Optional[tuple[str, ...]] = None
+    host: Optional[str] = None
 
 
 class Schedule(NamedTuple):
@@ -59,7 +63,8 @@ class LaunchRequest:
 
     @classmethod
     def of(cls, world_size: int, *, rank: Optional[int] = None, local_world_size: Optional[int] = None,
-           nodes: Optional[Sequence[str]] = None, names: Optional[Mapping[str, str]] = None, source: Optional[str] = None, timeout: Timeout = Timeout(),
+           nodes: Optional[Sequence[str]] = None, host: Optional[str] = None,
+           names: Optional[Mapping[str, str]] = None, source: Optional[str] = None, timeout: Timeout = Timeout(),
            **fields: Any) -> "LaunchRequest":
         """Built from flat fields: the degrees (``tp`` ... ``order``; ``cp``/``order`` None: 1 and Megatron's
         order), ``vpp``, ``overlap_p2p_comm``, ``micro_batch_size``, ``replica_split``. The degrees are checked
@@ -69,7 +74,7 @@ class LaunchRequest:
         degrees["cp"] = degrees.get("cp") or 1
         degrees["order"] = degrees.get("order") or DEFAULT_ORDER
         schedule = Schedule(fields.pop("vpp", None), fields.pop("overlap_p2p_comm", None))
-        return cls(Launch(world_size, rank, local_world_size, tuple(nodes) if nodes is not None else None),
+        return cls(Launch(world_size, rank, local_world_size, tuple(nodes) if nodes is not None else None, host),
                    Degrees(world_size, **degrees, names=names, source=source), schedule, timeout=timeout,
                    names=names, **fields)
 

@@ -17,7 +17,8 @@ plans with at least ``min_tokens_per_s``. Within one subset the fastest plan is 
 same price per second), so each subset's best plan is all either objective needs.
 
 A plan that leaves nodes out runs on its kept nodes only: the launch starts those (``launch_lines``,
-``deepspeed_hostfile``); :func:`check_launch_nodes` refuses a launch that includes left-out nodes.
+``deepspeed_hostfile``); :func:`check_launch_nodes` (node names, world size) and :func:`check_launch_hosts` (every
+rank's host, gathered at the plan agreement) refuse a launch that includes left-out nodes or runs elsewhere.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .inputs.cluster import Cluster
 from .inputs.model import ModelSpec
 from .plan import Plan
 from .planner import could_beat, make_plan
+from .ranks.dims import format_ranks
 
 OBJECTIVES = ("time", "cost")
 #: Up to this many node groups every subset is a candidate; past it, subsets leaving out at most
@@ -321,8 +323,10 @@ def deepspeed_hostfile(plan: Plan) -> str:
 
 
 def launch_lines(plan: Plan, limit: int = 16) -> list[str]:
-    """How to launch the plan's nodes: the node list, DeepSpeed's --include/--exclude, torchrun's --nnodes (past
-    ``limit`` nodes the lists are cut short: ``het-plugin plan --hostfile-out/--nodes-out`` write them whole)."""
+    """How to launch the plan's nodes: the node list, DeepSpeed's hostfile or --include/--exclude (DeepSpeed 0.19's
+    launcher, ``deepspeed/launcher/runner.py``: ``host slots=N`` lines, nodes numbered in the file's order, the
+    filters ``host@host`` over that file), torchrun's --nnodes (past ``limit`` nodes the lists are cut short:
+    ``het-plugin plan --hostfile-out/--nodes-out`` write them whole)."""
     names = [n.name for n in plan.nodes]
     left = list(plan.left_out.get("nodes", [])) if plan.left_out else []
     per = sorted({n.num_ranks for n in plan.nodes})
@@ -333,8 +337,10 @@ def launch_lines(plan: Plan, limit: int = 16) -> list[str]:
     lines = [f"nodes ({len(names)}, in launch order = node_rank): {cut(names, ' ')}"]
     if left:
         lines.append(f"left out ({len(left)}), do not launch them: {cut(left, ' ')}")
-    lines.append(f"deepspeed: --hostfile FILE with these nodes (--hostfile-out), or --include {cut(names, '@')}"
-                 + (f", or --exclude {cut(left, '@')}" if left else ""))
+    # DeepSpeed's launcher numbers nodes in its hostfile's order; --include/--exclude only filter that file
+    lines.append(f"deepspeed: --hostfile FILE with these nodes in this order (--hostfile-out), or on a hostfile of "
+                 f"every node in this order --include {cut(names, '@')}"
+                 + (f" or --exclude {cut(left, '@')}" if left else ""))
     nproc = str(per[0]) if len(per) == 1 else "<the node's ranks>"
     lines.append(f"torchrun: --nnodes {len(names)} --nproc-per-node {nproc}, --node-rank i on the i-th node above "
                  f"(WORLD_SIZE {plan.world_size}); give the run the plan file (Megatron-LM: --heterogeneous-nic PLAN)")
@@ -346,28 +352,70 @@ def node_list(plan: Plan) -> str:
     return "".join(f"{n.name}\n" for n in plan.nodes)
 
 
+def _launch_fix(plan: Plan) -> str:
+    """How to launch ``plan`` instead: its nodes, DeepSpeed's filter, torchrun; or a plan with every node."""
+    planned = [n.name for n in plan.nodes]
+    shown = " ".join(planned) if len(planned) <= 16 else f"{' '.join(planned[:16])} ... ({len(planned)} in all)"
+    return (f"launch only the plan's {len(planned)} nodes, in this order ({shown}): deepspeed --hostfile with "
+            f"them (`het-plugin plan PLAN --hostfile-out HOSTS`), or --include {'@'.join(planned[:16])}"
+            f"{'@...' if len(planned) > 16 else ''} on a hostfile listing them in this order, or torchrun "
+            f"--nnodes {len(planned)} with --node-rank i on the i-th; or re-plan with every node "
+            "(`het-plugin plan --use-all-nodes`, use_all_nodes=True)")
+
+
+def same_host(a: str, b: str) -> bool:
+    """A launch's hostname names a node of the file: equal, or equal up to the domain where one side has none
+    (``main-0`` is ``main-0.cluster.local``; IP addresses only equal)."""
+    return _HostIndex([b]).match(a) is not None
+
+
+def _is_address(name: str) -> bool:
+    return ":" in name or all(part.isdigit() for part in name.split("."))
+
+
+class _HostIndex:
+    """The file's node names, looked up by a launch's hostname as :func:`same_host` compares them, in O(1)."""
+
+    def __init__(self, names: Sequence[str]):
+        self.exact = {n: n for n in names}
+        self.by_short: dict[str, str] = {}
+        for n in names:
+            if "." in n and not _is_address(n):
+                self.by_short.setdefault(n.split(".", 1)[0], n)
+
+    def match(self, host: str) -> Optional[str]:
+        if host in self.exact:
+            return host
+        if _is_address(host):
+            return None
+        if "." in host:
+            short = host.split(".", 1)[0]
+            return short if short in self.exact else None
+        return self.by_short.get(host)
+
+
 def check_launch_nodes(plan: Plan, launch_nodes: Optional[Sequence[str]] = None,
                        world_size: Optional[int] = None) -> None:
     """Refuse a launch that includes nodes ``plan`` leaves out: by hostname (``launch_nodes``, in node_rank order:
     a left-out node, or the kept nodes in another order; names the file does not know are no evidence), and by
     ``world_size`` (any other than the plan's; the whole cluster's names the left-out nodes). Such ranks would
-    get no place in any group. The error names the left-out nodes and the launch to use. Pure: the adapters call
-    it at start-up, before any group."""
+    get no place in any group. The error names the left-out nodes and the launch to use. Pure: the adapters'
+    start-up checks every rank's hostname with :func:`check_launch_hosts` at the plan agreement."""
     if not plan.left_out:
         return
     left = plan.left_out["nodes"]
     planned = [n.name for n in plan.nodes]
-    fix = (f"launch only the plan's {len(planned)} nodes ({' '.join(planned)}): deepspeed --include "
-           f"{'@'.join(planned)}, or torchrun --nnodes {len(planned)} on them; or re-plan with every node "
-           "(`het-plugin plan --use-all-nodes`, use_all_nodes=True)")
+    fix = _launch_fix(plan)
     if launch_nodes is not None:
-        extra = [n for n in launch_nodes if n in set(left)]
+        left_index, kept_index = _HostIndex(left), _HostIndex(planned)
+        extra = [n for n in launch_nodes if left_index.match(n) is not None]
         if extra:
             raise ConfigError(f"the launch includes {len(extra)} node(s) the plan leaves out: {' '.join(extra)} "
                               f"(the plan is for {plan.world_size} ranks on {len(planned)} nodes)",
                               field="nodes", fix=fix)
         # names the file does not know (it gave no hostnames: its nodes are <cluster>-<i>) tell nothing
-        if set(launch_nodes) <= set(planned) and list(launch_nodes) != planned:
+        known = [kept_index.match(n) for n in launch_nodes]
+        if known and None not in known and known != planned:
             raise ConfigError(f"the launch's nodes ({' '.join(launch_nodes)}) are not the plan's nodes in its launch "
                               f"order ({' '.join(planned)})", field="nodes", fix=fix)
     if world_size is not None and world_size != plan.world_size:
@@ -376,3 +424,56 @@ def check_launch_nodes(plan: Plan, launch_nodes: Optional[Sequence[str]] = None,
                 if world_size == whole else f"{world_size} ranks")
         raise ConfigError(f"the launch started {what}, but the plan is for {plan.world_size} ranks on "
                           f"{len(planned)} nodes", field="world_size", fix=fix)
+
+
+def check_launch_hosts(plan: Plan, hosts: Sequence[Optional[str]]) -> None:
+    """Refuse a launch of the plan's world size on other nodes than its own: ``hosts[r]`` is the hostname rank r
+    runs on (None: not known), ranks numbered node-major as torchrun and DeepSpeed's launcher number them. Refused:
+    a rank on a node the plan leaves out; a rank on a kept node other than the one the plan puts it on (another
+    node order, or other ranks per node); and, where the launch's hostnames are the file's (some rank's host is
+    a node of the file), a kept node no rank runs on (another node took its place). Hostnames the file does not
+    know at all are no evidence (a file without hostnames names its nodes <cluster>-<i>). The error names the
+    nodes, their ranks and the launch to use. Pure: rank 0 runs it at the plan agreement, over the hostnames every
+    rank sent with its plan hash (:mod:`het_plugin.runtime.launch_hosts`)."""
+    if not plan.left_out:
+        return
+    left = list(plan.left_out["nodes"])
+    planned = [n.name for n in sorted(plan.nodes, key=lambda n: n.first_rank)]
+    fix = _launch_fix(plan)
+    size = f"the plan is for {plan.world_size} ranks on {len(planned)} nodes"
+    if len(hosts) != plan.world_size:
+        check_launch_nodes(plan, world_size=len(hosts))
+    on_left: dict[str, list[int]] = {}
+    moved: list[tuple[int, str, str]] = []
+    unknown: dict[str, list[int]] = {}
+    seen: set[str] = set()
+    left_index, kept_index = _HostIndex(left), _HostIndex(planned)
+    for rank, host in enumerate(hosts):          # linear in the ranks: rank 0 runs it for every launch
+        if not host:
+            continue
+        left_match, kept_match = left_index.match(host), kept_index.match(host)
+        if left_match is not None:
+            on_left.setdefault(left_match, []).append(rank)
+        elif kept_match is None:
+            unknown.setdefault(host, []).append(rank)
+        else:
+            seen.add(kept_match)
+            expected = plan.node_of(rank).name
+            if kept_match != expected:
+                moved.append((rank, host, expected))
+    if on_left:
+        where = ", ".join(f"{n} (ranks {format_ranks(rs)})" for n, rs in on_left.items())
+        raise ConfigError(f"the launch includes {len(on_left)} node(s) the plan leaves out: {where}; {size}",
+                          field="nodes", fix=fix)
+    if moved:
+        rank, host, expected = moved[0]
+        order = f"{' '.join(planned[:16])}{' ...' if len(planned) > 16 else ''}"
+        raise ConfigError(f"the launch's nodes are not the plan's in its launch order: rank {rank} runs on {host}, "
+                          f"where the plan puts {expected} ({len(moved)} rank(s) misplaced; node_rank must be the "
+                          f"node's position in the plan: {order})", field="nodes", fix=fix)
+    missing = [n for n in planned if n not in seen]
+    if seen and unknown and missing:
+        where = ", ".join(f"{h} (ranks {format_ranks(rs)})" for h, rs in list(unknown.items())[:8])
+        raise ConfigError(f"the launch leaves out {len(missing)} of the plan's nodes ({' '.join(missing[:16])}"
+                          f"{' ...' if len(missing) > 16 else ''}) and runs on node(s) the plan does not know "
+                          f"instead: {where}; {size}", field="nodes", fix=fix)

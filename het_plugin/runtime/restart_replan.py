@@ -29,7 +29,7 @@ from ..core.errors import ConfigError
 from ..core.plan import Plan
 from ..core.cost.plan_costs import split_costs
 from ..core.inputs.profile import load_profile
-from ..core.launch import Resolved
+from ..core.launch import LeftOutRefused, Resolved
 
 #: a re-plan is taken when it predicts at least this fraction less time per iteration than the plan it replaces
 DEFAULT_MIN_GAIN = 0.02
@@ -147,11 +147,27 @@ def resolve_on_restart(resolve, profile_path: str, *, checkpoint=None, min_gain:
                        distributed_optimizer: Optional[bool] = None, environ=None):
     """For an adapter: ``resolve(profile) -> Resolved`` is its plan resolution (profile None: as usual);
     ``checkpoint``: a CheckpointShape, or a callable returning one (None: nothing to resume). Returns (the
-    Resolved this start runs, the RestartDecision)."""
-    resolved = resolve(None)
+    Resolved this start runs, the RestartDecision). A launch whose analytic plan would leave nodes out
+    (:class:`~het_plugin.core.launch.LeftOutRefused`) is planned with the measured profile when there is one:
+    that plan, for the nodes that came back, is the one the start runs or refuses with."""
     profile, last = load_last_run(profile_path)
+    made: dict[int, Resolved] = {}
+
+    def planned(prof) -> Resolved:          # each profile planned once (the refusal below may plan it first)
+        if id(prof) not in made:
+            made[id(prof)] = resolve(prof)
+        return made[id(prof)]
+
+    try:
+        resolved = planned(None)
+    except LeftOutRefused:
+        # the analytic plan leaves nodes of this start out; the measured times decide which nodes pay (issue 32):
+        # plan for the nodes that came back with them, refused the same way if that plan leaves nodes out too
+        if profile is None or profile.measured is None:
+            raise
+        resolved = planned(profile)
     shape = checkpoint() if callable(checkpoint) else checkpoint
-    decision = decide(resolved.plan, resolved.cluster, profile, last, lambda prof: resolve(prof).plan,
+    decision = decide(resolved.plan, resolved.cluster, profile, last, lambda prof: planned(prof).plan,
                       checkpoint=shape, min_gain=min_gain, restart=restart_count(environ),
                       distributed_optimizer=distributed_optimizer)
     return Resolved(decision.plan, resolved.cluster), decision

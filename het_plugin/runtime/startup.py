@@ -2,7 +2,8 @@
 ``initialize_model_parallel``, Megatron-LM's, DeepSpeed's ``PipelineModule`` and ``initialize``):
 
   the launch's timeout -> plan resolution -> re-plan on restart -> the adapter's checks of the plan ->
-  agreement of every rank on the plan's hash -> :meth:`AppliedPlan.begin` (the network pre-flight)
+  agreement of every rank on the plan's hash (with, for a plan that leaves nodes out, every rank's host:
+  :mod:`het_plugin.runtime.launch_hosts`) -> :meth:`AppliedPlan.begin` (the network pre-flight)
 
 and then the adapter creates its groups. A rank whose planning or checks fail publishes its error at the agreement,
 so every rank stops with it before any group exists (:mod:`het_plugin.runtime.agreement`).
@@ -23,6 +24,7 @@ from ..core.request import LaunchRequest
 from . import agreement, restart_replan
 from .applied import AppliedPlan
 from .exchange import configured_timeout
+from .launch_hosts import HostCheck, this_host
 
 #: ``resolve(profile) -> Resolved``: the adapter's plan resolution; ``profile`` None: as usual, else a measured
 #: profile to plan with (re-planning on restart)
@@ -89,7 +91,7 @@ def startup(request: LaunchRequest, planning: Planning, *, store=None,
     with bounded(request):
         resolved = agreement.agree_on_plan(lambda: _planned(planning, launch.rank), rank=launch.rank,
                                            world_size=launch.world_size, store=store, timeout_s=seconds,
-                                           hash_of=lambda r: r.plan.hash)
+                                           hash_of=lambda r: r.plan.hash, fact=HostCheck(this_host(launch)))
         applied = AppliedPlan.begin(resolved.plan, launch.rank, cluster=resolved.cluster, timeout_s=seconds,
                                     default_backend=default_backend)
     return Started(resolved.plan, resolved.cluster, applied)

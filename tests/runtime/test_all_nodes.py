@@ -17,6 +17,14 @@ from het_plugin.runtime.all_nodes import ENV, use_all_nodes
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 OLD = CLUSTERS / "h100-old-ethernet.yaml"       # 8 H100 nodes on IB + 2 V100 nodes behind 25 GbE: 80 ranks
+V100 = {"name": "V100-32", "vendor": "nvidia", "memory_gib": 32, "peak_tflops": 125, "intra_node_gbps": 2400}
+#: the same question at 6 ranks: two H100 nodes (gpu-a, gpu-b) on IB, one V100 node (old-a) behind 1 GbE
+SMALL = {"name": "small", "clusters": [
+    {"name": "main", "fabric": {"type": "ib", "gbps": 3200, "latency_us": 2},
+     "nodes": [{"count": 2, "accelerator": "H100", "accelerators_per_node": 2, "hostnames": ["gpu-a", "gpu-b"]}]},
+    {"name": "annex", "fabric": {"type": "ethernet", "gbps": 1, "latency_us": 30},
+     "nodes": [{"count": 1, "accelerator": V100, "accelerators_per_node": 2, "hostnames": ["old-a"]}]}],
+    "links": [{"between": ["main", "annex"], "type": "ethernet", "gbps": 1, "latency_us": 100}]}
 
 
 @pytest.fixture(autouse=True)
@@ -146,3 +154,108 @@ def test_deepspeed_section_option_and_wrap_config(tmp_path, monkeypatch, capsys,
     with pytest.raises(ConfigError) as exc:
         HetSection.from_dict(dict(section.to_dict(), use_all_nodes="yes"))
     assert exc.value.field == f"{SECTION}.use_all_nodes"
+
+
+# ---- Megatron-LM's discovery mode and re-plan on restart -----------------------------------------------------
+
+
+def megatron_args(spec, **more):
+    """Megatron-LM's parsed arguments for ``spec`` (what model_from_args reads), without a file: the bare flag."""
+    from types import SimpleNamespace
+    return SimpleNamespace(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                           num_attention_heads=spec.num_attention_heads, ffn_hidden_size=spec.ffn_hidden_size,
+                           seq_length=spec.seq_length, max_position_embeddings=spec.seq_length,
+                           micro_batch_size=1, global_batch_size=spec.global_batch_size, vocab_size=spec.vocab_size,
+                           bf16=True, **more)
+
+
+def test_megatron_lm_discovery_refuses_or_plans_every_node_with_the_nodes_it_discovered(gpt, monkeypatch):
+    """The bare --heterogeneous-nic: the discovered cluster (here the example's, by hostname) is planned over
+    subsets; its left-out nodes stop the launch, and --heterogeneous-use-all-nodes plans all 80 ranks."""
+    from het_plugin.megatron import lm, mcore
+    from het_plugin.megatron.args import DISCOVER
+    discovered = []
+    monkeypatch.setattr(mcore, "discover_cluster", lambda: discovered.append(1) or load_cluster(OLD))
+    args = megatron_args(gpt)
+    request = lm.megatron_request(80, 0, {}, args)
+    with pytest.raises(LeftOutRefused) as exc:
+        lm.megatron_planning(args, request, DISCOVER).resolve(None)
+    assert "annex-0 annex-1" in exc.value.problem and "--heterogeneous-use-all-nodes" in exc.value.fix
+    every = megatron_args(gpt, heterogeneous_use_all_nodes=True)
+    plan = lm.megatron_planning(every, lm.megatron_request(80, 0, {}, every), DISCOVER).resolve(None).plan
+    assert plan.world_size == 80 and not plan.left_out and discovered == [1, 1]
+
+
+def _profile_for(plan, tmp_path):
+    """A measured profile the plan's run wrote (every stage alike), and the ran plan beside it."""
+    from het_plugin.core.cost.measured import RankTimes, measured_profile
+    ranks = [RankTimes(r, iterations=4, micro_batches=plan.num_micro_batches, forward_s=0.1, backward_s=0.2,
+                       iteration_s=4.0, intervals=4) for r in range(plan.world_size)]
+    path = tmp_path / "run.yaml"
+    measured_profile(plan, ranks, "test").save(path)
+    plan.save(restart_replan.ran_plan_path(str(path)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """SMALL and its plan: old-a left out, 4 ranks on gpu-a, gpu-b."""
+    from het_plugin.core.inputs.cluster import cluster_from_dict
+    cluster, model = cluster_from_dict(SMALL, "small.yaml"), preset_model("gpt-3.6b")
+    plan = subsets.plan_nodes(cluster, model)
+    assert plan.left_out["nodes"] == ["old-a"] and [n.name for n in plan.nodes] == ["gpu-a", "gpu-b"]
+    return cluster, model, plan
+
+
+def test_a_restart_where_the_left_out_nodes_came_back(small, tmp_path):
+    """The last attempt ran the plan for the kept nodes; at this start every node came back. Planned for them
+    (with the measured times): refused naming the left-out node (it would get no place), or with the ask, planned
+    for all 6 ranks (the old plan cannot run there). A start on exactly the kept nodes keeps the old plan."""
+    whole, model, kept_plan = small
+    path = _profile_for(kept_plan, tmp_path)
+
+    def resolve_with(cluster, every):
+        world = cluster.world_size
+        return lambda profile: resolve_launch(cluster, request(world, every), model=model, profile=profile)
+
+    with pytest.raises(LeftOutRefused, match="old-a"):
+        restart_replan.resolve_on_restart(resolve_with(whole, False), path)
+    chosen, decision = restart_replan.resolve_on_restart(resolve_with(whole, True), path)
+    assert chosen.plan.world_size == 6 and decision.replanned
+    assert "does not fit the nodes of this start" in "\n".join(decision.lines)
+    kept = subsets.sub_cluster(whole, ["gpu-a", "gpu-b"])
+    chosen, decision = restart_replan.resolve_on_restart(resolve_with(kept, False), path)
+    assert chosen.plan.world_size == 4 and [n.name for n in chosen.plan.nodes] == ["gpu-a", "gpu-b"]
+    assert decision.old is not None and decision.old.hash == kept_plan.hash     # the old plan fits its nodes
+
+
+def test_a_restart_that_the_analytic_plan_would_refuse_is_decided_by_the_measured_times(small, tmp_path):
+    """The profile, not the analytic model, decides which nodes pay at a re-plan: the analytic plan's refusal
+    stands only where the plan with the measured times leaves nodes out too (or there is no profile)."""
+    whole, model, kept_plan = small
+    path = _profile_for(kept_plan, tmp_path)
+    calls = []
+
+    def resolve(profile):
+        calls.append(profile is not None)
+        if profile is None:
+            raise LeftOutRefused("the best plan leaves out old-a", field="nodes")
+        return resolve_launch(whole, request(6, True), model=model, profile=profile)
+
+    chosen, decision = restart_replan.resolve_on_restart(resolve, path)
+    assert chosen.plan.world_size == 6 and calls == [False, True]      # the profile's plan, planned once
+    with pytest.raises(LeftOutRefused):
+        restart_replan.resolve_on_restart(resolve, str(tmp_path / "no-profile-yet.yaml"))
+
+
+def test_a_plan_file_whose_left_out_nodes_came_back_is_refused_on_restart(small, tmp_path):
+    """A plan file cannot be re-planned: a start with the left-out nodes back stops naming them."""
+    _, _, kept_plan = small
+    path = _profile_for(kept_plan, tmp_path)
+    plan_path = tmp_path / "plan.json"
+    kept_plan.save(plan_path)
+    with pytest.raises(ConfigError, match="including the left-out old-a"):
+        restart_replan.resolve_on_restart(lambda profile: resolve_launch(str(plan_path), request(6, False)), path)
+    chosen, decision = restart_replan.resolve_on_restart(
+        lambda profile: resolve_launch(str(plan_path), request(4, False)), path)
+    assert chosen.plan.hash == kept_plan.hash and "plan file" in decision.lines[0]
