@@ -9,7 +9,11 @@ is the plan's:
   Megatron's own over those globals (``use_mpu_process_groups``): the same communicators, nothing created twice,
   and the globals stay filled for the code that still reads them;
 * ``from_plan=True``: every field is created afresh from the plan's groups, each through the one group policy
-  (backend, network, member order), for a second collection beside the globals (a MiMo-style module).
+  (backend, network, member order), for a second collection beside the globals (a MiMo-style module), or the one
+  collection of a script that builds no Megatron globals (``pretrain(..., skip_model_parallel_init=True,
+  pg_collection=planned_collection(from_plan=True))``): on a Megatron-LM launch with ``--heterogeneous-nic`` whose
+  plan is not applied yet, the call runs the start-up first (``lm.start_explicit_groups``), and without
+  Megatron's globals the default is this one.
 
 Every field of the installed release's dataclass (megatron-core 0.16.1: 20, 0.19.2: 27) is covered by
 :data:`FIELDS`; a field het_plugin does not know stops with the field's name rather than being left empty. With
@@ -25,6 +29,7 @@ from typing import Any
 from ..core.errors import ConfigError
 from .applied_state import current_plan
 from .group_check import EXPERT_AS_DECODER
+from .lm import start_explicit_groups
 
 # field -> how it is made from the plan: ("kind", plan kind) | ("alias", field) | ("first_of", kind) |
 # ("world",) | ("self",) | ("none",) | ("all_gather", kind)
@@ -53,12 +58,12 @@ def planned_collection(applied=None, *, from_plan: bool = False, all_gather: boo
     (None: :func:`~het_plugin.megatron.mcore.current_plan`); ``all_gather``: also the all-gather groups
     (``dp_cp_ag``/``expt_dp_ag``, megatron-core 0.19's ``--create-all-gather-group``) on the plan's data-parallel
     groups. Every rank calls it (groups are created collectively)."""
-    applied = current_plan() if applied is None else applied
+    applied = (current_plan() or start_explicit_groups()) if applied is None else applied
     if applied is None:
         raise ConfigError("no plan was applied in this process, so there is no planned process-group collection",
                           field="pg_collection",
-                          fix="call het_plugin.megatron.initialize_model_parallel (or run Megatron-LM with "
-                              "--heterogeneous-nic and without skip_model_parallel_init) first")
+                          fix="call het_plugin.megatron.initialize_model_parallel first (Megatron-LM: launch with "
+                              "--heterogeneous-nic)")
     cls = collection_class()
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [n for n in names if n not in FIELDS]
@@ -66,9 +71,9 @@ def planned_collection(applied=None, *, from_plan: bool = False, all_gather: boo
         raise ConfigError(f"this Megatron's ProcessGroupCollection has fields het_plugin does not place: {unknown}",
                           field="pg_collection", fix="use a megatron-core release het_plugin supports "
                                                      "(het_plugin.megatron.version)")
-    if not from_plan:
-        if parallel_state is None:
-            from megatron.core import parallel_state
+    if parallel_state is None:
+        from megatron.core import parallel_state
+    if not from_plan and parallel_state.model_parallel_is_initialized():
         collection = cls.use_mpu_process_groups()
         if all_gather and hasattr(parallel_state, "create_all_gather_groups"):
             ep = parallel_state.get_expert_model_parallel_world_size()

@@ -35,10 +35,11 @@ WITHIN = {"embd": "pp", "pos_embd": "pp", "hcp": "cp", "intra_dp_cp": "dp-cp", "
 # then the decoder's (its expert RankGenerator has cp=1 and data-parallel size dp*cp).
 EXPERT_AS_DECODER = {"expert-tp": "tp", "expert-tp-ep": "tp", "expert-tp-ep-pp": "tp-pp", "expert-dp": "dp-cp"}
 
-FIX_ORDER = ("create every group after het_plugin applied the plan -- through parallel_state.initialize_model_parallel "
-             "(Megatron-LM: leave skip_model_parallel_init off) and parallel_state's own helpers, or from "
-             "het_plugin.megatron's planned collection -- or launch the nodes in the plan's order "
-             "(launch.node_order) so the plan is Megatron's numbering")
+FIX_ORDER = ("build the groups through Megatron's own paths, which follow the plan: parallel_state."
+             "initialize_model_parallel, parallel_state.create_group, a HyperCommGrid over every rank (its create_pg "
+             "and get_rank_enum), or take het_plugin.megatron.planned_collection(from_plan=True) as the "
+             "pg_collection -- or launch the nodes in the plan's order (launch.node_order) so the plan is Megatron's "
+             "numbering")
 
 
 def plan_group(plan, kind: str, rank: int) -> Optional[list[int]]:
@@ -115,8 +116,8 @@ def check_groups(pg_collection: Any = None, *, applied=None, extras: Optional[di
     applied = current_plan() if applied is None else applied
     if applied is None:
         raise ConfigError(f"{what} were built on process groups het_plugin did not create: --heterogeneous-nic is on "
-                          "but Megatron's groups were never built through the plan (skip_model_parallel_init, "
-                          "or groups made before het_plugin's initialize_model_parallel)",
+                          "but no plan was applied in this process (skip_model_parallel_init with lazy_mpu_init, "
+                          "or groups made before het_plugin's start-up)",
                           field="skip_model_parallel_init", fix=FIX_ORDER)
     plan = applied.plan
     if plan.homogeneous and plan.is_identity:
@@ -137,22 +138,26 @@ def check_groups(pg_collection: Any = None, *, applied=None, extras: Optional[di
     return len(groups)
 
 
-def install(training_module) -> None:
-    """Megatron-LM: refuse ``skip_model_parallel_init`` at ``initialize_megatron`` (pretrain's call, before any
-    model), and check after ``setup_model_and_optimizer`` (its ``pg_collection`` where the caller passes one)."""
-    if getattr(training_module, "initialize_megatron", None) is not None:
-        PATCHES.apply(training_module, "initialize_megatron", _refusing_skip, label=LABEL)
+def install(training_module, start: Optional[Callable[[], Any]] = None) -> None:
+    """Megatron-LM: ``initialize_megatron(skip_model_parallel_init=True)`` (pretrain's call, before any model) runs
+    het_plugin's start-up ``start`` after Megatron's own initialisation where no plan was applied yet (the script
+    built its groups before any plan, or none: the check below then judges them); then check after
+    ``setup_model_and_optimizer`` (the ``pg_collection`` pretrain passes: the caller's, or Megatron's globals)."""
+    if getattr(training_module, "initialize_megatron", None) is not None and start is not None:
+        PATCHES.apply(training_module, "initialize_megatron", functools.partial(_starting_on_skip, start),
+                      label=LABEL)
     if getattr(training_module, "setup_model_and_optimizer", None) is not None:
         PATCHES.apply(training_module, "setup_model_and_optimizer", _checked_setup, label=LABEL)
 
 
-def _refusing_skip(initialize):
+def _starting_on_skip(start, initialize):
     def initialize_megatron(*args, **kwargs):
-        if kwargs.get("skip_model_parallel_init"):
-            raise ConfigError("skip_model_parallel_init=True with --heterogeneous-nic: Megatron would build no groups "
-                              "through the plan, and the script's own process groups keep Megatron's numbering",
-                              field="skip_model_parallel_init", fix=FIX_ORDER)
-        return initialize(*args, **kwargs)
+        result = initialize(*args, **kwargs)
+        import torch.distributed as dist
+        # with lazy_mpu_init Megatron returns before the world group exists: the check after setup judges
+        if kwargs.get("skip_model_parallel_init") and current_plan() is None and dist.is_initialized():
+            start()
+        return result
     return functools.update_wrapper(initialize_megatron, initialize)
 
 

@@ -16,17 +16,28 @@ main's RL inference shards) numbers ranks with ``np.arange`` and creates its gro
 * ``parallel_state.destroy_model_parallel`` ends all of this with Megatron's groups.
 
 On a homogeneous identity plan nothing is patched: Megatron's own groups and options.
+
+A script that builds its own groups before Megatron-LM initialises anything (``pretrain(...,
+skip_model_parallel_init=True, pg_collection=...)``, the MiMo pattern) would make them before any plan is applied:
+:func:`install_start` (Megatron-LM with ``--heterogeneous-nic``, from ``parse_args``) lets the first
+``HyperCommGrid.create_pg`` or ``parallel_state.create_group`` run the start-up first (the ranks agree on the plan;
+``lm.start_explicit_groups``), so that group and every later one follow the plan. A grid that covers only part of the
+world (``rank_offset``, a MiMo module grid) has no place in a plan made for one model over the whole world: refused
+(:func:`check_grid`).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from ..core.errors import ConfigError
 from ..runtime.applied import AppliedPlan
+from ..runtime.group_policy import spans_vendors
 from ..runtime.patches import PATCHES
 from .groups import option_notes, planned_create_group, planned_get_ranks
 
 LABEL = "megatron.groups.run"
+START_LABEL = "megatron.groups.start"     # the first group a script builds itself starts the plan
 
 
 def install(applied: AppliedPlan, *, parallel_state=None, hyper_comm_grid: Any = None) -> bool:
@@ -34,13 +45,9 @@ def install(applied: AppliedPlan, *, parallel_state=None, hyper_comm_grid: Any =
     uninstall()
     if applied.policy.native_network and applied.plan.is_identity:
         return False
-    if parallel_state is None:
-        from megatron.core import parallel_state
-    if hyper_comm_grid is None:
-        try:
-            from megatron.core import hyper_comm_grid
-        except ImportError:
-            hyper_comm_grid = None
+    parallel_state, hyper_comm_grid = _modules(parallel_state, hyper_comm_grid)
+    if spans_vendors(applied.plan):
+        from .. import comm  # noqa: F401   registers het_shim (a script's groups may be the first ones made)
     if not applied.plan.is_identity:
         PATCHES.apply(parallel_state.RankGenerator, "get_ranks", planned_get_ranks(applied), label=LABEL)
     PATCHES.apply(parallel_state, "create_group", planned_create_group(applied), label=LABEL)
@@ -55,6 +62,60 @@ def install(applied: AppliedPlan, *, parallel_state=None, hyper_comm_grid: Any =
 
 def uninstall() -> int:
     return PATCHES.undo(LABEL)
+
+
+def _modules(parallel_state=None, hyper_comm_grid=None):
+    if parallel_state is None:
+        from megatron.core import parallel_state
+    if hyper_comm_grid is None:
+        try:
+            from megatron.core import hyper_comm_grid
+        except ImportError:
+            hyper_comm_grid = None
+    return parallel_state, hyper_comm_grid
+
+
+def install_start(start: Callable[[], Optional[AppliedPlan]], *, parallel_state=None,
+                  hyper_comm_grid: Any = None) -> None:
+    """Until a plan is applied: the first ``HyperCommGrid.create_pg`` / ``parallel_state.create_group`` (collective
+    calls: every rank makes them in the same order) calls ``start()`` (the start-up), then makes its group, under
+    the plan's run-long patches where the plan applies. Taken away by :func:`uninstall_start` (the start-up does
+    it first thing)."""
+    parallel_state, hyper_comm_grid = _modules(parallel_state, hyper_comm_grid)
+    grid = getattr(hyper_comm_grid, "HyperCommGrid", None)
+    sites = [(parallel_state, "create_group")] + ([(grid, "create_pg")] if grid is not None else [])
+    for owner, name in sites:
+        PATCHES.apply(owner, name, _starting(start, owner, name), label=START_LABEL)
+
+
+def uninstall_start() -> int:
+    return PATCHES.undo(START_LABEL)
+
+
+def _starting(start, owner, name):
+    def make(orig):
+        def first_group(*args, **kwargs):
+            start()                        # takes this patch away; installs the plan's where it applies
+            uninstall_start()
+            return getattr(owner, name)(*args, **kwargs)
+        return first_group
+    return make
+
+
+def check_grid(plan, grid) -> None:
+    """A HyperCommGrid is numbered by the plan when it covers the whole world (``np.arange`` from 0 is then the
+    plan's logical numbering); a grid over part of it (``rank_offset``, or fewer ranks: a MiMo module grid beside
+    another module's) is not a grid the plan placed: refused, naming it, before its first group."""
+    offset, size = int(getattr(grid, "rank_offset", 0) or 0), int(getattr(grid, "size", plan.world_size))
+    if offset == 0 and size == plan.world_size:
+        return
+    raise ConfigError(f"a HyperCommGrid over ranks [{offset}, {offset + size}) of a world of {plan.world_size} "
+                      f"(shape {list(getattr(grid, 'shape', []))}, dims {list(getattr(grid, 'dim_names', []))}): "
+                      "het_plugin's plan places one model over the whole world, and a grid over part of it "
+                      "(a multi-module MiMo topology) has no place in it",
+                      field="HyperCommGrid.rank_offset",
+                      fix="run a multi-module topology without --heterogeneous-nic, or build one grid over every "
+                          "rank with the plan's degrees (or het_plugin.megatron.planned_collection(from_plan=True))")
 
 
 def _ending(orig_destroy):
@@ -72,6 +133,7 @@ def planned_create_pg(applied: AppliedPlan, dist_module):
     :func:`planned_subgroups` for the duration of the call."""
     def make(orig_create_pg):
         def create_pg(self, dims, *args, **kwargs):
+            check_grid(applied.plan, self)
             with PATCHES.temporarily("megatron.groups.hyper", [(dist_module, "new_subgroups_by_enumeration",
                                                                  lambda orig: planned_subgroups(applied))]):
                 return orig_create_pg(self, dims, *args, **kwargs)
@@ -86,6 +148,7 @@ def planned_rank_enum(applied: AppliedPlan):
 
     def make(orig):
         def get_rank_enum(self, *args, **kwargs):
+            check_grid(applied.plan, self)
             return [[perm[r] for r in ranks] for ranks in orig(self, *args, **kwargs)]
         return get_rank_enum
     return make
