@@ -42,6 +42,11 @@ FIX_ORDER = ("build the groups through Megatron's own paths, which follow the pl
              "numbering")
 
 
+FIX_MODULES = ("a multi-module topology (MiMo: a HyperCommGrid per module, each with its own degrees) is not one "
+               "model over the world, which is what het_plugin's plan places: run it without --heterogeneous-nic, "
+               "or give every module the plan's grid over every rank")
+
+
 def plan_group(plan, kind: str, rank: int) -> Optional[list[int]]:
     """The plan's group of ``kind`` holding ``rank`` (None: the plan has no such group, e.g. size 1)."""
     if kind not in plan.groups:
@@ -109,13 +114,13 @@ def gloo_extras(parallel_state) -> dict[str, Any]:
 
 
 def check_groups(pg_collection: Any = None, *, applied=None, extras: Optional[dict[str, Any]] = None,
-                 parallel_state=None, what: str = "the model and optimizer") -> int:
+                 parallel_state=None, what: str = "after the model and optimizer were built") -> int:
     """Compare the run's groups with the plan (``pg_collection``: the run's, None: Megatron's globals through
     ``ProcessGroupCollection.use_mpu_process_groups()``; ``extras``: more named groups). Every rank stops with
     a ConfigError naming the first group that differs; returns how many groups were compared."""
     applied = current_plan() if applied is None else applied
     if applied is None:
-        raise ConfigError(f"{what} were built on process groups het_plugin did not create: --heterogeneous-nic is on "
+        raise ConfigError(f"the run's process groups ({what}) were not made by het_plugin: --heterogeneous-nic is on "
                           "but no plan was applied in this process (skip_model_parallel_init with lazy_mpu_init, "
                           "or groups made before het_plugin's start-up)",
                           field="skip_model_parallel_init", fix=FIX_ORDER)
@@ -130,11 +135,13 @@ def check_groups(pg_collection: Any = None, *, applied=None, extras: Optional[di
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     groups = {**collection_groups(pg_collection), **gloo_extras(parallel_state), **(extras or {})}
     bad = mismatches(plan, applied.rank, groups, dist.get_process_group_ranks)
-    with applied.guarding(f"het_plugin's group check after {what} were built"):
+    with applied.guarding(f"het_plugin's group check {what}"):
         if bad:
+            name = bad[0].split(" ", 1)[0].rstrip(":")
             raise ConfigError(f"{len(bad)} of the run's process groups do not follow the plan (they would "
                               f"communicate among the wrong ranks): {'; '.join(bad[:4])}"
-                              f"{' ...' if len(bad) > 4 else ''}", field=bad[0].split(":")[0], fix=FIX_ORDER)
+                              f"{' ...' if len(bad) > 4 else ''}", field=name,
+                              fix=FIX_MODULES if ":" in name else FIX_ORDER)
     return len(groups)
 
 
@@ -163,7 +170,10 @@ def _starting_on_skip(start, initialize):
 
 def _checked_setup(setup):
     def setup_model_and_optimizer(*args, **kwargs):
+        given = kwargs.get("pg_collection")
+        if given is not None:                # the caller's collection, complete already: before any model is built
+            check_groups(given, what="before the model is built")
         result = setup(*args, **kwargs)
-        check_groups(kwargs.get("pg_collection"))
+        check_groups(given)                  # and the groups made while building (all-gather groups, ...)
         return result
     return functools.update_wrapper(setup_model_and_optimizer, setup)

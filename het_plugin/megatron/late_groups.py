@@ -21,16 +21,13 @@ A script that builds its own groups before Megatron-LM initialises anything (``p
 skip_model_parallel_init=True, pg_collection=...)``, the MiMo pattern) would make them before any plan is applied:
 :func:`install_start` (Megatron-LM with ``--heterogeneous-nic``, from ``parse_args``) lets the first
 ``HyperCommGrid.create_pg`` or ``parallel_state.create_group`` run the start-up first (the ranks agree on the plan;
-``lm.start_explicit_groups``), so that group and every later one follow the plan. A grid that covers only part of the
-world (``rank_offset``, a MiMo module grid) has no place in a plan made for one model over the whole world: refused
-(:func:`check_grid`).
+``lm.start_explicit_groups``), so that group and every later one follow the plan.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable, Optional
 
-from ..core.errors import ConfigError
 from ..runtime.applied import AppliedPlan
 from ..runtime.group_policy import spans_vendors
 from ..runtime.patches import PATCHES
@@ -102,21 +99,6 @@ def _starting(start, owner, name):
     return make
 
 
-def check_grid(plan, grid) -> None:
-    """A HyperCommGrid is numbered by the plan when it covers the whole world (``np.arange`` from 0 is then the
-    plan's logical numbering); a grid over part of it (``rank_offset``, or fewer ranks: a MiMo module grid beside
-    another module's) is not a grid the plan placed: refused, naming it, before its first group."""
-    offset, size = int(getattr(grid, "rank_offset", 0) or 0), int(getattr(grid, "size", plan.world_size))
-    if offset == 0 and size == plan.world_size:
-        return
-    raise ConfigError(f"a HyperCommGrid over ranks [{offset}, {offset + size}) of a world of {plan.world_size} "
-                      f"(shape {list(getattr(grid, 'shape', []))}, dims {list(getattr(grid, 'dim_names', []))}): "
-                      "het_plugin's plan places one model over the whole world, and a grid over part of it "
-                      "(a multi-module MiMo topology) has no place in it",
-                      field="HyperCommGrid.rank_offset",
-                      fix="run a multi-module topology without --heterogeneous-nic, or build one grid over every "
-                          "rank with the plan's degrees (or het_plugin.megatron.planned_collection(from_plan=True))")
-
 
 def _ending(orig_destroy):
     """Megatron's groups destroyed: the plan's placement ends with them (a later initialize is someone else's)."""
@@ -133,7 +115,6 @@ def planned_create_pg(applied: AppliedPlan, dist_module):
     :func:`planned_subgroups` for the duration of the call."""
     def make(orig_create_pg):
         def create_pg(self, dims, *args, **kwargs):
-            check_grid(applied.plan, self)
             with PATCHES.temporarily("megatron.groups.hyper", [(dist_module, "new_subgroups_by_enumeration",
                                                                  lambda orig: planned_subgroups(applied))]):
                 return orig_create_pg(self, dims, *args, **kwargs)
@@ -148,7 +129,6 @@ def planned_rank_enum(applied: AppliedPlan):
 
     def make(orig):
         def get_rank_enum(self, *args, **kwargs):
-            check_grid(applied.plan, self)
             return [[perm[r] for r in ranks] for ranks in orig(self, *args, **kwargs)]
         return get_rank_enum
     return make

@@ -1,8 +1,8 @@
 """A script that builds its own process groups (Megatron-LM's ``pretrain(..., skip_model_parallel_init=True,
 pg_collection=...)``, the MiMo pattern: a ``HyperCommGrid`` before ``pretrain``) is served (issue 31): its first
-group starts the plan (the ranks agree, through the one start-up), its groups follow the plan, the check after
-setup judges the collection it passes; what cannot be placed (a grid over part of the world, degrees changed after
-planning) is refused before any group. Megatron's real parallel_state and HyperCommGrid on torch's fake process
+group starts the plan (the ranks agree, through the one start-up), its groups follow the plan, the check at
+setup judges the collection it passes; what cannot be placed is refused before the model is built (a multi-module
+topology) or before any group (degrees changed after planning). Megatron's real parallel_state and HyperCommGrid on torch's fake process
 group (one rank's view), the agreement answered by this rank alone."""
 from __future__ import annotations
 
@@ -105,18 +105,25 @@ def test_a_collection_asked_for_before_any_group_starts_the_plan(plan8, launch):
     assert not PATCHES.labels(ps, "create_group") or late_groups.START_LABEL not in PATCHES.labels(ps, "create_group")
 
 
-def test_a_grid_over_part_of_the_world_is_refused_naming_the_fix(plan8, launch):
-    """MiMo's non-colocated modules: a grid per module, each over its own ranks (rank_offset)."""
+def test_a_multi_module_topology_is_refused_before_the_model_is_built(plan8, launch, monkeypatch):
+    """MiMo's non-colocated modules: a grid per module over its own ranks (rank_offset), its collection handed to
+    pretrain as a MultiModuleProcessGroupCollection. The grids' windows are numbered by the plan (as RL inference
+    shards are), but the modules are not the one model the plan places: refused at setup_model_and_optimizer,
+    before the model is built, naming the module's group."""
     launch()
-    encoder = hyper.HyperCommGrid([2, 1, 1, 2], ["tp", "cp", "dp", "pp"], rank_offset=4)
-    with pytest.raises(ConfigError) as e:
-        encoder.create_pg("tp")
-    assert e.value.field == "HyperCommGrid.rank_offset" and "[4, 8)" in str(e.value)
-    assert "--heterogeneous-nic" in e.value.fix
-    with pytest.raises(ConfigError):
-        encoder.get_rank_enum("pp")
-    whole = hyper.HyperCommGrid([2, 1, 2, 2], ["tp", "cp", "dp", "pp"])
-    assert sorted(ranks(whole.create_pg("tp"))) == sorted(mine(plan8, "tp"))
+    encoder = hyper.HyperCommGrid([2, 1, 1, 2], ["tp", "cp", "dp", "pp"], rank_offset=0)
+    language = hyper.HyperCommGrid([2, 1, 1, 2], ["tp", "cp", "dp", "pp"], rank_offset=4)
+    modules = {"images": grid_collection(encoder), "language": grid_collection(language)}
+    assert sorted(ranks(modules["images"].tp)) == sorted(mine(plan8, "tp")), "the window follows the plan"
+    built = []
+    training = types.SimpleNamespace(setup_model_and_optimizer=lambda *a, **kw: built.append(kw) or "model")
+    group_check.install(training)
+    try:
+        with pytest.raises(ConfigError) as e:
+            training.setup_model_and_optimizer("model_type", pg_collection=types.SimpleNamespace(module_pgs=modules))
+    finally:
+        PATCHES.undo(group_check.LABEL)
+    assert built == [] and e.value.field.startswith("images:") and "without --heterogeneous-nic" in e.value.fix
 
 
 def test_degrees_the_script_changed_after_planning_are_refused_before_any_group(plan8, launch):
@@ -146,7 +153,9 @@ def test_pretrain_with_skip_model_parallel_init_is_served(plan8, launch, monkeyp
     assert "skip_model_parallel_init" in inspect.signature(training.initialize_megatron).parameters
     calls = []
     monkeypatch.setattr(training, "initialize_megatron", lambda **kw: calls.append(kw))   # Megatron's: CUDA only
-    monkeypatch.setattr(training, "setup_model_and_optimizer", lambda *a, **kw: ("model", "optimizer", "sched"))
+    built = []
+    monkeypatch.setattr(training, "setup_model_and_optimizer",
+                        lambda *a, **kw: built.append(a) or ("model", "optimizer", "sched"))
     launch()
     late_groups.uninstall_start()        # the script made no group before pretrain
     group_check.install(training, start=lm.start_explicit_groups)
@@ -164,5 +173,6 @@ def test_pretrain_with_skip_model_parallel_init_is_served(plan8, launch, monkeyp
         with pytest.raises(ConfigError) as e:
             training.setup_model_and_optimizer("model_type", pg_collection=theirs)
         assert e.value.field == "dp" and "planned_collection(from_plan=True)" in e.value.fix
+        assert len(built) == 1, "refused before the model is built"
     finally:
         PATCHES.undo(group_check.LABEL)
