@@ -35,6 +35,7 @@ from ..core.errors import ConfigError
 from .applied_state import current_plan
 from .group_check import EXPERT_AS_DECODER
 from .dist_opt import ARG as INSTANCES, check_groups_kwarg
+from .late_groups import own_creation
 from .lm import megatron_args, start_explicit_groups
 
 # field -> how it is made from the plan: ("kind", plan kind) | ("alias", field) | ("first_of", kind) |
@@ -135,7 +136,8 @@ def _from_plan(applied, cls, names: list[str], all_gather: bool, instances: int 
         if key not in made:
             def make(spec):
                 order = list(spec.torch_ranks) if not spec.sort_ranks else sorted(spec.ranks)
-                return dist.new_group(ranks=order, group_desc=desc, **spec.new_group_kwargs())
+                with own_creation(applied):       # through the policy here: not again in late_groups' new_group
+                    return dist.new_group(ranks=order, group_desc=desc, **spec.new_group_kwargs())
             made[key] = applied.create(make, list(ranks), desc=desc)
         return made[key]
 
