@@ -1,11 +1,13 @@
 """After the model and optimizer are built: every group the run uses is checked against the plan.
 
 Megatron is moving to explicit process groups (a ``ProcessGroupCollection`` handed to the model, the optimizer and
-the schedules); a group made outside het_plugin's reach -- by a script, before or without
-``initialize_model_parallel`` (Megatron-LM's ``skip_model_parallel_init``), or by a path het_plugin does not
-patch -- would keep Megatron's numbering and silently gather, reduce or pipeline among the wrong ranks. The
-check compares each group of the collection (and Megatron's gloo twins) with the plan's group of the same kind
-holding this rank, and stops every rank (the applied plan's guard) naming the first group that differs.
+the schedules); a group made outside het_plugin's reach -- a script's own ``dist.new_group`` lists, a module grid
+of a multi-module (MiMo) topology, or a path het_plugin does not patch -- would keep its own numbering and
+silently gather, reduce or pipeline among the wrong ranks. (A script that builds its groups itself through
+Megatron's paths, ``pretrain(..., skip_model_parallel_init=True)``, is served: late_groups and
+``lm.start_explicit_groups``.) The check compares each group of the collection (and Megatron's gloo twins) with
+the plan's group of the same kind holding this rank, and stops every rank (the applied plan's guard) naming the
+first group that differs: in Megatron-LM on the collection pretrain passes, before the model is built and after.
 
 Fields (megatron-core 0.16.1 and 0.19.2 process_groups_config.py) are compared with the plan's kinds: equal
 (:data:`EQUAL`), or inside a plan group (:data:`WITHIN`: sub-groups Megatron derives, and the embedding groups,
