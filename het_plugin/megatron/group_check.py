@@ -1,11 +1,13 @@
 """After the model and optimizer are built: every group the run uses is checked against the plan.
 
 Megatron is moving to explicit process groups (a ``ProcessGroupCollection`` handed to the model, the optimizer and
-the schedules); a group made outside het_plugin's reach -- by a script, before or without
-``initialize_model_parallel`` (Megatron-LM's ``skip_model_parallel_init``), or by a path het_plugin does not
-patch -- would keep Megatron's numbering and silently gather, reduce or pipeline among the wrong ranks. The
-check compares each group of the collection (and Megatron's gloo twins) with the plan's group of the same kind
-holding this rank, and stops every rank (the applied plan's guard) naming the first group that differs.
+the schedules); a group made outside het_plugin's reach -- a script's own ``dist.new_group`` lists, a module grid
+of a multi-module (MiMo) topology, or a path het_plugin does not patch -- would keep its own numbering and
+silently gather, reduce or pipeline among the wrong ranks. (A script that builds its groups itself through
+Megatron's paths, ``pretrain(..., skip_model_parallel_init=True)``, is served: late_groups and
+``lm.start_explicit_groups``.) The check compares each group of the collection (and Megatron's gloo twins) with
+the plan's group of the same kind holding this rank, and stops every rank (the applied plan's guard) naming the
+first group that differs: in Megatron-LM on the collection pretrain passes, before the model is built and after.
 
 Fields (megatron-core 0.16.1 and 0.19.2 process_groups_config.py) are compared with the plan's kinds: equal
 (:data:`EQUAL`), or inside a plan group (:data:`WITHIN`: sub-groups Megatron derives, and the embedding groups,
@@ -35,10 +37,16 @@ WITHIN = {"embd": "pp", "pos_embd": "pp", "hcp": "cp", "intra_dp_cp": "dp-cp", "
 # then the decoder's (its expert RankGenerator has cp=1 and data-parallel size dp*cp).
 EXPERT_AS_DECODER = {"expert-tp": "tp", "expert-tp-ep": "tp", "expert-tp-ep-pp": "tp-pp", "expert-dp": "dp-cp"}
 
-FIX_ORDER = ("create every group after het_plugin applied the plan -- through parallel_state.initialize_model_parallel "
-             "(Megatron-LM: leave skip_model_parallel_init off) and parallel_state's own helpers, or from "
-             "het_plugin.megatron's planned collection -- or launch the nodes in the plan's order "
-             "(launch.node_order) so the plan is Megatron's numbering")
+FIX_ORDER = ("build the groups through Megatron's own paths, which follow the plan: parallel_state."
+             "initialize_model_parallel, parallel_state.create_group, a HyperCommGrid over every rank (its create_pg "
+             "and get_rank_enum), or take het_plugin.megatron.planned_collection(from_plan=True) as the "
+             "pg_collection -- or launch the nodes in the plan's order (launch.node_order) so the plan is Megatron's "
+             "numbering")
+
+
+FIX_MODULES = ("a multi-module topology (MiMo: a HyperCommGrid per module, each with its own degrees) is not one "
+               "model over the world, which is what het_plugin's plan places: run it without --heterogeneous-nic, "
+               "or give every module the plan's grid over every rank")
 
 
 def plan_group(plan, kind: str, rank: int) -> Optional[list[int]]:
@@ -108,15 +116,15 @@ def gloo_extras(parallel_state) -> dict[str, Any]:
 
 
 def check_groups(pg_collection: Any = None, *, applied=None, extras: Optional[dict[str, Any]] = None,
-                 parallel_state=None, what: str = "the model and optimizer") -> int:
+                 parallel_state=None, what: str = "after the model and optimizer were built") -> int:
     """Compare the run's groups with the plan (``pg_collection``: the run's, None: Megatron's globals through
     ``ProcessGroupCollection.use_mpu_process_groups()``; ``extras``: more named groups). Every rank stops with
     a ConfigError naming the first group that differs; returns how many groups were compared."""
     applied = current_plan() if applied is None else applied
     if applied is None:
-        raise ConfigError(f"{what} were built on process groups het_plugin did not create: --heterogeneous-nic is on "
-                          "but Megatron's groups were never built through the plan (skip_model_parallel_init, "
-                          "or groups made before het_plugin's initialize_model_parallel)",
+        raise ConfigError(f"the run's process groups ({what}) were not made by het_plugin: --heterogeneous-nic is on "
+                          "but no plan was applied in this process (skip_model_parallel_init with lazy_mpu_init, "
+                          "or groups made before het_plugin's start-up)",
                           field="skip_model_parallel_init", fix=FIX_ORDER)
     plan = applied.plan
     if plan.homogeneous and plan.is_identity:
@@ -129,36 +137,45 @@ def check_groups(pg_collection: Any = None, *, applied=None, extras: Optional[di
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     groups = {**collection_groups(pg_collection), **gloo_extras(parallel_state), **(extras or {})}
     bad = mismatches(plan, applied.rank, groups, dist.get_process_group_ranks)
-    with applied.guarding(f"het_plugin's group check after {what} were built"):
+    with applied.guarding(f"het_plugin's group check {what}"):
         if bad:
+            name = bad[0].split(" ", 1)[0].rstrip(":")
             raise ConfigError(f"{len(bad)} of the run's process groups do not follow the plan (they would "
                               f"communicate among the wrong ranks): {'; '.join(bad[:4])}"
-                              f"{' ...' if len(bad) > 4 else ''}", field=bad[0].split(":")[0], fix=FIX_ORDER)
+                              f"{' ...' if len(bad) > 4 else ''}", field=name,
+                              fix=FIX_MODULES if ":" in name else FIX_ORDER)
     return len(groups)
 
 
-def install(training_module) -> None:
-    """Megatron-LM: refuse ``skip_model_parallel_init`` at ``initialize_megatron`` (pretrain's call, before any
-    model), and check after ``setup_model_and_optimizer`` (its ``pg_collection`` where the caller passes one)."""
-    if getattr(training_module, "initialize_megatron", None) is not None:
-        PATCHES.apply(training_module, "initialize_megatron", _refusing_skip, label=LABEL)
+def install(training_module, start: Optional[Callable[[], Any]] = None) -> None:
+    """Megatron-LM: ``initialize_megatron(skip_model_parallel_init=True)`` (pretrain's call, before any model) runs
+    het_plugin's start-up ``start`` after Megatron's own initialisation where no plan was applied yet (the script
+    built its groups before any plan, or none: the check below then judges them); then check after
+    ``setup_model_and_optimizer`` (the ``pg_collection`` pretrain passes: the caller's, or Megatron's globals)."""
+    if getattr(training_module, "initialize_megatron", None) is not None and start is not None:
+        PATCHES.apply(training_module, "initialize_megatron", functools.partial(_starting_on_skip, start),
+                      label=LABEL)
     if getattr(training_module, "setup_model_and_optimizer", None) is not None:
         PATCHES.apply(training_module, "setup_model_and_optimizer", _checked_setup, label=LABEL)
 
 
-def _refusing_skip(initialize):
+def _starting_on_skip(start, initialize):
     def initialize_megatron(*args, **kwargs):
-        if kwargs.get("skip_model_parallel_init"):
-            raise ConfigError("skip_model_parallel_init=True with --heterogeneous-nic: Megatron would build no groups "
-                              "through the plan, and the script's own process groups keep Megatron's numbering",
-                              field="skip_model_parallel_init", fix=FIX_ORDER)
-        return initialize(*args, **kwargs)
+        result = initialize(*args, **kwargs)
+        import torch.distributed as dist
+        # with lazy_mpu_init Megatron returns before the world group exists: the check after setup judges
+        if kwargs.get("skip_model_parallel_init") and current_plan() is None and dist.is_initialized():
+            start()
+        return result
     return functools.update_wrapper(initialize_megatron, initialize)
 
 
 def _checked_setup(setup):
     def setup_model_and_optimizer(*args, **kwargs):
+        given = kwargs.get("pg_collection")
+        if given is not None:                # the caller's collection, complete already: before any model is built
+            check_groups(given, what="before the model is built")
         result = setup(*args, **kwargs)
-        check_groups(kwargs.get("pg_collection"))
+        check_groups(given)                  # and the groups made while building (all-gather groups, ...)
         return result
     return functools.update_wrapper(setup_model_and_optimizer, setup)

@@ -35,7 +35,9 @@ from ..runtime.patches import PATCHES
 from ..runtime.startup import Planning, Replan, bounded, resolve_start, startup
 from ..runtime import netselect
 from ..runtime.replicas import ReplicaShare
-from . import checkpoints, launch_state, mcore
+from ..runtime.applied import AppliedPlan
+from . import checkpoints, late_groups, launch_state, mcore
+from .applied_state import current_plan
 from .dist_opt import ARG as INSTANCES, apply_to_ddp_config
 from .args import (DISCOVER, PROFILE_OUT_FLAG, REPLAN_FLAG, TIMEOUT_FLAG, apply_plan_to_args, check_compatible,
                    degrees_given, launch_profile_settings)
@@ -216,7 +218,10 @@ def install_initialize_wrapper() -> None:
         PATCHES.apply(training, "setup_model_and_optimizer", _planned_setup, label=PATCH_LABEL)
     if getattr(training, "load_checkpoint", None) is not None:
         PATCHES.apply(training, "load_checkpoint", _checked_load, label=PATCH_LABEL)
-    install_group_check(training)          # after the model and optimizer: every group against the plan
+    install_group_check(training, start=start_explicit_groups)   # skip_model_parallel_init; after the model and
+    #                                                                   optimizer: every group against the plan
+    if current_plan() is None:           # a script's own groups before pretrain (the MiMo pattern) start the plan
+        late_groups.install_start(start_explicit_groups)
 
 
 def _planned_initialize(current):
@@ -296,17 +301,82 @@ def planned_initialize_model_parallel(*args, **kwargs):
     """Megatron-LM's call to initialize_model_parallel, on the plan (pass-through without the flag): the start-up
     sequence (:func:`het_plugin.runtime.startup.startup`) on the plan of a file, planned at parse_args, or, with the
     bare flag, discovered and planned here with the degrees Megatron validated; then every group on its placement."""
-    import torch.distributed as dist
-
     original = mcore.original_initialize_model_parallel()
     state = launch_state.current()
     if state.args is None:
         return original(*args, **kwargs)
     names = list(inspect.signature(original).parameters)
-    kwargs = {**dict(zip(names, args)), **kwargs}
+    return _start(state, {**dict(zip(names, args)), **kwargs}, megatron_groups=True)
+
+
+def start_explicit_groups() -> Optional[AppliedPlan]:
+    """The start-up for a script that builds its own process groups (Megatron-LM's ``skip_model_parallel_init``,
+    the MiMo pattern: ``HyperCommGrid`` or ``parallel_state`` helpers before ``pretrain``): the same start-up
+    sequence as :func:`planned_initialize_model_parallel` (the ranks agree on the plan, the pre-flight), with the
+    degrees Megatron's arguments hold, then everything but Megatron's own groups: the groups the script makes
+    follow the plan (:mod:`het_plugin.megatron.late_groups`) and :func:`~het_plugin.megatron.mcore.current_plan`
+    holds it. Once per launch: what was applied already is returned; None without ``--heterogeneous-nic``.
+    Every rank calls it (the agreement is collective): at the script's first group, at
+    ``initialize_megatron(skip_model_parallel_init=True)`` or in ``planned_collection``."""
+    applied = current_plan()
+    state = launch_state.current()
+    if applied is not None or state.args is None:
+        return applied
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        raise ConfigError("a process group is being built before torch.distributed.init_process_group: "
+                          "het_plugin cannot agree on the plan without the world group", field="init_process_group",
+                          fix="call torch.distributed.init_process_group before building process groups")
+    return _start(state, kwargs_of_args(megatron_args()), megatron_groups=False)
+
+
+def kwargs_of_args(margs: Any) -> dict:
+    """The ``initialize_model_parallel`` arguments Megatron-LM's ``_initialize_distributed`` derives from its
+    args (megatron.training 0.19.2 initialize.py), for a start-up without that call."""
+    kwargs = {"tensor_model_parallel_size": getattr(margs, "tensor_model_parallel_size", 1) or 1,
+              "pipeline_model_parallel_size": getattr(margs, "pipeline_model_parallel_size", 1) or 1,
+              "virtual_pipeline_model_parallel_size": getattr(margs, "virtual_pipeline_model_parallel_size", None),
+              "context_parallel_size": getattr(margs, "context_parallel_size", 1) or 1,
+              "expert_model_parallel_size": getattr(margs, "expert_model_parallel_size", 1) or 1,
+              "expert_tensor_parallel_size": getattr(margs, "expert_tensor_parallel_size", None),
+              "order": "tp-cp-ep-pp-dp" if getattr(margs, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"}
+    for key, arg in (("num_distributed_optimizer_instances", "num_distributed_optimizer_instances"),
+                     ("gtp_remat_size", "gtp_weight_remat_size"),
+                     ("expert_gtp_remat_size", "expert_gtp_weight_remat_size")):
+        if getattr(margs, arg, None) is not None:
+            kwargs[key] = getattr(margs, arg)
+    return kwargs
+
+
+# The degrees a script's own groups are built with, as Megatron-LM's args hold them: they must be the plan's.
+DEGREE_FLAGS = (("tensor_model_parallel_size", "tp", "--tensor-model-parallel-size"),
+                ("pipeline_model_parallel_size", "pp", "--pipeline-model-parallel-size"),
+                ("context_parallel_size", "cp", "--context-parallel-size"))
+
+
+def check_degrees_kept(plan: Any, kwargs: dict) -> None:
+    """A script that builds its own groups reads the degrees from Megatron's args; one that changed them after
+    het_plugin planned (MiMo sets ``tensor_model_parallel_size`` from its own ``--llm-tp``) would build groups
+    the plan does not describe: refused before any group, naming the flag."""
+    for key, attr, flag in DEGREE_FLAGS:
+        if int(kwargs.get(key) or 1) != getattr(plan, attr):
+            raise ConfigError(f"Megatron's arguments hold {key}={kwargs.get(key)} when the script builds its own "
+                              f"process groups, but plan {plan.hash} was made for {attr}={getattr(plan, attr)}: "
+                              "the script changed it after het_plugin planned, and its groups would not be the "
+                              "plan's", source="Megatron arguments", field=flag,
+                              fix=f"give {flag} {kwargs.get(key)} on the command line so the plan is made for it "
+                                  "(or leave the planned value)")
+
+
+def _start(state: LaunchState, kwargs: dict, *, megatron_groups: bool) -> AppliedPlan:
+    """The start-up sequence on this launch's plan, then the groups: Megatron's own through the plan
+    (``megatron_groups``), or only the run-long placement of the groups a script builds itself."""
+    import torch.distributed as dist
+    late_groups.uninstall_start()     # from here on a group is made under the plan (or the start-up failed)
     rank, world = dist.get_rank(), dist.get_world_size()
     margs = megatron_args()
-    request, planning = _initialize_planning(state, margs, kwargs, rank, world)
+    request, planning = _initialize_planning(state, margs, kwargs, rank, world,
+                                             explicit=not megatron_groups)
     started = startup(request, planning)
     plan = started.plan
     with bounded(request):
@@ -319,19 +389,23 @@ def planned_initialize_model_parallel(*args, **kwargs):
         if note:
             print(note, flush=True)
         return mcore.build_groups(plan, kwargs, plan_out=state.plan_out if rank == 0 else None,
-                            timeout_s=request.timeout.seconds, cluster=started.cluster,
-                            profile=launch_profile_settings(margs), applied=started.applied)
+                                  timeout_s=request.timeout.seconds, cluster=started.cluster,
+                                  profile=launch_profile_settings(margs), applied=started.applied,
+                                  megatron_groups=megatron_groups)
 
 
 def _initialize_planning(state: LaunchState, margs: Any, kwargs: dict, rank: int,
-                         world: int) -> tuple[LaunchRequest, Planning]:
+                         world: int, explicit: bool = False) -> tuple[LaunchRequest, Planning]:
     """The request and planning of Megatron-LM's initialisation: the file's plan (or error) from parse_args, or,
     with the bare flag, discovery with Megatron's validated degrees (``kwargs``: its initialize_model_parallel
-    arguments). Both check the plan against those arguments before the ranks agree."""
+    arguments). Both check the plan against those arguments before the ranks agree (``explicit``: the script
+    builds its groups itself, with the degrees as they are, :func:`check_degrees_kept`)."""
 
     def check(resolved: Resolved) -> None:
         check_replica_batch(margs, resolved.plan)
         mcore.check_kwargs_fit(resolved.plan, kwargs)
+        if explicit:
+            check_degrees_kept(resolved.plan, kwargs)
 
     request = LaunchRequest.of(world, rank=rank, timeout=Timeout(getattr(margs, "heterogeneous_timeout", None),
                                                                   TIMEOUT_FLAG, "command line"))

@@ -143,7 +143,8 @@ def check_kwargs_fit(plan: Plan, megatron_kwargs: dict) -> None:
 
 def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLike] = None,
                  timeout_s: Optional[float] = None, cluster: Optional[Cluster] = None,
-                 profile: Optional[ProfileSettings] = None, applied: Optional[AppliedPlan] = None) -> AppliedPlan:
+                 profile: Optional[ProfileSettings] = None, applied: Optional[AppliedPlan] = None,
+                 megatron_groups: bool = True) -> AppliedPlan:
     """Create every Megatron-Core group on the (agreed) plan's placement; rank 0 logs the summary once.
     First, under NCCL, the network pre-flight (``cluster``: the Cluster the plan came from, for the nodes'
     NICs; runtime.preflight). A rank that fails or disappears meanwhile stops every rank within ``timeout_s``
@@ -172,8 +173,9 @@ def build_groups(plan: Plan, megatron_kwargs: dict, *, plan_out: Optional[PathLi
             plan.save(plan_out)
             print(f"het_plugin: plan written to {plan_out}", flush=True)
     late_groups.uninstall()   # a plan applied before in this process: its run-long patches would map twice
-    with planned_groups(applied, timeout_s=timeout_s):
-        original_initialize_model_parallel()(**kwargs)
+    if megatron_groups:
+        with planned_groups(applied, timeout_s=timeout_s):
+            original_initialize_model_parallel()(**kwargs)
     late_groups.install(applied)  # groups Megatron makes later (all-gather, HyperCommGrid) follow the plan
     timing.uninstall()            # a plan applied before in this process: its timing ends here
     replicas.install(plan)        # uneven replicas: per-rank counts, weights and samples; even: Megatron's own

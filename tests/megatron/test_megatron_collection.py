@@ -115,3 +115,49 @@ def test_gptmodel_takes_a_collection_and_gets_one(world, plan8):
                                   create_gloo_process_groups=False))
     (planned,) = hcoll.collection_kwargs(GPTModel).values()
     assert members(planned)["pp"] == next(g.ranks for g in plan8.groups["pp"] if 1 in g.ranks)
+
+
+@pytest.mark.parametrize("config", [(4, 2, 1, 1, 1, 1, None, 2), (4, 2, 1, 1, 1, 1, None, 4),
+                                    (4, 2, 2, 1, 1, 2, 1, 2), (2, 4, 1, 2, 2, 1, None, 2)])
+def test_a_homogeneous_plans_collection_under_optimizer_instances_is_megatrons_own(tmp_path, world, config):
+    """num_distributed_optimizer_instances > 1: the partial fields (intra_dp_cp, intra_expt_dp, inter_dist_opt,
+    intra_dist_opt) are cut as Megatron cuts them, member list for member list."""
+    *shape, instances = config
+    plan = homogeneous(tmp_path, *shape)
+    tp, pp, cp, ep, etp = shape[2:]
+    world(plan.world_size - 2, plan.world_size)
+    applied = core.build_groups(plan, dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                           context_parallel_size=cp, expert_model_parallel_size=ep,
+                                           expert_tensor_parallel_size=etp, create_gloo_process_groups=False,
+                                           num_distributed_optimizer_instances=instances))
+    own = members(ProcessGroupCollection.use_mpu_process_groups())
+    assert own["inter_dist_opt"] is not None and len(own["intra_dp_cp"]) < len(own["dp_cp"])
+    fresh = hcoll.planned_collection(applied, from_plan=True)
+    assert members(fresh) == own
+    assert hcoll.run_instances(ps) == instances
+    with pytest.raises(ConfigError, match="does not divide"):
+        hcoll.planned_collection(applied, from_plan=True, num_distributed_optimizer_instances=3)
+
+
+def test_a_heterogeneous_plans_optimizer_instances_each_follow_the_plan(world):
+    """IB + RoCE, launch interleaved (a permutation), tp=2: data parallelism spans the fabrics and the plan shards
+    the optimizer in an instance per fabric; each instance's groups hold the plan's ranks of one fabric."""
+    from megatron_common import DATA, MODEL
+    plan = make_plan(load_cluster(DATA / "megatron-ib-roce-8.yaml"), MODEL, tp=2, pp=1)
+    assert not plan.is_identity and plan.distributed_optimizer_instances == 2
+    world(1, plan.world_size)
+    applied = core.build_groups(plan, dict(tensor_model_parallel_size=2, create_gloo_process_groups=False,
+                                           num_distributed_optimizer_instances=2))
+    fresh = hcoll.planned_collection(applied, from_plan=True)
+    got = members(fresh)
+    assert got == members(ProcessGroupCollection.use_mpu_process_groups())
+    dp_cp = next(g.ranks for g in plan.groups["dp-cp"] if 1 in g.ranks)
+    block = next(b for b in (dp_cp[:2], dp_cp[2:]) if 1 in b)
+    assert got["intra_dp_cp"] == block and got["intra_expt_dp"] == block
+    cluster = lambda ranks: {plan.node_of(r).cluster for r in ranks}     # noqa: E731
+    assert cluster(got["intra_dp_cp"]) == cluster(got["intra_dist_opt"]) == {plan.node_of(1).cluster}
+    assert len(got["intra_dist_opt"]) == 4 and cluster(got["inter_dist_opt"]) == {"ib", "roce"}
+    made = {r.desc: r for r in applied.records if r.desc in ("PLANNED_INTRA_DP_CP", "PLANNED_INTER_DIST_OPT")
+            and 1 in r.ranks}
+    assert made["PLANNED_INTRA_DP_CP"].transport in {"ib", "roce"} and made["PLANNED_INTER_DIST_OPT"].transport == "socket"
+    assert group_check.check_groups(fresh) > 10

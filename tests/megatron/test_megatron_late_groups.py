@@ -103,13 +103,13 @@ def test_megatron_lms_setup_is_checked_and_groups_never_built_by_the_plan_are_re
     training = types.SimpleNamespace(setup_model_and_optimizer=lambda *a, **kw: ("model", "optimizer", "scheduler"),
                                      initialize_megatron=lambda *a, **kw: "initialized")
     group_check.install(training)
-    with pytest.raises(ConfigError) as e:           # pretrain(..., skip_model_parallel_init=True): before any model
-        training.initialize_megatron(extra_args_provider=None, skip_model_parallel_init=True)
-    assert e.value.field == "skip_model_parallel_init"
-    assert training.initialize_megatron(extra_args_provider=None) == "initialized"
-    with pytest.raises(ConfigError) as e:
-        training.setup_model_and_optimizer("model_type", pg_collection=object())
-    assert e.value.field == "skip_model_parallel_init" and "initialize_model_parallel" in e.value.fix
+    try:
+        assert training.initialize_megatron(extra_args_provider=None) == "initialized"
+        with pytest.raises(ConfigError) as e:      # no plan was ever applied (lazy_mpu_init, no start-up ran)
+            training.setup_model_and_optimizer("model_type", pg_collection=object())
+        assert e.value.field == "skip_model_parallel_init" and "initialize_model_parallel" in e.value.fix
+    finally:
+        PATCHES.undo(group_check.LABEL)
 
 
 def test_a_homogeneous_plan_patches_nothing_after_initialisation(tmp_path):
@@ -125,22 +125,3 @@ def test_a_homogeneous_plan_patches_nothing_after_initialisation(tmp_path):
         core.forget_plan()
         ps.destroy_model_parallel()
         dist.destroy_process_group()
-
-
-def test_megatron_lms_own_pretrain_path_refuses_skip_model_parallel_init():
-    """megatron.training (0.19: in the wheel) pretrain calls initialize_megatron(skip_model_parallel_init=...)
-    through its module's name: the refusal sits there, before any group or model."""
-    training = pytest.importorskip("megatron.training.training",
-                                   reason="megatron-core 0.16.1's wheel has no megatron.training")
-    import inspect
-    if "skip_model_parallel_init" not in inspect.signature(training.initialize_megatron).parameters:
-        pytest.skip("this megatron.training (before 0.19) has no skip_model_parallel_init: nothing to refuse")
-    assert "skip_model_parallel_init" in inspect.signature(training.pretrain).parameters
-    group_check.install(training)
-    try:
-        with pytest.raises(ConfigError) as e:
-            training.initialize_megatron(skip_model_parallel_init=True)
-        assert e.value.field == "skip_model_parallel_init"
-    finally:
-        PATCHES.undo(group_check.LABEL)
-    assert not PATCHES.labels(training, "initialize_megatron")

@@ -130,3 +130,54 @@ def test_a_copy_keeps_every_setting_and_shares_nothing():
     assert twin.is_high_priority_stream and vars(twin.config) == vars(mine.config)
     twin.config.net_name = "Socket"
     assert mine.config.net_name == "IB"
+
+
+def test_groups_a_caller_makes_from_a_grids_enumeration_get_the_plans_network(plan8, monkeypatch):
+    """Megatron-LM main's inference shards and MiMo make the embedding groups ([first, last] and [first] of each
+    pipeline list of HyperCommGrid.get_rank_enum) with dist.new_group themselves: under the plan those get the
+    plan's network and member order through the group policy, recorded; a new_group over other members is torch's
+    own. A recording fake of new_group under the run-long patches."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from het_plugin.megatron import late_groups
+    hyper = pytest.importorskip("megatron.core.hyper_comm_grid")
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", types.SimpleNamespace(Options=Options), raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("NCCL_COLLNET_ENABLE", raising=False)     # Megatron's SHARP test above may leave it set
+    made = []
+    original = dist.new_group
+
+    def recording(ranks=None, **kwargs):
+        made.append((list(ranks), dict(kwargs)))
+        kwargs.pop("pg_options", None)            # the stand-in Options are not the fake backend's
+        return original(ranks, **kwargs)
+
+    monkeypatch.setattr(dist, "new_group", recording)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=plan8.world_size)
+    applied = AppliedPlan.start(plan8, 1, "nccl")
+    try:
+        assert late_groups.install(applied)
+        grid = hyper.HyperCommGrid([2, 1, 2, 2], ["tp", "cp", "dp", "pp"])
+        pipelines = grid.get_rank_enum("pp")
+        assert pipelines == [g.ranks for g in plan8.groups["pp"]]
+        for pp in pipelines:
+            made.clear()
+            dist.new_group(ranks=[pp[0], pp[-1]])
+            ((members, kwargs),) = made
+            assert members == [pp[0], pp[-1]], "stage order: the first stage is group rank 0"
+            assert plan8.transport_of(pp) == "socket"
+            assert kwargs["pg_options"].config.net_name == network_of(plan8, pp) == "Socket"
+            dist.new_group(ranks=[pp[0]], pg_options=Options(is_high_priority_stream=True))
+            assert made[-1][1]["pg_options"].is_high_priority_stream, "the caller's options stay"
+        assert sum(r.desc == "HYPER_COMM_GRID_RANKS" for r in applied.records) == 2 * len(pipelines)
+        made.clear()
+        outside = sorted(next(g.ranks for g in plan8.groups["dp"] if 1 in g.ranks))
+        dist.new_group(ranks=outside)
+        assert made == [(outside, {})], "not from the grid's lists: torch's own"
+        before = len(applied.records)
+        grid.create_pg("pp")                       # het_plugin's own creation: through the policy once
+        assert [r.desc for r in applied.records[before:]] == ["HYPER_COMM_GRID"] * len(pipelines)
+    finally:
+        late_groups.uninstall()
+        dist.destroy_process_group()
