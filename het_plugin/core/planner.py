@@ -382,10 +382,12 @@ def _evaluate_split(inputs: SearchInputs, search: _Search, analysis: cost.Analys
     def attempt(lay: list[int], tables, counts: list[int], prune: bool) -> Optional[Candidate]:
         cand = Candidate(None, analysis.placement, list(lay), mb, order_index, dist_opt, counts, groups, spans,
                          analysis.instances)
-        # (with per-layer overrides the tables' bottleneck is not a lower bound: no pruning)
-        if (prune and tables is not None and not split.layers_differ
-                and bottleneck(tables, lay) >= search.bound_for(cand.shape)):
-            return None
+        # (with per-layer overrides the tables' bottleneck is not a lower bound: no pruning; given layers, the
+        # default search's, bounded at those counts only)
+        if prune and not split.layers_differ:
+            cut = search.bound_for(cand.shape)
+            if cut < math.inf and (bottleneck(tables, lay) if tables is not None else split.bottleneck(lay)) >= cut:
+                return None
         pred = split.predict(lay)
         if not pred.fits:
             search.miss(max(m_ - c for m_, c in zip(pred.memory_gib_per_stage, pred.capacity_gib_per_stage)),
@@ -395,6 +397,10 @@ def _evaluate_split(inputs: SearchInputs, search: _Search, analysis: cost.Analys
         return cand
 
     try_uneven = not explicit and replica_split != "even" and groups > 1 and sched[0] == 1
+    tries = (replica_split != "uneven", try_uneven)        # (the even split, an uneven one)
+    if fixed is None and not explicit and sched[0] == 1 and _cannot_win(search, split, analysis,
+                                                                        (mb, order_index, dist_opt), tries):
+        return
     even_layers, tables = partition()
     if even_layers is None:
         search.miss(split.overflow_gib(fixed or uniform_layers(model.num_layers, dims.pp)), f"{label} mb={mb}")
@@ -432,6 +438,25 @@ def _evaluate_split(inputs: SearchInputs, search: _Search, analysis: cost.Analys
     even_s = even.prediction.iteration_s if even is not None else even_bound
     if replica_split == "uneven" or uneven.prediction.iteration_s < even_s * (1 - UNEVEN_MIN_GAIN):
         search.offer(uneven)
+
+
+def _cannot_win(search: _Search, split: cost.SplitCosts, analysis: cost.Analysis, which: tuple,
+                tries: tuple[bool, bool]) -> bool:
+    """Neither the even split's partition nor any uneven replica split's (``tries``: which of them the search
+    tries) can get below
+    what the search would prune them at (``which``: micro-batch size, domain order index, distributed optimizer),
+    shown by :meth:`cost.SplitCosts.partition_floor` before any cost table is built (both candidates have the
+    same shape, so the same cut)."""
+    mb, order_index, dist_opt = which
+    shape = Candidate(None, analysis.placement, [], mb, order_index, dist_opt, [], len(split.replica_groups),
+                      _spans_domains(analysis), analysis.instances).shape
+    cut = search.bound_for(shape)
+    if cut == math.inf:
+        return False
+    floor = split.partition_floor() if tries[0] else math.inf
+    if tries[1]:
+        floor = min(floor, split.partition_floor(uneven=True))
+    return floor >= cut
 
 
 def _search_planned(inputs: SearchInputs, progress: Optional[Progress] = None,

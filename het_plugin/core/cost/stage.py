@@ -366,3 +366,23 @@ def _stage_cost_parts(sts: list[StageModel], num_layers: int, dp: int, overlap: 
         per_rows.append(per)
         exposed_rows.append(exposed)
     return per_rows, exposed_rows
+
+
+def stage_costs_at(sts: list[StageModel], layers_per_stage: Sequence[int], num_micro_batches: int, dp: int,
+                   overlap: bool, distributed_optimizer: bool, profile: Optional[Profile]) -> list[float]:
+    """Each stage's entry of :func:`_stage_costs` at its own layer count only (the same arithmetic): the lower
+    bound of a split whose layers are given (the frameworks' uniform split), without whole tables."""
+    out = []
+    for s, (st, n) in enumerate(zip(sts, layers_per_stage)):
+        recv_side = sts[s - 1].back_s if s > 0 else 0.0
+        if profile is None:
+            red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
+            red = red0 + n * (_dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0)
+        else:
+            red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
+        b = st.fixed_bwd_s + n * st.layer_bwd_s
+        per = st.fixed_fwd_s + n * st.layer_fwd_s + b + 2 * st.slot_s + st.send_s + recv_side
+        d = red - b
+        exposed = (d if d > 0.0 else 0.0) if overlap else red
+        out.append(num_micro_batches * per + exposed)
+    return out
