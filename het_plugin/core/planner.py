@@ -428,6 +428,9 @@ def _evaluate_split(inputs: SearchInputs, search: _Search, analysis: cost.Analys
         if any(n > c for n, c in zip(lay, split.max_layers())):
             return
         tables = split.tables() if tables is not None else None
+    if (tables is not None and not split.layers_differ and bottleneck(tables, lay) >= search.bound_for(
+            Candidate(None, analysis.placement, lay, mb, order_index, dist_opt, counts, groups, spans).shape)):
+        return                                  # pruned as attempt() would, before the O(world) check below
     if replica_split_conflict(dims, counts) is not None:
         return                                  # an expert group would join replicas of different counts: a hang
     uneven = attempt(lay, tables, counts, prune=True)

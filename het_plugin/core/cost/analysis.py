@@ -279,19 +279,13 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
         hops: list[tuple[Tier, int, bool]] = []
         if s + 1 < dims.pp:
             # each distinct (sender node, receiver node, transport) once, in the order of the stage's ranks
-            # (and each distinct hop once, in order: a dict of the frozen tiers, as ``not in`` a list would keep)
-            hops = list(dict.fromkeys(
-                (net.hop(a, b, t), 1 if a == b else nodes[a].num_accelerators, t == Transport.HOST_STAGED)
-                for a, b, t in dict.fromkeys(zip(node_of_logical[base:base + S],
-                                                 node_of_logical[base + S:base + 2 * S], pp_transport))))
+            hops = _distinct_hops(net, zip(node_of_logical[base:base + S], node_of_logical[base + S:base + 2 * S],
+                                           pp_transport))
         stages.append(StageInfo(accs, capacity, tp_tier, tuple(paths), tuple(hops), tuple(cp_hops)))
     wrap: list[tuple[Tier, int, bool]] = []      # the interleaved schedule's hop from the last stage to the first
     if dims.pp > 1:
         last_base = (dims.pp - 1) * S
-        wrap = list(dict.fromkeys(
-            (net.hop(a, b, t), 1 if a == b else nodes[a].num_accelerators, t == Transport.HOST_STAGED)
-            for a, b, t in dict.fromkeys(zip(node_of_logical[last_base:last_base + S], node_of_logical[:S],
-                                             pp_transport))))
+        wrap = _distinct_hops(net, zip(node_of_logical[last_base:last_base + S], node_of_logical[:S], pp_transport))
     emb_paths: list[CollectivePath] = []
     if dims.pp > 1:
         last = (dims.pp - 1) * S
@@ -301,9 +295,22 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
             if path not in emb_paths:
                 emb_paths.append(path)
     out = Analysis(placement, stages, tuple(emb_paths), transports, tuple(node_of_logical),
-                   node_runs=_node_runs(node_of_logical), wrap_hops=tuple(wrap),
+                   wrap_hops=tuple(wrap),      # (node_runs: worked out where the expert groups need them)
                    replica_classes=replica_classes(cluster, node_of_logical, dims))
     return analyze_experts(cluster, out, dims, net)
+
+
+def _distinct_hops(net: Network, pairs) -> list[tuple[Tier, int, bool]]:
+    """(tier, ranks of the sending node sending at once, host-staged) of each distinct hop of ``pairs`` (sending
+    node, receiving node, transport), in the order of their first pair: each distinct pair once, then each hop once
+    (the network keeps one object per distinct tier, so identity tells them apart; a list's ``not in`` keeps the
+    same ones)."""
+    nodes = net.cluster.nodes
+    out: dict = {}
+    for a, b, t in dict.fromkeys(pairs):
+        tier, share, staged = net.hop(a, b, t), 1 if a == b else nodes[a].num_accelerators, t == Transport.HOST_STAGED
+        out.setdefault((id(tier), share, staged), (tier, share, staged))
+    return list(out.values())
 
 
 def replica_classes(cluster: Cluster, node_of_logical: Sequence[int], dims: ParallelDims) -> tuple[ReplicaClass, ...]:
