@@ -215,12 +215,12 @@ class SplitCosts:
         self.dp = dims.dp
         self.num_micro_batches = model.global_batch_size // (dims.dp * micro_batch_size)
         #: per stage: its times per micro-batch and bytes per rank, linear in its layer count
-        # the same for both optimizer settings: kept on the analysis per micro-batch size (as the classes' below)
-        own = analysis.__dict__.setdefault("_stage_models", {})
-        key = (micro_batch_size, self.num_micro_batches, id(profile), id(model))
+        # the same for both optimizer settings: kept on the analysis per micro-batch size (without a profile, which
+        # its owner may still change)
+        own = analysis.__dict__.setdefault("_stage_models", {}) if profile is None else {}
+        key = (micro_batch_size, self.num_micro_batches, id(model))
         if key not in own:
-            own[key] = (_stage_models(model, analysis, micro_batch_size, self.num_micro_batches, profile), profile,
-                        model)
+            own[key] = (_stage_models(model, analysis, micro_batch_size, self.num_micro_batches, profile), model)
         self.stages: list[StageModel] = list(own[key][0])
         self.notes = profile_notes(profile, model, {a.name for st in analysis.stages for a in st.accelerators},
                                    micro_batch_size, dims.tp)
