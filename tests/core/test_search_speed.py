@@ -111,3 +111,19 @@ def test_the_partition_floor_saves_cost_tables(monkeypatch):
     assert pruned.hash == full.hash
     assert with_prunes["tables"] * 10 <= counts["tables"] * 7, (with_prunes, counts)
     assert with_prunes["predict"] <= counts["predict"], (with_prunes, counts)
+
+
+@SETTINGS
+@given(clusters())
+def test_the_even_tables_are_their_parts_combined(cluster):
+    from het_plugin.core.cost.stage import _stage_cost_parts, _stage_costs
+    checked = 0
+    for dims, split in _splits(cluster, MODEL):
+        for overlap in (True, False):
+            args = (split.stages, MODEL.num_layers)
+            per, exposed = _stage_cost_parts(*args, split.dp, overlap, split.distributed_optimizer, None)
+            combined = [[split.num_micro_batches * a + e for a, e in zip(p, x)] for p, x in zip(per, exposed)]
+            assert _stage_costs(*args, split.num_micro_batches, split.dp, overlap, split.distributed_optimizer,
+                                None) == combined
+            checked += 1
+    assert checked
