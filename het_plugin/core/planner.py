@@ -223,6 +223,9 @@ class _Search:
     #: candidate whose lower bound reaches it is pruned, and ``hit`` stops the search at the first one below.
     cutoff: Optional[float] = None
     hit: bool = False
+    #: Some candidate was pruned whose layers fit the stages' memory caps (so it fits: the caps and the
+    #: prediction compare the same bytes, scaled by a power of two): the search has a plan, pruned or not.
+    fits_pruned: bool = False
 
     def bound(self) -> float:
         return self.best[-1].prediction.iteration_s if len(self.best) >= self.keep else math.inf
@@ -387,6 +390,7 @@ def _evaluate_split(inputs: SearchInputs, search: _Search, analysis: cost.Analys
         if prune and not split.layers_differ:
             cut = search.bound_for(cand.shape)
             if cut < math.inf and (bottleneck(tables, lay) if tables is not None else split.bottleneck(lay)) >= cut:
+                search.fits_pruned = True       # (``lay`` is within the caps: partition() made or checked it)
                 return None
         pred = split.predict(lay)
         if not pred.fits:
@@ -607,15 +611,18 @@ def could_beat(cluster: Cluster, model: ModelSpec, cutoff: float, *, near: Optio
     Exact, not a heuristic: make_plan's plan is its search's best or, where the frameworks' default predicts
     faster, that default re-predicted on the plan's transports; every search candidate below the cut-off has its
     lower bound below it and is evaluated here, and the default's best (searched in full, as make_plan does) is
-    re-predicted here too. A homogeneous cluster (its plan is the default search's) is not screened. ``near``:
+    re-predicted here too. A homogeneous cluster's plan is the default search's: that search is screened
+    (:func:`_default_could_beat`). ``near``:
     (tp, pp) of the best plan so far, whose neighbours are searched first (the answer does not depend on the
     order; a subset that may win usually shows it there)."""
-    if cluster.is_homogeneous or not options.keys() <= SCREEN_OPTIONS or not math.isfinite(cutoff):
+    if not options.keys() <= SCREEN_OPTIONS or not math.isfinite(cutoff):
         return True
     try:
         inputs = _search_inputs(cluster, model, {**_KEYWORDS, **options}, options.get("profile"))
     except ConfigError:
         return False                                # make_plan raises the same
+    if cluster.is_homogeneous:
+        return _default_could_beat(inputs, cutoff)
     if near is not None:        # (a stable sort on tp and pp keeps each dense degree combination's options together)
         inputs = replace(inputs, options=sorted(inputs.options,
                                                 key=lambda d: (abs(d.tp - near[0]) + abs(d.pp - near[1]))))
@@ -631,14 +638,31 @@ def could_beat(cluster: Cluster, model: ModelSpec, cutoff: float, *, near: Optio
     return _own_prediction(inputs, stock).iteration_s < cutoff
 
 
-def _search_default(inputs: SearchInputs, dist_opt: bool, progress: Optional[Progress] = None) -> _Search:
+def _default_could_beat(inputs: SearchInputs, cutoff: float) -> bool:
+    """:func:`could_beat` on a homogeneous cluster, whose plan is the default search's best with Megatron's own
+    optimizer or, where nothing fits without it, with the distributed optimizer: each search with the cut-off in
+    that order. A search with a fitting candidate and none below the cut-off (a pruned one's lower bound reaches
+    it) ends it: make_plan's plan is that search's best or an earlier one's, both at or above the cut-off. Where
+    neither finds a fitting candidate, make_plan decides (True)."""
+    for dist_opt in (False, True):
+        found = _search_default(replace(inputs, transport_fn=cluster_transport, instances=False), dist_opt,
+                                cutoff=cutoff)
+        if found.hit:
+            return True
+        if found.best or found.fits_pruned:
+            return False
+    return True
+
+
+def _search_default(inputs: SearchInputs, dist_opt: bool, progress: Optional[Progress] = None,
+                    cutoff: Optional[float] = None) -> _Search:
     """The frameworks' default: identity placement, uniform layers (pp must divide the layers, as
     Megatron-Core requires without a layout, unless the user fixed such a pp), ``inputs.transport_fn``;
     ``inputs.instances`` (with ``dist_opt``): also Megatron's partial distributed optimizer where data parallelism
-    spans fabrics (today's stock stack)."""
+    spans fabrics (today's stock stack). ``cutoff``: a screen (see :attr:`_Search.cutoff`)."""
     cluster, model, options, transport_fn = inputs.cluster, inputs.model, inputs.options, inputs.transport_fn
     fixed_pp, sched = inputs.fixed_pp, inputs.sched
-    found = _Search(keep=NUM_ALTERNATIVES + 1)
+    found = _Search(keep=NUM_ALTERNATIVES + 1, cutoff=cutoff)
     net = cost.Network(cluster, transport_fn)
     dense: Optional[cost.Analysis] = None
     for i, dims in enumerate(options):
@@ -660,6 +684,8 @@ def _search_default(inputs: SearchInputs, dist_opt: bool, progress: Optional[Pro
             layers = None if uneven else uniform_layers(model.num_layers, dims.pp)
             for an in variants:
                 _evaluate_split(inputs, found, an, dims, mb, layers, 0, dist_opt)
+                if found.hit:
+                    return found
         if progress is not None:
             progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found
