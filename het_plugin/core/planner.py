@@ -223,6 +223,9 @@ class _Search:
     #: candidate whose lower bound reaches it is pruned, and ``hit`` stops the search at the first one below.
     cutoff: Optional[float] = None
     hit: bool = False
+    #: Some candidate was pruned whose layers fit the stages' memory caps (so it fits: the caps and the
+    #: prediction compare the same bytes, scaled by a power of two): the search has a plan, pruned or not.
+    fits_pruned: bool = False
 
     def bound(self) -> float:
         return self.best[-1].prediction.iteration_s if len(self.best) >= self.keep else math.inf
@@ -382,10 +385,13 @@ def _evaluate_split(inputs: SearchInputs, search: _Search, analysis: cost.Analys
     def attempt(lay: list[int], tables, counts: list[int], prune: bool) -> Optional[Candidate]:
         cand = Candidate(None, analysis.placement, list(lay), mb, order_index, dist_opt, counts, groups, spans,
                          analysis.instances)
-        # (with per-layer overrides the tables' bottleneck is not a lower bound: no pruning)
-        if (prune and tables is not None and not split.layers_differ
-                and bottleneck(tables, lay) >= search.bound_for(cand.shape)):
-            return None
+        # (with per-layer overrides the tables' bottleneck is not a lower bound: no pruning; given layers, the
+        # default search's, bounded at those counts only)
+        if prune and not split.layers_differ:
+            cut = search.bound_for(cand.shape)
+            if cut < math.inf and (bottleneck(tables, lay) if tables is not None else split.bottleneck(lay)) >= cut:
+                search.fits_pruned = True       # (``lay`` is within the caps: partition() made or checked it)
+                return None
         pred = split.predict(lay)
         if not pred.fits:
             search.miss(max(m_ - c for m_, c in zip(pred.memory_gib_per_stage, pred.capacity_gib_per_stage)),
@@ -395,6 +401,10 @@ def _evaluate_split(inputs: SearchInputs, search: _Search, analysis: cost.Analys
         return cand
 
     try_uneven = not explicit and replica_split != "even" and groups > 1 and sched[0] == 1
+    tries = (replica_split != "uneven", try_uneven)        # (the even split, an uneven one)
+    if fixed is None and not explicit and sched[0] == 1 and _cannot_win(search, split, analysis,
+                                                                        (mb, order_index, dist_opt), tries):
+        return
     even_layers, tables = partition()
     if even_layers is None:
         search.miss(split.overflow_gib(fixed or uniform_layers(model.num_layers, dims.pp)), f"{label} mb={mb}")
@@ -422,6 +432,9 @@ def _evaluate_split(inputs: SearchInputs, search: _Search, analysis: cost.Analys
         if any(n > c for n, c in zip(lay, split.max_layers())):
             return
         tables = split.tables() if tables is not None else None
+    if (tables is not None and not split.layers_differ and bottleneck(tables, lay) >= search.bound_for(
+            Candidate(None, analysis.placement, lay, mb, order_index, dist_opt, counts, groups, spans).shape)):
+        return                                  # pruned as attempt() would, before the O(world) check below
     if replica_split_conflict(dims, counts) is not None:
         return                                  # an expert group would join replicas of different counts: a hang
     uneven = attempt(lay, tables, counts, prune=True)
@@ -432,6 +445,25 @@ def _evaluate_split(inputs: SearchInputs, search: _Search, analysis: cost.Analys
     even_s = even.prediction.iteration_s if even is not None else even_bound
     if replica_split == "uneven" or uneven.prediction.iteration_s < even_s * (1 - UNEVEN_MIN_GAIN):
         search.offer(uneven)
+
+
+def _cannot_win(search: _Search, split: cost.SplitCosts, analysis: cost.Analysis, which: tuple,
+                tries: tuple[bool, bool]) -> bool:
+    """Neither the even split's partition nor any uneven replica split's (``tries``: which of them the search
+    tries) can get below
+    what the search would prune them at (``which``: micro-batch size, domain order index, distributed optimizer),
+    shown by :meth:`cost.SplitCosts.partition_floor` before any cost table is built (both candidates have the
+    same shape, so the same cut)."""
+    mb, order_index, dist_opt = which
+    shape = Candidate(None, analysis.placement, [], mb, order_index, dist_opt, [], len(split.replica_groups),
+                      _spans_domains(analysis), analysis.instances).shape
+    cut = search.bound_for(shape)
+    if cut == math.inf:
+        return False
+    floor = split.partition_floor() if tries[0] else math.inf
+    if tries[1]:
+        floor = min(floor, split.partition_floor(uneven=True))
+    return floor >= cut
 
 
 def _search_planned(inputs: SearchInputs, progress: Optional[Progress] = None,
@@ -579,15 +611,18 @@ def could_beat(cluster: Cluster, model: ModelSpec, cutoff: float, *, near: Optio
     Exact, not a heuristic: make_plan's plan is its search's best or, where the frameworks' default predicts
     faster, that default re-predicted on the plan's transports; every search candidate below the cut-off has its
     lower bound below it and is evaluated here, and the default's best (searched in full, as make_plan does) is
-    re-predicted here too. A homogeneous cluster (its plan is the default search's) is not screened. ``near``:
+    re-predicted here too. A homogeneous cluster's plan is the default search's: that search is screened
+    (:func:`_default_could_beat`). ``near``:
     (tp, pp) of the best plan so far, whose neighbours are searched first (the answer does not depend on the
     order; a subset that may win usually shows it there)."""
-    if cluster.is_homogeneous or not options.keys() <= SCREEN_OPTIONS or not math.isfinite(cutoff):
+    if not options.keys() <= SCREEN_OPTIONS or not math.isfinite(cutoff):
         return True
     try:
         inputs = _search_inputs(cluster, model, {**_KEYWORDS, **options}, options.get("profile"))
     except ConfigError:
         return False                                # make_plan raises the same
+    if cluster.is_homogeneous:
+        return _default_could_beat(inputs, cutoff)
     if near is not None:        # (a stable sort on tp and pp keeps each dense degree combination's options together)
         inputs = replace(inputs, options=sorted(inputs.options,
                                                 key=lambda d: (abs(d.tp - near[0]) + abs(d.pp - near[1]))))
@@ -603,14 +638,31 @@ def could_beat(cluster: Cluster, model: ModelSpec, cutoff: float, *, near: Optio
     return _own_prediction(inputs, stock).iteration_s < cutoff
 
 
-def _search_default(inputs: SearchInputs, dist_opt: bool, progress: Optional[Progress] = None) -> _Search:
+def _default_could_beat(inputs: SearchInputs, cutoff: float) -> bool:
+    """:func:`could_beat` on a homogeneous cluster, whose plan is the default search's best with Megatron's own
+    optimizer or, where nothing fits without it, with the distributed optimizer: each search with the cut-off in
+    that order. A search with a fitting candidate and none below the cut-off (a pruned one's lower bound reaches
+    it) ends it: make_plan's plan is that search's best or an earlier one's, both at or above the cut-off. Where
+    neither finds a fitting candidate, make_plan decides (True)."""
+    for dist_opt in (False, True):
+        found = _search_default(replace(inputs, transport_fn=cluster_transport, instances=False), dist_opt,
+                                cutoff=cutoff)
+        if found.hit:
+            return True
+        if found.best or found.fits_pruned:
+            return False
+    return True
+
+
+def _search_default(inputs: SearchInputs, dist_opt: bool, progress: Optional[Progress] = None,
+                    cutoff: Optional[float] = None) -> _Search:
     """The frameworks' default: identity placement, uniform layers (pp must divide the layers, as
     Megatron-Core requires without a layout, unless the user fixed such a pp), ``inputs.transport_fn``;
     ``inputs.instances`` (with ``dist_opt``): also Megatron's partial distributed optimizer where data parallelism
-    spans fabrics (today's stock stack)."""
+    spans fabrics (today's stock stack). ``cutoff``: a screen (see :attr:`_Search.cutoff`)."""
     cluster, model, options, transport_fn = inputs.cluster, inputs.model, inputs.options, inputs.transport_fn
     fixed_pp, sched = inputs.fixed_pp, inputs.sched
-    found = _Search(keep=NUM_ALTERNATIVES + 1)
+    found = _Search(keep=NUM_ALTERNATIVES + 1, cutoff=cutoff)
     net = cost.Network(cluster, transport_fn)
     dense: Optional[cost.Analysis] = None
     for i, dims in enumerate(options):
@@ -632,6 +684,8 @@ def _search_default(inputs: SearchInputs, dist_opt: bool, progress: Optional[Pro
             layers = None if uneven else uniform_layers(model.num_layers, dims.pp)
             for an in variants:
                 _evaluate_split(inputs, found, an, dims, mb, layers, 0, dist_opt)
+                if found.hit:
+                    return found
         if progress is not None:
             progress(i + 1, len(options), found.best[0].prediction.iteration_s if found.best else None)
     return found

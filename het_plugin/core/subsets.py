@@ -7,7 +7,7 @@ cluster) and returns the best plan over the subsets it tried; the plan is then f
 (``Plan.nodes``, ``world_size``) and ``Plan.left_out`` says which nodes it leaves out, why, and the best plan
 with every node. A subset is searched only where its compute floor (every device busy, no bubble, no
 communication: a lower bound of any prediction without a measured profile) beats the best plan found so far, so
-a group too slow to shorten the iteration is dropped without a search. A subset of several device types whose
+a group too slow to shorten the iteration is dropped without a search. A subset (of one device type too) whose
 floor beats it is first screened with the best plan as a cut-off (:func:`planner.could_beat`) and planned only
 where it may win.
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from itertools import groupby
+from itertools import chain, compress, groupby
+from operator import ne
 from typing import Optional, Sequence
 
 from ..inputs.catalog import Accelerator
@@ -84,9 +85,7 @@ class Analysis:
 
 def _collective_path(net: Network, members_nodes: Sequence[int]) -> tuple[CollectivePath, str]:
     """The hierarchical ring of a group whose members sit on ``members_nodes`` (one entry per member)."""
-    per_node: dict[int, int] = {}
-    for n in members_nodes:
-        per_node[n] = per_node.get(n, 0) + 1
+    per_node: dict[int, int] = dict(Counter(members_nodes))     # (first appearance order, as a loop would)
     # a pure function of the members per node (in order of appearance) on this network: shared by every analysis
     # of a search (the same groups recur across degrees and domain orders)
     key = tuple(per_node.items())
@@ -194,9 +193,7 @@ def _alltoall(net: Network, members_nodes: Sequence[int]) -> tuple[AllToAll, str
     nodes = net.cluster.nodes
     size = len(members_nodes)
     t = net.nodes_transport(frozenset(members_nodes))
-    per_node: dict[int, int] = {}
-    for n in members_nodes:
-        per_node[n] = per_node.get(n, 0) + 1
+    per_node: dict[int, int] = dict(Counter(members_nodes))     # (first appearance order, as a loop would)
     per_cluster: dict[str, int] = {}
     for n, k in per_node.items():
         per_cluster[nodes[n].cluster] = per_cluster.get(nodes[n].cluster, 0) + k
@@ -227,7 +224,7 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
     net = network if network is not None and network.fn is transport_fn else Network(cluster, transport_fn)
     dims = placement.dims
     rank_node = cluster.rank_node
-    node_of_logical = [rank_node[r] for r in placement.rank_of_canonical]
+    node_of_logical = list(map(rank_node.__getitem__, placement.rank_of_canonical))
     nodes = cluster.nodes
     path_cache: dict[frozenset, CollectivePath] = {}
 
@@ -281,27 +278,14 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
                         cp_hops.append(hop)
         hops: list[tuple[Tier, int, bool]] = []
         if s + 1 < dims.pp:
-            seen: set = set()
-            for i in range(S):
-                a, b, t = node_of_logical[base + i], node_of_logical[base + S + i], pp_transport[i]
-                if (a, b, t) in seen:
-                    continue
-                seen.add((a, b, t))
-                share = 1 if a == b else nodes[a].num_accelerators
-                hop = (net.hop(a, b, t), share, t == Transport.HOST_STAGED)
-                if hop not in hops:
-                    hops.append(hop)
+            # each distinct (sender node, receiver node, transport) once, in the order of the stage's ranks
+            hops = _distinct_hops(net, zip(node_of_logical[base:base + S], node_of_logical[base + S:base + 2 * S],
+                                           pp_transport))
         stages.append(StageInfo(accs, capacity, tp_tier, tuple(paths), tuple(hops), tuple(cp_hops)))
     wrap: list[tuple[Tier, int, bool]] = []      # the interleaved schedule's hop from the last stage to the first
     if dims.pp > 1:
-        last_base, seen_wrap = (dims.pp - 1) * S, set()
-        for i in range(S):
-            a, b, t = node_of_logical[last_base + i], node_of_logical[i], pp_transport[i]
-            if (a, b, t) not in seen_wrap:
-                seen_wrap.add((a, b, t))
-                hop = (net.hop(a, b, t), 1 if a == b else nodes[a].num_accelerators, t == Transport.HOST_STAGED)
-                if hop not in wrap:
-                    wrap.append(hop)
+        last_base = (dims.pp - 1) * S
+        wrap = _distinct_hops(net, zip(node_of_logical[last_base:last_base + S], node_of_logical[:S], pp_transport))
     emb_paths: list[CollectivePath] = []
     if dims.pp > 1:
         last = (dims.pp - 1) * S
@@ -311,9 +295,22 @@ def analyze(cluster: Cluster, placement: Placement, transport_fn: TransportFn = 
             if path not in emb_paths:
                 emb_paths.append(path)
     out = Analysis(placement, stages, tuple(emb_paths), transports, tuple(node_of_logical),
-                   node_runs=_node_runs(node_of_logical), wrap_hops=tuple(wrap),
+                   wrap_hops=tuple(wrap),      # (node_runs: worked out where the expert groups need them)
                    replica_classes=replica_classes(cluster, node_of_logical, dims))
     return analyze_experts(cluster, out, dims, net)
+
+
+def _distinct_hops(net: Network, pairs) -> list[tuple[Tier, int, bool]]:
+    """(tier, ranks of the sending node sending at once, host-staged) of each distinct hop of ``pairs`` (sending
+    node, receiving node, transport), in the order of their first pair: each distinct pair once, then each hop once
+    (the network keeps one object per distinct tier, so identity tells them apart; a list's ``not in`` keeps the
+    same ones)."""
+    nodes = net.cluster.nodes
+    out: dict = {}
+    for a, b, t in dict.fromkeys(pairs):
+        tier, share, staged = net.hop(a, b, t), 1 if a == b else nodes[a].num_accelerators, t == Transport.HOST_STAGED
+        out.setdefault((id(tier), share, staged), (tier, share, staged))
+    return list(out.values())
 
 
 def replica_classes(cluster: Cluster, node_of_logical: Sequence[int], dims: ParallelDims) -> tuple[ReplicaClass, ...]:
@@ -408,12 +405,8 @@ def _stage_shapes(net: Network, analysis: Analysis, S: int) -> list[tuple]:
 
 def _node_runs(node_of_logical: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """(first logical rank, node) of each run of consecutive logical ranks on one node."""
-    out, prev = [], None
-    for i, n in enumerate(node_of_logical):
-        if n != prev:
-            out.append((i, n))
-            prev = n
-    return tuple(out)
+    # (where a rank's node differs from the one before it; C loops over the O(world size) list)
+    return tuple(compress(enumerate(node_of_logical), map(ne, chain((None,), node_of_logical), node_of_logical)))
 
 
 def _node_classes(net: Network) -> list[tuple]:

@@ -47,16 +47,22 @@ def with_instances(cluster: Cluster, analysis: Analysis, instances: int, net: Op
     for s, st in enumerate(analysis.stages):
         base = s * S
         inside, across = [], []
+        # (the paths are shared objects of the network's cache: one already kept is skipped by identity, and only
+        # a new object is compared field by field with the kept ones)
+        kept: tuple[set, set] = (set(), set())
         for j in range(dims.tp):
             members = node_of_logical[base + j:base + S:dims.tp]
             blocks, crossing = instance_blocks(members, instances)
-            for target, groups in ((inside, blocks), (across, crossing)):
+            for target, groups, ids in ((inside, blocks, kept[0]), (across, crossing, kept[1])):
                 for g in groups:
                     key = tuple(g)
                     if key not in cache:
                         cache[key] = _collective_path(net, g)[0] if len(g) > 1 else None
                     path = cache[key]
-                    if path is not None and path not in target:
+                    if path is None or id(path) in ids:
+                        continue
+                    ids.add(id(path))
+                    if path not in target:
                         target.append(path)
         stages.append(replace(st, instance_paths=tuple(inside), cross_instance_paths=tuple(across)))
     return replace(analysis, stages=stages, instances=instances)

@@ -227,6 +227,7 @@ class Network:
         self.node_key = [(n.cluster, n.vendor) for n in cluster.nodes]
         self._transport: dict = {}
         self._hop: dict = {}
+        self._tiers: dict = {}
         self.paths: dict = {}       # analysis._collective_path's results by members per node
 
     def link(self, a: Node, b: Node) -> Link:
@@ -264,7 +265,9 @@ class Network:
         if tier is None:
             na, nb = self.cluster.nodes[a], self.cluster.nodes[b]
             tier = hop_tier(self.cluster, na, nb, transport, self.link(na, nb))
-            self._hop[key] = tier
+            # one object per distinct tier (equal tiers are interchangeable: frozen), so that callers may tell
+            # tiers apart by identity (analysis: the pipeline hops of O(world size) rank pairs)
+            tier = self._hop[key] = self._tiers.setdefault(tier, tier)
         return tier
 
 

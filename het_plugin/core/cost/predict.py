@@ -20,7 +20,7 @@ from .fixed_costs import iteration_overhead_s, with_slots
 from .pipeline import _interleaved_pipeline, simulate_1f1b, wrap_send_s
 from .stage import (
     StageModel, _dp_reduce_s, _max_layers_fitting, _memory_bytes, _optimizer_s, _stage_cost_parts, _stage_costs,
-    _stage_models, exposed_reduction_s,
+    _stage_models, exposed_reduction_s, stage_costs_at,
 )
 from ..layer_split import virtual_split
 from .interleaved import check_micro_batches, warmup_count
@@ -215,8 +215,13 @@ class SplitCosts:
         self.dp = dims.dp
         self.num_micro_batches = model.global_batch_size // (dims.dp * micro_batch_size)
         #: per stage: its times per micro-batch and bytes per rank, linear in its layer count
-        self.stages: list[StageModel] = _stage_models(model, analysis, micro_batch_size, self.num_micro_batches,
-                                                      profile)
+        # the same for both optimizer settings: kept on the analysis per micro-batch size (without a profile, which
+        # its owner may still change)
+        own = analysis.__dict__.setdefault("_stage_models", {}) if profile is None else {}
+        key = (micro_batch_size, self.num_micro_batches, id(model))
+        if key not in own:
+            own[key] = (_stage_models(model, analysis, micro_batch_size, self.num_micro_batches, profile), model)
+        self.stages: list[StageModel] = list(own[key][0])
         self.notes = profile_notes(profile, model, {a.name for st in analysis.stages for a in st.accelerators},
                                    micro_batch_size, dims.tp)
         self.vpp = vpp
@@ -319,6 +324,36 @@ class SplitCosts:
             rows = t if rows is None else [[max(a, b) for a, b in zip(r, q)] for r, q in zip(rows, t)]
         return rows
 
+    def partition_floor(self, uneven: bool = False) -> float:
+        """A lower bound of the exact partition's bottleneck (1F1B tables), without building the tables: a stage's
+        cost with n layers is at least m * (a + n * b) (compute, slots and sends per micro-batch; the exposed
+        reduction is >= 0), so the best split's bottleneck v has n_s <= (v / m - a_s) / b_s, summing to the layers
+        (:func:`_floor_per_micro_batch`). ``uneven``: for any replica counts (:meth:`balance`'s): group g's
+        largest count m_g times its own floor f_g, with sum(|g| m_g) >= dp * m, is at least dp * m / sum(|g| /
+        f_g). Slightly lowered (1e-9) for the rounding of the tables' sums. 0.0 where it does not apply
+        (interleaved, given counts, per-layer overrides)."""
+        if self.vpp > 1 or self.counts or self.layers_differ:
+            return 0.0
+        num_layers, m = self.model.num_layers, self.num_micro_batches
+        if not uneven:
+            return m * _floor_per_micro_batch(self.stages, num_layers) * (1.0 - 1e-9)
+        inverse = 0.0
+        for reps, sts in self.replica_groups:
+            f = _floor_per_micro_batch(sts, num_layers)
+            if f <= 0.0:
+                return 0.0
+            inverse += len(reps) / f
+        return self.dp * m / inverse * (1.0 - 1e-9)
+
+    def bottleneck(self, layers_per_stage: Sequence[int]) -> float:
+        """``layer_split.bottleneck(self.tables(), layers_per_stage)``, the split's lower bound, computed for those
+        layer counts only where the tables are the even split's 1F1B ones (the default search's fixed splits)."""
+        if self.vpp > 1 or self.counts:
+            tables = self.tables()
+            return max(tables[s][n] for s, n in enumerate(layers_per_stage))
+        return max(stage_costs_at(self.stages, layers_per_stage, self.num_micro_batches, self.dp,
+                                  self.overlap_grad_reduce, self.distributed_optimizer, self.profile))
+
     @property
     def layers_differ(self) -> bool:
         """The profile measures some decoder layers on their own (per-layer overrides)."""
@@ -358,6 +393,19 @@ class SplitCosts:
         pred = _evaluate(self, layers_per_stage, description)
         pred.extrapolated = list(self.notes)          # where its compute lies outside the profile (issue 23)
         return pred
+
+
+def _floor_per_micro_batch(sts: Sequence[StageModel], num_layers: int, min_layers: int = 1) -> float:
+    """The least bottleneck per micro-batch any split of ``num_layers`` (at least ``min_layers`` a stage) can
+    have over stages costing a_s + n * b_s each (continuous, so a lower bound); 0.0 where a layer costs
+    nothing."""
+    fixed = [st.fixed_fwd_s + st.fixed_bwd_s + 2 * st.slot_s + st.send_s + (sts[s - 1].back_s if s else 0.0)
+             for s, st in enumerate(sts)]
+    per_layer = [st.layer_fwd_s + st.layer_bwd_s for st in sts]
+    if min(per_layer) <= 0.0:
+        return 0.0
+    return max(max(a + min_layers * b for a, b in zip(fixed, per_layer)),
+               (num_layers + sum(a / b for a, b in zip(fixed, per_layer))) / sum(1.0 / b for b in per_layer))
 
 
 def _class_analysis(analysis: Analysis, cls: ReplicaClass) -> Analysis:

@@ -339,8 +339,26 @@ def exposed_reduction_s(reduction_s: float, last_backward_s: float, overlap: boo
 def _stage_costs(sts: list[StageModel], num_layers: int, num_micro_batches: int, dp: int, overlap: bool,
                  distributed_optimizer: bool, profile: Optional[Profile]) -> list[list[float]]:
     """Cost tables for the exact partition: one stage's busy time in an iteration with n layers."""
-    per_rows, exposed_rows = _stage_cost_parts(sts, num_layers, dp, overlap, distributed_optimizer, profile)
-    return [[num_micro_batches * a + e for a, e in zip(per, exposed)] for per, exposed in zip(per_rows, exposed_rows)]
+    if profile is not None:
+        per_rows, exposed_rows = _stage_cost_parts(sts, num_layers, dp, overlap, distributed_optimizer, profile)
+        return [[num_micro_batches * a + e for a, e in zip(per, exposed)]
+                for per, exposed in zip(per_rows, exposed_rows)]
+    # Analytic: :func:`_stage_cost_parts`'s arithmetic, step for step, in one pass per stage (the planner's hottest
+    # loop: a table per stage for every candidate)
+    m, ns, out = num_micro_batches, range(num_layers + 1), []
+    for s, st in enumerate(sts):
+        recv_side = sts[s - 1].back_s if s > 0 else 0.0
+        red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
+        red_step = _dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0
+        ff, lf, fb, lb = st.fixed_fwd_s, st.layer_fwd_s, st.fixed_bwd_s, st.layer_bwd_s
+        two_slot, send = 2 * st.slot_s, st.send_s
+        if overlap:
+            out.append([m * (ff + n * lf + (b := fb + n * lb) + two_slot + send + recv_side)
+                        + (d if (d := red0 + n * red_step - b) > 0.0 else 0.0) for n in ns])
+        else:
+            out.append([m * (ff + n * lf + (fb + n * lb) + two_slot + send + recv_side) + (red0 + n * red_step)
+                        for n in ns])
+    return out
 
 
 def _stage_cost_parts(sts: list[StageModel], num_layers: int, dp: int, overlap: bool, distributed_optimizer: bool,
@@ -366,3 +384,23 @@ def _stage_cost_parts(sts: list[StageModel], num_layers: int, dp: int, overlap: 
         per_rows.append(per)
         exposed_rows.append(exposed)
     return per_rows, exposed_rows
+
+
+def stage_costs_at(sts: list[StageModel], layers_per_stage: Sequence[int], num_micro_batches: int, dp: int,
+                   overlap: bool, distributed_optimizer: bool, profile: Optional[Profile]) -> list[float]:
+    """Each stage's entry of :func:`_stage_costs` at its own layer count only (the same arithmetic): the lower
+    bound of a split whose layers are given (the frameworks' uniform split), without whole tables."""
+    out = []
+    for s, (st, n) in enumerate(zip(sts, layers_per_stage)):
+        recv_side = sts[s - 1].back_s if s > 0 else 0.0
+        if profile is None:
+            red0 = _dp_reduce_s(st, 0, dp, distributed_optimizer, None)
+            red = red0 + n * (_dp_reduce_s(st, 1, dp, distributed_optimizer, None) - red0)
+        else:
+            red = _dp_reduce_s(st, n, dp, distributed_optimizer, profile)
+        b = st.fixed_bwd_s + n * st.layer_bwd_s
+        per = st.fixed_fwd_s + n * st.layer_fwd_s + b + 2 * st.slot_s + st.send_s + recv_side
+        d = red - b
+        exposed = (d if d > 0.0 else 0.0) if overlap else red
+        out.append(num_micro_batches * per + exposed)
+    return out

@@ -175,13 +175,18 @@ def place(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[Domain] |
     order = tuple(domain_order) if domain_order is not None else tuple(cluster.domains)
     if sorted(order) != sorted(cluster.domains):
         raise ValueError(f"domain order {order} must list each of {cluster.domains} once")
-    seq: list[int] = []
-    for dom in order:
-        for n in cluster.nodes:
-            if n.domain == dom:
-                first = cluster.node_first_rank[n.index]
-                seq.extend(range(first, first + n.num_accelerators))
-    return Placement(dims, tuple(seq), order)
+    # the dealing depends on the domain order only (not the degrees): worked out once per cluster and order
+    dealt = cluster.__dict__.setdefault("_dealt_in_order", {})
+    seq = dealt.get(order)
+    if seq is None:
+        ranks: list[int] = []
+        for dom in order:
+            for n in cluster.nodes:
+                if n.domain == dom:
+                    first = cluster.node_first_rank[n.index]
+                    ranks.extend(range(first, first + n.num_accelerators))
+        seq = dealt[order] = tuple(ranks)
+    return Placement(dims, seq, order)
 
 
 def place_replicas(cluster: Cluster, dims: ParallelDims, domain_order: Sequence[Domain] | None = None,
