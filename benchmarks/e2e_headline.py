@@ -83,7 +83,8 @@ def stock_lines(stock: dict | None, hetdp: dict | None) -> list[str]:
              (("megatron", "Megatron-Core"), ("deepspeed", "DeepSpeed")) if "iv/s" in fws.get(fw, {}).get("ratios", {})]
     if parts and speed_held(hetdp):
         out.append(f"- **Unequal devices (compute 2:1)**, run {hetdp['started_utc']} ({hetdp['rounds']} rounds, "
-                   "bench_hetdp): het_plugin's plan against the same stock stack at its best degrees, median step "
+                   "bench_hetdp's two clusters of two nodes, 200 Gb/s fabrics, 25 GbE, compute shaped 2:1 by cpu "
+                   "quotas): het_plugin's plan against the same stock stack at its best degrees, median step "
                    "ratio: " + ", ".join(parts) + " (goal 0.75; " + _hetdp_shapes(fws["megatron"]["plans"])
                    + "; docs/benchmark-hetdp.md).")
     else:
