@@ -192,9 +192,23 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
     dense_params_per_layer = ((1 - f_moe) * model.params_per_layer + f_moe * model.moe_layer_params) / tp
     expert_params_per_layer = f_moe * model.expert_params_per_moe_layer / (dims.ep * dims.etp)
     out = []
+    act_bytes = _activation_bytes_per_layer(model, mb, tp, cp)
+    done: dict = {}     # (device, kind, TP tier) -> (fwd, bwd): stages repeat devices and tiers (objects held here)
+
+    def slowest_of(kind: str, info: StageInfo) -> tuple[float, float]:
+        """The stage's slowest device's (forward, backward) for ``kind`` (the same arithmetic, once per device)."""
+        best = None
+        for a in info.accelerators:
+            key = (id(a), kind, id(info.tp_tier))
+            fb = done.get(key)
+            if fb is None:
+                fb = done[key] = _compute_s(a, kind, model, mb, tp, cp, info.tp_tier, profile)
+            if best is None or fb[0] + fb[1] > best[0] + best[1]:
+                best = fb
+        return best
+
     for s, info in enumerate(analysis.stages):
-        layer = max((_compute_s(a, "layer", model, mb, tp, cp, info.tp_tier, profile) for a in info.accelerators),
-                    key=lambda fb: fb[0] + fb[1])
+        layer = slowest_of("layer", info)
         layer, deltas = _layer_deltas(model, info, mb, tp, cp, layer, profile)
         a2a = etp_comm = 0.0
         if f_moe:
@@ -208,23 +222,20 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
         fixed_mem = 0.0
         in_flight = min(pp - s, num_micro_batches)
         if s == 0:
-            e = max((_compute_s(a, "embedding", model, mb, tp, cp, info.tp_tier, profile)
-                     for a in info.accelerators), key=lambda fb: fb[0] + fb[1])
+            e = slowest_of("embedding", info)
             ff, fb_ = ff + e[0], fb_ + e[1]
             fixed_params += emb_params
             fixed_mem += in_flight * act_msg
         if s == pp - 1:
-            o = max((_compute_s(a, "output", model, mb, tp, cp, info.tp_tier, profile)
-                     for a in info.accelerators), key=lambda fb: fb[0] + fb[1])
+            o = slowest_of("output", info)
             ff, fb_ = ff + o[0], fb_ + o[1]
             if pp > 1 or not model.tie_embeddings:
                 fixed_params += emb_params
             if model.mtp_layers:          # MTP modules run after the decoder on the last stage
-                t = max((_compute_s(a, "mtp", model, mb, tp, cp, info.tp_tier, profile)
-                         for a in info.accelerators), key=lambda fb: fb[0] + fb[1])
+                t = slowest_of("mtp", info)
                 ff, fb_ = ff + t[0], fb_ + t[1]
                 fixed_params += model.mtp_params / tp
-                fixed_mem += model.mtp_layers * _activation_bytes_per_layer(model, mb, tp, cp)
+                fixed_mem += model.mtp_layers * act_bytes
                 fixed_mem += model.mtp_layers * mb * model.seq_length * model.vocab_size * LOGITS_BYTES / (tp * cp)
             fixed_mem += mb * model.seq_length * model.vocab_size * LOGITS_BYTES / (tp * cp)
         send = _hops_s(info.hop_next, act_msg, profile)
@@ -233,7 +244,7 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
             back = _hops_s([(tier.flipped(), share, staged) for tier, share, staged in info.hop_next], act_msg, profile)
         expert = info.expert
         out.append(StageModel(layer[0], layer[1], ff, fb_, send, dense_params_per_layer, fixed_params,
-                              _activation_bytes_per_layer(model, mb, tp, cp), fixed_mem, in_flight,
+                              act_bytes, fixed_mem, in_flight,
                               info.capacity_gib, info.dp_paths, expert_params_per_layer,
                               expert.dp_paths if expert is not None else None, dims.expert_dp, cp,
                               f_moe * a2a, ring[0] + ring[1], layer_deltas=deltas,
