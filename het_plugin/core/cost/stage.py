@@ -193,13 +193,13 @@ def _stage_models(model: ModelSpec, analysis: Analysis, mb: int, num_micro_batch
     expert_params_per_layer = f_moe * model.expert_params_per_moe_layer / (dims.ep * dims.etp)
     out = []
     act_bytes = _activation_bytes_per_layer(model, mb, tp, cp)
-    done: dict = {}     # (device, kind, TP tier) -> (fwd, bwd): stages repeat devices and tiers (objects held here)
+    done: dict = {}     # (device, kind, TP tier) -> (fwd, bwd): stages repeat them (frozen values: equal = same)
 
     def slowest_of(kind: str, info: StageInfo) -> tuple[float, float]:
         """The stage's slowest device's (forward, backward) for ``kind`` (the same arithmetic, once per device)."""
         best = None
         for a in info.accelerators:
-            key = (id(a), kind, id(info.tp_tier))
+            key = (a, kind, info.tp_tier)
             fb = done.get(key)
             if fb is None:
                 fb = done[key] = _compute_s(a, kind, model, mb, tp, cp, info.tp_tier, profile)
