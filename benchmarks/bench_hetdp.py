@@ -586,15 +586,18 @@ def run(args) -> dict:
 SPEED_TOLERANCE = 0.25      # every node's measured rate within 25% of its configured speed: the emulation held
 
 
+def speed_misses(out: dict) -> list[str]:
+    """Every node whose measured rate, relative to the fastest, is off its configured speed by more than
+    SPEED_TOLERANCE (before or after training); [] when the emulation held."""
+    want = [c["speed"] for c in out["cpu"]]
+    return [f"{c['node']} {r / max(rates):.2f} {when}" for when, rates in out["compute_rates"].items()
+            for c, w, r in zip(out["cpu"], want, rates) if abs(r / max(rates) - w) > SPEED_TOLERANCE * w]
+
+
 def speed_check(out: dict) -> str:
     """Did every node compute at its configured speed relative to the fastest? (a busy machine can break it:
     docs/emulator.md "Compute speed")"""
-    want = [c["speed"] for c in out["cpu"]]
-    off = []
-    for when, rates in out["compute_rates"].items():
-        for c, w, r in zip(out["cpu"], want, rates):
-            if abs(r / max(rates) - w) > SPEED_TOLERANCE * w:
-                off.append(f"{c['node']} {r / max(rates):.2f} {when}")
+    off = speed_misses(out)
     configured = ", ".join(f"{c['node']} {c['speed']:.2f}" for c in out["cpu"])
     if not off:
         return f"compute speed check: held (every node within {SPEED_TOLERANCE:.0%} of {configured})"

@@ -40,7 +40,7 @@ from . import checkpoints, late_groups, launch_state, mcore
 from .applied_state import current_plan
 from .dist_opt import ARG as INSTANCES, apply_to_ddp_config
 from .args import (DISCOVER, PROFILE_OUT_FLAG, REPLAN_FLAG, TIMEOUT_FLAG, apply_plan_to_args, check_compatible,
-                   degrees_given, launch_profile_settings)
+                   degrees_given, launch_profile_settings, order_of)
 from .group_check import install as install_group_check
 from .launch_state import LaunchState
 from .modelspec import model_from_args
@@ -339,7 +339,7 @@ def kwargs_of_args(margs: Any) -> dict:
               "context_parallel_size": getattr(margs, "context_parallel_size", 1) or 1,
               "expert_model_parallel_size": getattr(margs, "expert_model_parallel_size", 1) or 1,
               "expert_tensor_parallel_size": getattr(margs, "expert_tensor_parallel_size", None),
-              "order": "tp-cp-ep-pp-dp" if getattr(margs, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"}
+              "order": order_of(margs)}
     for key, arg in (("num_distributed_optimizer_instances", "num_distributed_optimizer_instances"),
                      ("gtp_remat_size", "gtp_weight_remat_size"),
                      ("expert_gtp_remat_size", "expert_gtp_weight_remat_size")):

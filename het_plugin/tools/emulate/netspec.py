@@ -67,7 +67,12 @@ class EmuNode:
     fab: Optional[Interface]
     extra: tuple[Interface, ...] = ()     # extra networks joining every node (benchmark references)
     cpu: Optional[CpuShare] = None        # compute speed (a cpu cgroup named like the namespace); None: unshaped
-    routes: tuple[str, ...] = ()          # CIDRs routed on-link over eth0 (other clusters' fabrics, multinet)
+
+    @property
+    def routes(self) -> tuple[str, ...]:
+        """CIDRs routed on-link over eth0: other clusters' fabrics reached over Ethernet (multinet), the
+        destinations its Ethernet classes shape besides their own."""
+        return tuple(d for c in self.eth.classes for d in c.also)
 
     @property
     def cgroup(self) -> str:
@@ -229,6 +234,5 @@ def make_layout(cluster: Cluster, run_id: str, scale: float, extra: tuple[ExtraN
                                   f"198.19.{250 + i}.{node.index + 1}", 24, xk, (ShapedClass(None, xk, x.ifname),)))
         nodes.append(EmuNode(node.index, node.name, node.cluster, node.fabric.type, f"{NS_PREFIX}{run_id}-n{node.index}",
                              node.num_accelerators, cluster.node_first_rank[node.index], eth, fab, tuple(more),
-                             cpu[node.index] if cpu else None,
-                             tuple(d for c in classes for d in c.also)))
+                             cpu[node.index] if cpu else None))
     return Layout(run_id, float(scale), tuple(nodes), tuple(bridges), tuple(dict.fromkeys(notes)))
