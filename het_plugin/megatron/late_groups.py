@@ -156,19 +156,33 @@ def planned_rank_enum(applied: AppliedPlan):
     def make(orig):
         def get_rank_enum(self, *args, **kwargs):
             lists = [[perm[r] for r in ranks] for ranks in orig(self, *args, **kwargs)]
-            given.update(frozenset(ranks) for ranks in lists)
+            for ranks in lists:
+                members = frozenset(ranks)
+                for r in members:
+                    given.setdefault(r, set()).add(members)
             return lists
         return get_rank_enum
     return make
 
 
-def enumerated(applied: AppliedPlan) -> set:
-    """The member sets ``get_rank_enum`` gave out under ``applied`` (kept on it: they end with the plan)."""
-    return applied.__dict__.setdefault("_rank_enum_lists", set())
+def enumerated(applied: AppliedPlan) -> dict:
+    """The member sets ``get_rank_enum`` gave out under ``applied``, by member rank (kept on it: they end with the
+    plan): a ``new_group`` looks up only the lists its first rank is in, not every list (each rank makes every
+    group, so a scan of all lists would be quadratic in the world size)."""
+    return applied.__dict__.setdefault("_rank_enum_lists", {})
 
 
 # new_group's arguments the policy decides (the caller's backend, options and timeout are its inputs)
 POLICY_ARGS = ("backend", "pg_options", "timeout")
+
+
+def _inside_a_list(ranks, given: dict) -> bool:
+    """All of ``ranks`` lie in one list ``get_rank_enum`` gave out (``given``: :func:`enumerated`)."""
+    ranks = list(ranks)
+    if not ranks:                   # (the empty set lies in any list)
+        return bool(given)
+    wanted = set(ranks)
+    return any(wanted <= members for members in given.get(ranks[0], ()))
 
 
 def planned_new_group(applied: AppliedPlan):
@@ -182,7 +196,7 @@ def planned_new_group(applied: AppliedPlan):
     def make(orig):
         def new_group(ranks=None, *args, **kwargs):
             if (args or ranks is None or "sort_ranks" in kwargs or applied.__dict__.get("_own_creation")
-                    or not any(set(ranks) <= members for members in given)):
+                    or not _inside_a_list(ranks, given)):
                 return orig(ranks, *args, **kwargs)
             asked = {k: kwargs.pop(k, None) for k in POLICY_ARGS}
             desc = kwargs.get("group_desc") or "HYPER_COMM_GRID_RANKS"
